@@ -1,0 +1,66 @@
+"""The ``wsi-pipeline`` command line.
+
+Each sub-command lives in :mod:`wsi_pipeline.commands` as a module with
+``register(subparsers)``; this file only dispatches and turns the pipeline's
+own errors into one line on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import warnings
+
+from .errors import WSIPipelineError
+
+# Sub-command modules, in the order ``--help`` lists them.
+COMMANDS = ["info"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="wsi-pipeline",
+        description="Whole-slide image tiling inference.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f".commands.{name}", __package__)
+        module.register(sub)
+    return parser
+
+
+def _format_warning(message, category, filename, lineno, line=None):
+    return f"warning: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _format_warning
+    # The readers report a bad file as one error of their own; the TIFF
+    # library's log lines about the same damage would only repeat it.
+    logging.getLogger("tifffile").setLevel(logging.CRITICAL)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or EXIT_OK)
+    except WSIPipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (OSError, MemoryError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

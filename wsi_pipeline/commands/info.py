@@ -1,0 +1,53 @@
+"""``wsi-pipeline info SLIDE [--json]``: what a slide file holds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..slide import BACKENDS, open_slide
+
+
+def describe(path: str, backend: str = "auto") -> dict:
+    """A JSON-ready description of the slide at ``path``."""
+    with open_slide(path, backend) as slide:
+        return {
+            "path": os.path.abspath(path),
+            "format": slide.vendor,
+            "backend": slide.backend,
+            "dimensions": list(slide.dimensions),
+            "level_count": slide.level_count,
+            "levels": [
+                {"level": i, "width": w, "height": h, "downsample": round(d, 4)}
+                for i, ((w, h), d) in enumerate(zip(slide.level_dimensions, slide.level_downsamples, strict=True))
+            ],
+            "mpp": list(slide.mpp) if slide.mpp else None,
+            "vendor": slide.vendor,
+            "background_rgb": list(slide.background_rgb),
+        }
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("info", help="print a slide's format, size, levels and resolution")
+    p.add_argument("slide", help="slide or image file")
+    p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = describe(args.slide, args.backend)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    w, h = info["dimensions"]
+    mpp = info["mpp"]
+    print(f"{info['path']}")
+    print(f"  format   {info['format']}  (read with {info['backend']})")
+    print(f"  size     {w} x {h} px" + (f"  ({w * mpp[0] / 1000:.2f} x {h * mpp[1] / 1000:.2f} mm)" if mpp else ""))
+    print(f"  mpp      {mpp[0]:.4f} x {mpp[1]:.4f} um/px" if mpp else "  mpp      unknown")
+    print(f"  levels   {info['level_count']}")
+    for lv in info["levels"]:
+        print(f"    {lv['level']}: {lv['width']} x {lv['height']}  downsample {lv['downsample']:g}")
+    return 0

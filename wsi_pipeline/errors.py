@@ -1,0 +1,52 @@
+"""Exceptions raised by wsi-pipeline.
+
+Every error a user can cause carries the file it concerns and what was
+expected against what was found, so that the CLI can print one line and
+exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class WSIPipelineError(Exception):
+    """Base class of every error the pipeline raises on bad input or state."""
+
+
+class SlideError(WSIPipelineError):
+    """A slide cannot be opened or read.
+
+    ``path`` is the slide file, ``reason`` says what is wrong with it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None, reason: str):
+        self.path = os.fspath(path) if path is not None else None
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}" if self.path else reason)
+
+
+class TileReadError(SlideError):
+    """One region of a slide cannot be read or decoded (a corrupt tile)."""
+
+    def __init__(self, path, reason: str, location=None, level=None):
+        self.location = location
+        self.level = level
+        where = ""
+        if location is not None:
+            where = f" at level-0 {tuple(int(v) for v in location)}"
+            if level is not None:
+                where += f", level {level}"
+        super().__init__(path, f"{reason}{where}")
+
+
+class ModelError(WSIPipelineError):
+    """A model file or its card is missing, corrupt or inconsistent."""
+
+
+class ConfigError(WSIPipelineError):
+    """A configuration value or file is invalid."""
+
+
+class BackendUnavailableError(WSIPipelineError):
+    """An inference backend was asked for that this machine cannot run."""

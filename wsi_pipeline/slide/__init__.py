@@ -1,0 +1,120 @@
+"""Slide access: :func:`open_slide` picks a reader backend for a file.
+
+Backends:
+
+- ``tifffile``: tiled TIFF / BigTIFF / OME-TIFF, stored tiles decoded once
+  and cached (the fast path for tile grids);
+- ``openslide``: every format OpenSlide reads (SVS, NDPI, MRXS, SCN, DICOM, ...);
+- ``image``: PNG, JPEG, BMP and untiled TIFF held in memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import SlideError
+from .base import Slide
+from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
+
+BACKENDS = ("auto", "tifffile", "openslide", "image")
+
+# OpenSlide formats that are plain tiled TIFF underneath and that the
+# tifffile reader decodes to the same pixels, only faster.
+_TIFF_COMPATIBLE_VENDORS = {None, "generic-tiff"}
+
+
+def _open_backend(path: str, backend: str) -> Slide:
+    if backend == "image":
+        return ImageSlide(path)
+    if backend == "tifffile":
+        from .tiff_backend import TiffSlide
+
+        return TiffSlide(path)
+    if backend == "openslide":
+        from .openslide_backend import OpenSlideSlide
+
+        return OpenSlideSlide(path)
+    raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def _check_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise SlideError(path, "no such file")
+    if os.path.isdir(path):
+        return  # DICOM series are folders; OpenSlide decides.
+    if not os.access(path, os.R_OK):
+        raise SlideError(path, "file is not readable (permission denied)")
+    if os.path.getsize(path) == 0:
+        raise SlideError(path, "file is empty (0 bytes)")
+
+
+def _is_tiff(path: str) -> bool:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return magic[:2] in (b"II", b"MM") and magic[2:4] in (b"*\x00", b"\x00*", b"+\x00", b"\x00+")
+
+
+def detect_backend(path: str) -> str:
+    """The fastest backend that reads ``path`` ("tifffile", "openslide" or "image")."""
+    _check_file(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext in PLAIN_IMAGE_EXTENSIONS:
+        return "image"
+    vendor: str | None = None
+    try:
+        import openslide
+
+        vendor = openslide.OpenSlide.detect_format(path)
+    except Exception:
+        vendor = None
+    if os.path.isfile(path) and _is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
+        import tifffile
+
+        try:
+            with tifffile.TiffFile(path) as tif:
+                tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
+        except Exception as exc:
+            raise SlideError(path, f"TIFF header is unreadable: {exc}") from exc
+        return "tifffile" if tiled else "image"
+    if vendor is not None:
+        return "openslide"
+    raise SlideError(
+        path,
+        "no reader recognises this file (expected a whole-slide format OpenSlide reads, "
+        "a TIFF, or a PNG/JPEG/BMP image)",
+    )
+
+
+def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
+    """Open a slide file with ``backend`` ("auto" picks the fastest that reads it).
+
+    The result is a context manager; see :class:`Slide` for its API.
+
+    >>> import tempfile, cv2, numpy as np, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "frame.png")
+    >>> _ = cv2.imwrite(p, np.zeros((48, 64, 3), np.uint8))
+    >>> with open_slide(p) as s:
+    ...     s.dimensions, s.level_count, s.backend
+    ((64, 48), 1, 'image')
+    """
+    path = os.fspath(path)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    _check_file(path)
+    if backend == "auto":
+        backend = detect_backend(path)
+    return _open_backend(path, backend)
+
+
+def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:
+    """A :class:`Slide` from a path, an open slide (returned as is) or an RGB array."""
+    if isinstance(source, Slide):
+        return source
+    if isinstance(source, np.ndarray):
+        return ImageSlide.from_array(source)
+    return open_slide(source, backend)
+
+
+__all__ = ["Slide", "ImageSlide", "open_slide", "as_slide", "detect_backend", "BACKENDS"]

@@ -1,0 +1,183 @@
+"""The :class:`Slide` interface every reader backend implements.
+
+Coordinates follow OpenSlide: ``location`` is in level-0 pixels (origin
+top-left, x right, y down); ``size`` is in pixels of the level read. Pixels
+come back as ``HxWx3 uint8`` RGB, C-contiguous, with any area outside the
+slide filled with the slide's background colour.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import warnings
+from collections.abc import Mapping
+
+import cv2
+import numpy as np
+
+# A microscope slide scanned at any objective lies well inside this range;
+# values outside it come from placeholder resolution tags (72 or 96 dpi gives
+# about 350 or 265 um/px) and would make every physical measurement wrong.
+PLAUSIBLE_MPP_RANGE = (0.02, 20.0)
+
+
+class Slide(abc.ABC):
+    """A multi-resolution image read by one backend.
+
+    Subclasses set ``_level_dimensions`` (list of (width, height)),
+    ``_level_downsamples``, ``_mpp``, ``_vendor``, ``_properties`` and
+    ``background_rgb``, and implement :meth:`_read_level`.
+    """
+
+    backend: str = "abstract"
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.background_rgb: tuple[int, int, int] = (255, 255, 255)
+        self._level_dimensions: list[tuple[int, int]] = []
+        self._level_downsamples: list[float] = []
+        self._mpp: tuple[float, float] | None = None
+        self._vendor: str | None = None
+        self._properties: dict[str, str] = {}
+        self._closed = False
+
+    # -- metadata -----------------------------------------------------------
+    @property
+    def dimensions(self) -> tuple[int, int]:
+        """Level-0 (width, height) in pixels."""
+        return self._level_dimensions[0]
+
+    @property
+    def level_count(self) -> int:
+        return len(self._level_dimensions)
+
+    @property
+    def level_dimensions(self) -> tuple[tuple[int, int], ...]:
+        """(width, height) of each level, level 0 first."""
+        return tuple(self._level_dimensions)
+
+    @property
+    def level_downsamples(self) -> tuple[float, ...]:
+        """Level-0 pixels per pixel of each level (1.0 for level 0)."""
+        return tuple(self._level_downsamples)
+
+    @property
+    def mpp(self) -> tuple[float, float] | None:
+        """Level-0 (x, y) micrometres per pixel, or None where unknown."""
+        return self._mpp
+
+    @property
+    def vendor(self) -> str | None:
+        return self._vendor
+
+    @property
+    def properties(self) -> Mapping[str, str]:
+        return dict(self._properties)
+
+    def best_level_for_downsample(self, downsample: float) -> int:
+        """The finest-resolution level whose downsample does not exceed ``downsample``.
+
+        As OpenSlide: the largest level index with ``level_downsamples[i] <=
+        downsample`` (a small tolerance absorbs rounding of level sizes).
+        """
+        best = 0
+        for i, d in enumerate(self._level_downsamples):
+            if d <= downsample * (1 + 1e-6) + 1e-9:
+                best = i
+        return best
+
+    # -- pixels -------------------------------------------------------------
+    def read_region(
+        self, location: tuple[int, int], level: int, size: tuple[int, int]
+    ) -> np.ndarray:
+        """Read a ``size`` = (width, height) region of ``level`` at level-0 ``location``.
+
+        Returns an ``(height, width, 3)`` uint8 RGB array; pixels outside the
+        slide are the background colour.
+
+        >>> from wsi_pipeline.slide.image import ImageSlide
+        >>> s = ImageSlide.from_array(np.zeros((10, 20, 3), np.uint8))
+        >>> s.read_region((15, 5), 0, (10, 10)).shape
+        (10, 10, 3)
+        """
+        self._check_open()
+        if not 0 <= level < self.level_count:
+            raise ValueError(
+                f"{self.path}: level {level} does not exist (slide has {self.level_count} levels)"
+            )
+        w, h = int(size[0]), int(size[1])
+        if w <= 0 or h <= 0:
+            raise ValueError(f"{self.path}: region size must be positive, got {size}")
+        x0, y0 = int(location[0]), int(location[1])
+        return self._read_level(x0, y0, level, w, h)
+
+    @abc.abstractmethod
+    def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
+        """Backend read; same contract as :meth:`read_region`."""
+
+    def get_thumbnail(self, max_size: tuple[int, int] | int) -> np.ndarray:
+        """The whole slide, downscaled to fit ``max_size`` (width, height), aspect kept."""
+        if isinstance(max_size, int):
+            max_size = (max_size, max_size)
+        w0, h0 = self.dimensions
+        scale = max(w0 / max_size[0], h0 / max_size[1], 1.0)
+        tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
+        level = self.best_level_for_downsample(scale)
+        lw, lh = self._level_dimensions[level]
+        region = self.read_region((0, 0), level, (lw, lh))
+        if (lw, lh) == (tw, th):
+            return region
+        return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
+
+    # -- life cycle ---------------------------------------------------------
+    def close(self) -> None:
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.path}: slide is closed")
+
+    def __enter__(self) -> Slide:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        w, h = self.dimensions
+        return f"<{type(self).__name__} {os.path.basename(self.path)!r} {w}x{h} levels={self.level_count}>"
+
+
+def checked_mpp(path: str, mpp_x: float | None, mpp_y: float | None) -> tuple[float, float] | None:
+    """Return (mpp_x, mpp_y) if both are known and plausible, else None.
+
+    An implausible value warns (naming the file) and is dropped rather than
+    raised: the slide can still be tiled by level, just not measured.
+    """
+    if mpp_x is None or mpp_y is None:
+        return None
+    try:
+        mx, my = float(mpp_x), float(mpp_y)
+    except (TypeError, ValueError):
+        warnings.warn(f"{path}: unreadable mpp ({mpp_x!r}, {mpp_y!r}); treating mpp as unknown", stacklevel=3)
+        return None
+    lo, hi = PLAUSIBLE_MPP_RANGE
+    if not (math.isfinite(mx) and math.isfinite(my) and lo <= mx <= hi and lo <= my <= hi):
+        warnings.warn(
+            f"{path}: implausible resolution {mx:.4g} x {my:.4g} um/px (expected {lo}-{hi} um/px, "
+            "a placeholder 72-dpi tag gives about 350); treating mpp as unknown",
+            stacklevel=3,
+        )
+        return None
+    return (mx, my)
+
+
+def paste_into_background(
+    out_h: int, out_w: int, background: tuple[int, int, int]
+) -> np.ndarray:
+    """A new ``(out_h, out_w, 3)`` uint8 array filled with ``background``."""
+    out = np.empty((out_h, out_w, 3), np.uint8)
+    out[...] = np.asarray(background, np.uint8)
+    return out

@@ -1,0 +1,187 @@
+"""The tile grid: where each patch of a slide lies, in level-0 pixels.
+
+Edge policy: the grid PADS. Tile origins lie on a regular lattice
+(``origin = index * step * downsample`` in level-0 pixels) and the last
+column and row extend past the slide edge, the outside filled with the
+slide's background colour. Shifting the last tile back inside would put its
+origin off the lattice, so its heatmap would not land on the model's stride
+grid and its overlap with its neighbour would differ from every other
+tile's; padding keeps every overlap identical and every placement exact, at
+the price of some background pixels in the last row and column.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+from ..errors import ConfigError
+from ..slide.base import Slide
+
+DEFAULT_TILE_SIZE = 512
+DEFAULT_OVERLAP = 64
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One patch of a grid.
+
+    ``x0_level0, y0_level0``: its top-left corner in level-0 pixels.
+    ``size``: its width and height in output pixels (the model's input).
+    ``downsample``: level-0 pixels per output pixel.
+    ``level``: the slide level it is read from; ``read_size`` the region
+    size in that level's pixels (equal to ``size`` unless resized).
+    """
+
+    index: int
+    row: int
+    col: int
+    x0_level0: int
+    y0_level0: int
+    size: int
+    downsample: float
+    level: int
+    read_size: int
+
+    @property
+    def extent_level0(self) -> float:
+        """Side length of the tile in level-0 pixels."""
+        return self.size * self.downsample
+
+    @property
+    def bounds_level0(self) -> tuple[float, float, float, float]:
+        """(x0, y0, x1, y1) in level-0 pixels."""
+        e = self.extent_level0
+        return (self.x0_level0, self.y0_level0, self.x0_level0 + e, self.y0_level0 + e)
+
+
+class TileGrid(Sequence[Tile]):
+    """Overlapping square tiles covering a slide at a level or a target resolution.
+
+    Give ``level`` to read a pyramid level as it is, or ``mpp`` to read at a
+    target resolution: the nearest finer level is read and resized when no
+    level has exactly that resolution. With neither, level 0 is used.
+
+    >>> from wsi_pipeline.slide.image import ImageSlide
+    >>> grid = TileGrid(ImageSlide.from_array(np.zeros((1000, 1500, 3), np.uint8)))
+    >>> grid.n_cols, grid.n_rows, len(grid)
+    (4, 3, 12)
+    >>> t = grid[5]; (t.row, t.col, t.x0_level0, t.y0_level0)
+    (1, 1, 448, 448)
+    """
+
+    def __init__(
+        self,
+        slide: Slide,
+        tile_size: int = DEFAULT_TILE_SIZE,
+        overlap: int = DEFAULT_OVERLAP,
+        level: int | None = None,
+        mpp: float | None = None,
+    ):
+        if tile_size <= 0:
+            raise ConfigError(f"tile size must be positive, got {tile_size}")
+        if not 0 <= overlap < tile_size:
+            raise ConfigError(
+                f"overlap must be at least 0 and less than the tile size {tile_size}, got {overlap}"
+            )
+        if level is not None and mpp is not None:
+            raise ConfigError("give a level or a target mpp, not both")
+        self.slide = slide
+        self.tile_size = int(tile_size)
+        self.overlap = int(overlap)
+        self.step = self.tile_size - self.overlap
+        if mpp is not None:
+            if slide.mpp is None:
+                raise ConfigError(
+                    f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
+                    "resolution is unknown; choose a level instead"
+                )
+            if mpp <= 0:
+                raise ConfigError(f"target mpp must be positive, got {mpp}")
+            downsample = mpp / slide.mpp[0]
+            if downsample < 1 - 1e-6:
+                raise ConfigError(
+                    f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
+                    f"({slide.mpp[0]:.4g} um/px); upsampling is not supported"
+                )
+            self.level = slide.best_level_for_downsample(downsample)
+            self.downsample = float(downsample)
+        else:
+            self.level = 0 if level is None else int(level)
+            if not 0 <= self.level < slide.level_count:
+                raise ConfigError(
+                    f"{slide.path}: level {self.level} does not exist (slide has {slide.level_count})"
+                )
+            self.downsample = float(slide.level_downsamples[self.level])
+        level_ds = slide.level_downsamples[self.level]
+        ratio = self.downsample / level_ds
+        self.read_size = self.tile_size if abs(ratio - 1) < 1e-6 else int(round(self.tile_size * ratio))
+        w0, h0 = slide.dimensions
+        self.width_out = math.ceil(w0 / self.downsample)
+        self.height_out = math.ceil(h0 / self.downsample)
+        self.n_cols = max(1, math.ceil(max(self.width_out - self.overlap, 1) / self.step))
+        self.n_rows = max(1, math.ceil(max(self.height_out - self.overlap, 1) / self.step))
+
+    def __len__(self) -> int:
+        return self.n_rows * self.n_cols
+
+    def tile(self, row: int, col: int) -> Tile:
+        if not (0 <= row < self.n_rows and 0 <= col < self.n_cols):
+            raise IndexError(f"tile ({row}, {col}) outside a {self.n_rows}x{self.n_cols} grid")
+        return Tile(
+            index=row * self.n_cols + col,
+            row=row,
+            col=col,
+            x0_level0=int(round(col * self.step * self.downsample)),
+            y0_level0=int(round(row * self.step * self.downsample)),
+            size=self.tile_size,
+            downsample=self.downsample,
+            level=self.level,
+            read_size=self.read_size,
+        )
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.tile(index // self.n_cols, index % self.n_cols)
+
+    def __iter__(self) -> Iterator[Tile]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def read(self, tile: Tile) -> np.ndarray:
+        """The tile's pixels: ``size x size x 3`` uint8 RGB."""
+        return read_tile(self.slide, tile)
+
+    def select(self, tissue_fraction: np.ndarray, min_fraction: float) -> list[Tile]:
+        """Tiles whose tissue fraction (an ``n_rows x n_cols`` array) is at least ``min_fraction``."""
+        frac = np.asarray(tissue_fraction).reshape(self.n_rows, self.n_cols)
+        return [t for t in self if frac[t.row, t.col] >= min_fraction and frac[t.row, t.col] > 0]
+
+    def __repr__(self) -> str:
+        return (
+            f"TileGrid({self.n_rows}x{self.n_cols} tiles of {self.tile_size}px, overlap {self.overlap}, "
+            f"level {self.level}, downsample {self.downsample:.4g})"
+        )
+
+
+def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.ndarray:
+    """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp).
+
+    ``out``, if given, is a ``size x size x 3`` uint8 array filled in place.
+    """
+    region = slide.read_region((tile.x0_level0, tile.y0_level0), tile.level, (tile.read_size, tile.read_size))
+    if tile.read_size != tile.size:
+        region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)
+    if out is None:
+        return region
+    out[...] = region
+    return out

@@ -1,0 +1,157 @@
+"""Tissue masks: which parts of a slide hold anything worth running a model on.
+
+A mask is a boolean image over the whole slide at a coarse scale
+(``downsample`` level-0 pixels per mask pixel). It comes from the slide's
+thumbnail (Otsu on saturation, then morphology), from a user's mask image,
+from GeoJSON polygons in level-0 pixels, or covers everything (``all``, for
+industrial images).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+from ..errors import ConfigError
+from ..slide.base import Slide
+from .grid import TileGrid
+
+DEFAULT_THUMBNAIL_SIZE = 2048
+
+
+@dataclass
+class TissueMask:
+    """``mask``: HxW bool; ``downsample``: level-0 pixels per mask pixel (x, y)."""
+
+    mask: np.ndarray
+    downsample: tuple[float, float]
+
+    @property
+    def fraction(self) -> float:
+        """Fraction of the slide covered by tissue."""
+        return float(self.mask.mean()) if self.mask.size else 0.0
+
+    def area_level0_px(self) -> float:
+        """Tissue area in level-0 pixels squared."""
+        return float(self.mask.sum()) * self.downsample[0] * self.downsample[1]
+
+    def tile_fractions(self, grid: TileGrid) -> np.ndarray:
+        """Tissue fraction of each tile of ``grid``: ``n_rows x n_cols`` float32 in [0, 1].
+
+        Computed with an integral image, so the cost does not depend on the
+        number of tiles; parts of a tile outside the slide count as empty.
+        """
+        m = self.mask.astype(np.float64)
+        integral = cv2.integral(m)  # (H+1) x (W+1)
+        mh, mw = m.shape
+        extent = grid.tile_size * grid.downsample
+        cols = np.arange(grid.n_cols)
+        rows = np.arange(grid.n_rows)
+        x0 = cols * grid.step * grid.downsample / self.downsample[0]
+        y0 = rows * grid.step * grid.downsample / self.downsample[1]
+        x1 = x0 + extent / self.downsample[0]
+        y1 = y0 + extent / self.downsample[1]
+        xi0 = np.clip(np.round(x0).astype(int), 0, mw)
+        xi1 = np.clip(np.round(x1).astype(int), 0, mw)
+        yi0 = np.clip(np.round(y0).astype(int), 0, mh)
+        yi1 = np.clip(np.round(y1).astype(int), 0, mh)
+        s = (integral[yi1[:, None], xi1[None, :]] - integral[yi0[:, None], xi1[None, :]]
+             - integral[yi1[:, None], xi0[None, :]] + integral[yi0[:, None], xi0[None, :]])
+        full = ((y1 - y0)[:, None] * (x1 - x0)[None, :])
+        return np.clip(s / np.maximum(full, 1e-9), 0, 1).astype(np.float32)
+
+
+def otsu_tissue_mask(
+    thumbnail: np.ndarray, min_saturation: int = 15, kernel_px: int = 5
+) -> np.ndarray:
+    """Tissue as pixels of a thumbnail more saturated than Otsu's threshold.
+
+    Bright, grey slide background has low saturation; stained tissue has high.
+    A floor (``min_saturation``) stops Otsu from splitting an all-background
+    image in two. Returns HxW bool.
+    """
+    hsv = cv2.cvtColor(thumbnail, cv2.COLOR_RGB2HSV)
+    sat = cv2.GaussianBlur(hsv[..., 1], (5, 5), 0)
+    thresh, _ = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    mask = sat > max(thresh, min_saturation)
+    # Dark, unsaturated pixels (black pen, folds) are not tissue either way;
+    # very dark saturated ones still count.
+    k = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (kernel_px, kernel_px))
+    m = cv2.morphologyEx(mask.astype(np.uint8), cv2.MORPH_CLOSE, k)
+    m = cv2.morphologyEx(m, cv2.MORPH_OPEN, k)
+    return m.astype(bool)
+
+
+def tissue_mask(
+    slide: Slide,
+    method: str = "otsu",
+    thumbnail_size: int = DEFAULT_THUMBNAIL_SIZE,
+    mask_path: str | os.PathLike[str] | None = None,
+) -> TissueMask:
+    """A tissue mask of ``slide``.
+
+    ``method``: "otsu" (from the thumbnail), "all" (everything is tissue), or
+    "file" with ``mask_path`` a mask image (non-zero = tissue, stretched over
+    the whole slide) or a GeoJSON file of polygons in level-0 pixels.
+    """
+    w0, h0 = slide.dimensions
+    if method == "all":
+        return TissueMask(np.ones((1, 1), bool), (float(w0), float(h0)))
+    if method == "file" or mask_path is not None:
+        if mask_path is None:
+            raise ConfigError("tissue method 'file' needs a mask path")
+        return mask_from_file(slide, mask_path, thumbnail_size)
+    if method != "otsu":
+        raise ConfigError(f"unknown tissue method {method!r}; expected otsu, all or file")
+    thumb = slide.get_thumbnail((thumbnail_size, thumbnail_size))
+    th, tw = thumb.shape[:2]
+    return TissueMask(otsu_tissue_mask(thumb), (w0 / tw, h0 / th))
+
+
+def mask_from_file(
+    slide: Slide, path: str | os.PathLike[str], size: int = DEFAULT_THUMBNAIL_SIZE
+) -> TissueMask:
+    """A user's mask: an image (non-zero = tissue) or GeoJSON polygons (level-0 pixels)."""
+    path = os.fspath(path)
+    w0, h0 = slide.dimensions
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: mask file not found")
+    if path.lower().endswith((".geojson", ".json")):
+        scale = max(w0, h0) / size
+        mw, mh = max(1, round(w0 / scale)), max(1, round(h0 / scale))
+        mask = np.zeros((mh, mw), np.uint8)
+        for ring in _geojson_polygons(path):
+            pts = np.round(np.asarray(ring, np.float64) / [w0 / mw, h0 / mh]).astype(np.int32)
+            cv2.fillPoly(mask, [pts], 1)
+        return TissueMask(mask.astype(bool), (w0 / mw, h0 / mh))
+    img = cv2.imdecode(np.fromfile(path, np.uint8), cv2.IMREAD_GRAYSCALE)
+    if img is None:
+        raise ConfigError(f"{path}: not a readable mask image (expected PNG/JPEG/TIFF or GeoJSON)")
+    mh, mw = img.shape
+    return TissueMask(img > 0, (w0 / mw, h0 / mh))
+
+
+def _geojson_polygons(path: str) -> list[list[list[float]]]:
+    """Outer rings of every Polygon / MultiPolygon in a GeoJSON file."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid GeoJSON: {exc}") from exc
+    feats = doc.get("features", [doc]) if isinstance(doc, dict) else doc
+    rings: list[list[list[float]]] = []
+    for feat in feats:
+        geom = feat.get("geometry", feat) if isinstance(feat, dict) else None
+        if not geom:
+            continue
+        if geom.get("type") == "Polygon":
+            rings.append(geom["coordinates"][0])
+        elif geom.get("type") == "MultiPolygon":
+            rings.extend(poly[0] for poly in geom["coordinates"])
+    if not rings:
+        raise ConfigError(f"{path}: no Polygon or MultiPolygon found")
+    return rings
