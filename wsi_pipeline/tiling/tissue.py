@@ -100,7 +100,9 @@ def tissue_mask(
     """
     w0, h0 = slide.dimensions
     if method == "all":
-        return TissueMask(np.ones((1, 1), bool), (float(w0), float(h0)))
+        scale = max(w0, h0) / thumbnail_size
+        mw, mh = max(1, round(w0 / scale)), max(1, round(h0 / scale))
+        return TissueMask(np.ones((mh, mw), bool), (w0 / mw, h0 / mh))
     if method == "file" or mask_path is not None:
         if mask_path is None:
             raise ConfigError("tissue method 'file' needs a mask path")

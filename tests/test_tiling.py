@@ -1,0 +1,215 @@
+import json
+import threading
+import time
+
+import cv2
+import numpy as np
+import pytest
+from conftest import smooth_rgb
+
+from wsi_pipeline import open_slide
+from wsi_pipeline.errors import ConfigError, TileReadError
+from wsi_pipeline.slide.image import ImageSlide
+from wsi_pipeline.tiling import TileGrid, TileLoader, mask_from_file, tissue_mask
+
+
+def _blank(h, w):
+    return ImageSlide.from_array(np.full((h, w, 3), 255, np.uint8))
+
+
+@pytest.mark.parametrize("w,h", [(512, 512), (513, 1000), (4100, 3000), (100, 50)])
+def test_grid_covers_slide_on_the_lattice(w, h):
+    grid = TileGrid(_blank(h, w), tile_size=512, overlap=64)
+    tiles = list(grid)
+    assert len(tiles) == grid.n_rows * grid.n_cols
+    xs = sorted({t.x0_level0 for t in tiles})
+    ys = sorted({t.y0_level0 for t in tiles})
+    assert xs == [448 * i for i in range(grid.n_cols)]
+    assert ys == [448 * i for i in range(grid.n_rows)]
+    # The last tile reaches the edge, and one fewer tile would not.
+    assert xs[-1] + 512 >= w and ys[-1] + 512 >= h
+    assert len(xs) == 1 or xs[-2] + 512 < w
+    assert [t.index for t in tiles] == list(range(len(tiles)))
+
+
+def test_grid_edge_tile_is_padded_with_background():
+    img = smooth_rgb(700, 900)
+    grid = TileGrid(ImageSlide.from_array(img), 512, 64)
+    last = grid[len(grid) - 1]
+    patch = grid.read(last)
+    assert patch.shape == (512, 512, 3)
+    np.testing.assert_array_equal(patch[: 700 - 448, : 900 - 448], img[448:, 448:])
+    assert (patch[700 - 448:] == 255).all() and (patch[:, 900 - 448:] == 255).all()
+
+
+def test_grid_at_level_and_target_mpp(pyramid_tiff):
+    with open_slide(pyramid_tiff) as s:
+        g1 = TileGrid(s, level=1)
+        assert g1.downsample == 2.0 and g1.read_size == 512
+        t = g1.tile(1, 2)
+        assert (t.x0_level0, t.y0_level0) == (2 * 448 * 2, 448 * 2) and t.extent_level0 == 1024
+        np.testing.assert_array_equal(g1.read(t), s.read_region((t.x0_level0, t.y0_level0), 1, (512, 512)))
+        # 0.75 um/px: no level has it; level 1 (0.5 um/px) is read and resized.
+        g = TileGrid(s, mpp=0.75)
+        assert g.level == 1 and g.downsample == pytest.approx(3.0) and g.read_size == 768
+        assert g.read(g[0]).shape == (512, 512, 3)
+        assert g.n_cols == int(np.ceil((np.ceil(4100 / 3) - 64) / 448))
+        with pytest.raises(ConfigError, match="finer than the slide"):
+            TileGrid(s, mpp=0.1)
+
+
+def test_grid_rejects_bad_geometry():
+    s = _blank(100, 100)
+    with pytest.raises(ConfigError, match="overlap"):
+        TileGrid(s, tile_size=512, overlap=512)
+    with pytest.raises(ConfigError, match="overlap"):
+        TileGrid(s, tile_size=512, overlap=-1)
+    with pytest.raises(ConfigError, match="resolution is unknown"):
+        TileGrid(s, mpp=0.5)
+
+
+def _slide_with_tissue(h=2000, w=3000):
+    img = np.full((h, w, 3), 242, np.uint8)
+    img[500:1500, 1000:2600] = (200, 110, 170)  # stained tissue: 1000 x 1600 px
+    return ImageSlide.from_array(img)
+
+
+def test_tissue_mask_on_known_tissue():
+    s = _slide_with_tissue()
+    tm = tissue_mask(s, thumbnail_size=600)
+    assert tm.fraction == pytest.approx(1000 * 1600 / (2000 * 3000), abs=0.01)
+    grid = TileGrid(s, 512, 64)
+    frac = tm.tile_fractions(grid)
+    assert frac.shape == (grid.n_rows, grid.n_cols)
+    # Exact fraction of each tile inside the tissue rectangle (outside the slide counts empty).
+    for t in grid:
+        x0, y0, x1, y1 = t.bounds_level0
+        ix = max(0, min(x1, 2600) - max(x0, 1000))
+        iy = max(0, min(y1, 1500) - max(y0, 500))
+        assert frac[t.row, t.col] == pytest.approx(ix * iy / 512**2, abs=0.03), (t.row, t.col)
+    kept = grid.select(frac, 0.5)
+    assert kept and all(frac[t.row, t.col] >= 0.5 for t in kept)
+
+
+def test_tissue_mask_all_and_blank():
+    s = _blank(1000, 1000)
+    assert tissue_mask(s, thumbnail_size=256).fraction < 0.01
+    all_mask = tissue_mask(s, method="all")
+    frac = all_mask.tile_fractions(TileGrid(s))
+    # Every tile counts; the edge tiles by the part of them inside the slide.
+    np.testing.assert_allclose(frac, [[1, 1, 104 / 512], [1, 1, 104 / 512], [104 / 512, 104 / 512, (104 / 512) ** 2]], atol=0.01)
+
+
+def test_user_masks_image_and_geojson(tmp_path):
+    s = _blank(2000, 3000)
+    poly = [[1000, 500], [2600, 500], [2600, 1500], [1000, 1500], [1000, 500]]
+    gj = tmp_path / "roi.geojson"
+    gj.write_text(json.dumps({"type": "FeatureCollection", "features": [
+        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [poly]}, "properties": {}}]}))
+    m1 = mask_from_file(s, gj, size=600)
+    assert m1.fraction == pytest.approx(1600 * 1000 / 6e6, abs=0.01)
+    png = tmp_path / "mask.png"
+    m = np.zeros((200, 300), np.uint8)
+    m[50:150, 100:260] = 255
+    cv2.imwrite(str(png), m)
+    m2 = tissue_mask(s, method="file", mask_path=png)
+    assert m2.fraction == pytest.approx(m1.fraction, abs=0.01)
+    with pytest.raises(ConfigError, match="not found"):
+        mask_from_file(s, tmp_path / "nope.png")
+
+
+# -- loader -------------------------------------------------------------------
+
+def _tagged_slide(h=2200, w=2700):
+    """Each pixel's value encodes nothing; tiles are checked against direct reads."""
+    return ImageSlide.from_array(smooth_rgb(h, w, seed=7))
+
+
+def _reader_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("tile-reader")]
+
+
+def test_loader_yields_all_tiles_in_grid_order():
+    s = _tagged_slide()
+    grid = TileGrid(s)
+    seen = []
+    with TileLoader(s, grid, batch_size=4, workers=2) as loader:
+        for batch in loader:
+            assert batch.images.dtype == np.uint8 and batch.images.shape[1:] == (512, 512, 3)
+            for img, t in zip(batch.images, batch.tiles, strict=True):
+                np.testing.assert_array_equal(img, grid.read(t))
+                seen.append(t.index)
+    assert seen == list(range(len(grid)))
+    assert not _reader_threads()
+
+
+def test_loader_memory_is_bounded_and_applies_back_pressure():
+    s = _tagged_slide()
+    grid = list(TileGrid(s)) * 10  # many tiles: memory must not follow
+    started = []
+    lock = threading.Lock()
+
+    def read(slide, tile, out):
+        with lock:
+            started.append(tile.index)
+        out[...] = 0
+
+    small = TileLoader(s, grid[:8], batch_size=4, workers=2, prefetch=2, read=read)
+    big = TileLoader(s, grid, batch_size=4, workers=2, prefetch=2, read=read)
+    assert small.buffer_bytes == big.buffer_bytes == 3 * 4 * 512 * 512 * 3
+    it = iter(big)
+    next(it)
+    time.sleep(0.3)  # a slow consumer: readers must stop after the prefetch window
+    with lock:
+        ahead = len(started)
+    assert ahead <= (2 + 1) * 4
+    big.close()
+
+
+def test_loader_error_names_the_tile_and_stops_workers():
+    s = _tagged_slide()
+    grid = TileGrid(s)
+
+    def read(slide, tile, out):
+        if tile.index == 9:
+            raise ValueError("bad JPEG data")
+        out[...] = 1
+
+    loader = TileLoader(s, grid, batch_size=2, workers=2, read=read)
+    got = []
+    with pytest.raises(TileReadError, match=r"tile 9 \(row 1, col 3\): bad JPEG data") as ei:
+        for b in loader:
+            got.extend(t.index for t in b.tiles)
+    assert ei.value.tile.index == 9 and ei.value.location == (1344, 448)
+    assert got == list(range(8))
+    assert not _reader_threads()
+
+
+def test_loader_stops_cleanly_on_interrupt_and_break():
+    s = _tagged_slide()
+    grid = TileGrid(s)
+    loader = TileLoader(s, grid, batch_size=2, workers=2)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in loader:
+            raise KeyboardInterrupt
+    assert not _reader_threads()
+    loader2 = TileLoader(s, grid, batch_size=2, workers=2)
+    for _ in loader2:
+        break
+    loader2.close()
+    assert not _reader_threads()
+
+
+def test_loader_held_batches_are_not_overwritten():
+    s = _tagged_slide()
+    grid = TileGrid(s)
+    loader = TileLoader(s, grid, batch_size=2, workers=2, prefetch=1, auto_release=False, max_held=2)
+    held = []
+    for batch in loader:
+        held.append((batch, batch.images.copy()))
+        if len(held) == 2:
+            first, snapshot = held.pop(0)
+            np.testing.assert_array_equal(first.images, snapshot)
+            first.release()
+    for b, _ in held:
+        b.release()
