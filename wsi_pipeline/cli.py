@@ -16,7 +16,7 @@ import warnings
 from .errors import WSIPipelineError
 
 # Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = ["info"]
+COMMANDS = ["synth", "info", "quantize", "train", "build_engine"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -1,0 +1,183 @@
+"""The CUDA path: torch backend, multi-stream executor, GPU JPEG decoding, TensorRT where installed.
+
+Every test here needs a CUDA GPU and is skipped without one. The reference
+is ONNX Runtime on the CPU; tolerances per precision are in ``TOLERANCES``
+(fp32 convolutions run in TF32 on the GPU, cuDNN's default).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from test_executor import (  # noqa: E402
+    CountingLoader,
+    assert_same_detections,
+    make_tiny_model,
+    score_threshold,
+    smooth_image,
+)
+
+from wsi_pipeline.errors import BackendUnavailableError  # noqa: E402
+from wsi_pipeline.inference.backend import create_backend  # noqa: E402
+from wsi_pipeline.inference.decoders import decode  # noqa: E402
+from wsi_pipeline.inference.executor import BatchInferenceError, Executor  # noqa: E402
+from wsi_pipeline.slide.image import ImageSlide  # noqa: E402
+from wsi_pipeline.tiling.grid import TileGrid  # noqa: E402
+from wsi_pipeline.tiling.loader import TileLoader  # noqa: E402
+
+# precision -> (box px, score, heatmap) absolute tolerances against ORT fp32 on the CPU.
+TOLERANCES = {"fp32": (0.5, 3e-3, 3e-3), "fp16": (2.0, 1.5e-2, 1.5e-2), "bf16": (6.0, 5e-2, 5e-2)}
+
+
+@pytest.fixture(scope="module")
+def card512(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model512"), tile_px=512)
+
+
+@pytest.fixture(scope="module")
+def slide_and_grid():
+    slide = ImageSlide.from_array(smooth_image(1700, 2300, seed=11))
+    return slide, TileGrid(slide)  # 512 px tiles, 64 px overlap: 4 x 5 tiles
+
+
+@pytest.fixture(scope="module")
+def reference(card512, slide_and_grid):
+    _, grid = slide_and_grid
+    ort = create_backend(card512, "ort", max_batch=8)
+    tiles = np.stack([grid.read(t) for t in grid])
+    return decode(ort.infer(tiles), card512)
+
+
+def _executor_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("executor-") and t.is_alive()]
+
+
+def _check(got, want, precision, card):
+    box, score, heat = TOLERANCES[precision]
+    assert_same_detections(got, want, threshold=score_threshold(card), box_tol=box, score_tol=score,
+                           heat_tol=heat)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_torch_cuda_equals_ort(card512, slide_and_grid, reference, precision):
+    _, grid = slide_and_grid
+    tiles = np.stack([grid.read(t) for t in grid])
+    tb = create_backend(card512, "torch", device="cuda", precision=precision, max_batch=8)
+    raw = tb.infer(tiles)
+    assert {k: v.dtype.name for k, v in raw.items()} == {o.name: o.dtype for o in card512.outputs}
+    assert sum(len(d) for d in reference) > 0
+    _check(decode(raw, card512), reference, precision, card512)
+    with Executor(tb, streams=1) as ex:
+        _check(ex.infer_tiles(tiles), reference, precision, card512)
+        _check(ex.infer_tiles(tiles[:3]), reference[:3], precision, card512)  # a smaller graph bucket
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_executor_streams_over_loader(card512, slide_and_grid, reference, streams, cuda_graphs):
+    slide, grid = slide_and_grid
+    tb = create_backend(card512, "torch", device="cuda", precision="fp16", max_batch=8,
+                        cuda_graphs=cuda_graphs)
+    # batch 6 on max_batch 8: partial buckets; 20 tiles: a short last batch.
+    loader = TileLoader(slide, grid, batch_size=6, workers=4, auto_release=False, max_held=2)
+    counting = CountingLoader(loader)
+    # streams=2 copies through the workers' own pinned buffers; the others DMA from the loader's.
+    with Executor(tb, streams=streams, register_host=streams != 2) as ex:
+        results = list(ex.run(counting))
+    assert sorted(t.index for r in results for t in r.tiles) == list(range(len(grid)))
+    for r in results:
+        _check(r.detections, [reference[t.index] for t in r.tiles], "fp16", card512)
+    assert counting.released == counting.given == loader.n_batches
+    assert not _executor_threads()
+
+
+class _FailingRunner:
+    def __init__(self, inner, fail_on_call):
+        self.inner, self.calls, self.fail_on_call = inner, 0, fail_on_call
+        self.max_batch, self.input = inner.max_batch, inner.input
+
+    def prepare(self):
+        self.inner.prepare()
+
+    def run(self, n):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("CUDA error: out of memory")
+        return self.inner.run(n)
+
+
+def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
+    slide, grid = slide_and_grid
+    tb = create_backend(card512, "torch", device="cuda", precision="fp16", max_batch=4)
+    make = tb.create_runner
+    tb.create_runner = lambda stream: _FailingRunner(make(stream), fail_on_call=2)
+    loader = TileLoader(slide, grid, batch_size=4, workers=2, auto_release=False, max_held=2)
+    counting = CountingLoader(loader)
+    ex = Executor(tb, streams=2)
+    with pytest.raises(BatchInferenceError, match=r"tiles \[\d+, \d+, \d+, \d+\].*out of memory"):
+        for _ in ex.run(counting):
+            pass
+    assert not _executor_threads()
+    assert counting.released == counting.given
+    ex.close()
+
+
+def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
+    from conftest import smooth_rgb, write_pyramid_tiff
+
+    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
+    from wsi_pipeline.slide.tiff_backend import TiffSlide
+
+    path = tmp_path / "s.tif"
+    write_pyramid_tiff(str(path), smooth_rgb(1500, 2000, seed=4), levels=2)
+    slide = TiffSlide(path)
+    grid = TileGrid(slide)
+    ref = np.stack([grid.read(t) for t in grid])
+    gpu = {}
+    for decoder in ("threads", "nvjpeg"):
+        got = {}
+        for b in GpuTileLoader(slide, list(grid), batch_size=5, jpeg_decoder=decoder):
+            b.ready.synchronize()
+            for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True):
+                got[t.index] = img
+        gpu[decoder] = np.stack([got[t.index] for t in grid])
+    # libjpeg-turbo in threads: the CPU reader's pixels exactly.
+    np.testing.assert_array_equal(gpu["threads"], ref)
+    diff = np.abs(gpu["nvjpeg"].astype(np.int16) - ref.astype(np.int16))
+    print(f"nvjpeg vs libjpeg-turbo: mean {diff.mean():.3f}, p99 {np.percentile(diff, 99):.0f}, "
+          f"p99.99 {np.percentile(diff, 99.99):.0f}, max {diff.max()}, >32: {(diff > 32).mean():.2e}")
+    # nvJPEG and libjpeg-turbo differ in IDCT/chroma upsampling rounding.
+    assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 16
+    gpu = gpu["threads"]
+    # Padding past the slide edge is the background, exactly.
+    last = grid[len(grid) - 1]
+    w, h = slide.dimensions
+    assert (gpu[-1][h - last.y0_level0:, :] == 255).all() and (gpu[-1][:, w - last.x0_level0:] == 255).all()
+
+    # The executor takes device batches directly: same result as ORT on those pixels.
+    tb = create_backend(card512, "torch", device="cuda", precision="fp32", max_batch=8)
+    ort = create_backend(card512, "ort", max_batch=8)
+    with Executor(tb, streams=2) as ex:
+        results = list(ex.run(GpuTileLoader(slide, list(grid), batch_size=8, jpeg_decoder="threads"),
+                              ordered=True))
+    dets = [d for r in results for d in r.detections]
+    _check(dets, decode(ort.infer(gpu), card512), "fp32", card512)
+
+
+def test_tensorrt_backend_when_installed(tmp_path, card512, slide_and_grid, reference):
+    try:
+        tr = create_backend(card512, "tensorrt", max_batch=8)
+    except BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+    _, grid = slide_and_grid
+    tiles = np.stack([grid.read(t) for t in grid])
+    with Executor(tr, streams=2) as ex:
+        _check(ex.infer_tiles(tiles), reference, "fp32", card512)

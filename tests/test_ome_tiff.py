@@ -1,0 +1,110 @@
+"""Pyramidal OME-TIFF heatmap writer, fed by the heatmap blender."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import tifffile
+
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter, heatmap_physical_size_um
+from wsi_pipeline.stitch import BlendGeometry, HeatmapBlender, tile_weights
+
+OME_NS = {"ome": "http://www.openmicroscopy.org/Schemas/OME/2016-06"}
+
+
+def blend_random(geom: BlendGeometry, channels: int, sinks, seed=0):
+    rng = np.random.default_rng(seed)
+    t = geom.tile_size_out
+
+    def fan_out(y0, rows):
+        for s in sinks:
+            s(y0, rows)
+
+    blender = HeatmapBlender(geom, channels, tile_weights(t, "gaussian"), fan_out)
+    for r in range(geom.n_rows):
+        for c in range(geom.n_cols):
+            blender.add(r, c, rng.random((channels, t, t)).astype(np.float32))
+    blender.close()
+
+
+def test_blended_heatmap_round_trips_as_pyramidal_ome_tiff(tmp_path):
+    geom = BlendGeometry.from_slide(4000, 3000, tile_size_px=512, overlap_px=64, downsample=1, stride=8)
+    names = ["tumor", "stroma"]
+    path = tmp_path / "heatmap.ome.tif"
+    reference = np.zeros((2, geom.out_height, geom.out_width), dtype=np.float32)
+
+    def keep(y0, rows):
+        reference[:, y0 : y0 + rows.shape[1]] = rows
+
+    pixel_um = heatmap_physical_size_um(0.25, 0.25, downsample=1, stride=8)
+    writer = OmeTiffHeatmapWriter(path, geom.out_width, geom.out_height, 2, names, pixel_um, tile=128)
+    blend_random(geom, 2, [keep, writer])
+    assert writer.close() == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heatmap.ome.tif"]  # no spool or partial file
+
+    with tifffile.TiffFile(path) as tif:
+        assert tif.is_ome
+        series = tif.series[0]
+        assert series.axes == "CYX"
+        assert series.shape == (2, geom.out_height, geom.out_width)
+        assert len(series.levels) > 1
+        assert series.levels[1].shape == (2, (geom.out_height + 1) // 2, (geom.out_width + 1) // 2)
+        page = tif.pages[0]
+        assert page.is_tiled and page.compression == tifffile.COMPRESSION.ADOBE_DEFLATE
+        stored = series.levels[0].asarray()
+        level1 = series.levels[1].asarray()
+        root = ET.fromstring(tif.ome_metadata)
+    pixels = root.find(".//ome:Pixels", OME_NS)
+    assert float(pixels.get("PhysicalSizeX")) == pytest.approx(2.0)
+    assert float(pixels.get("PhysicalSizeY")) == pytest.approx(2.0)
+    assert pixels.get("PhysicalSizeXUnit") == "µm"
+    assert [ch.get("Name") for ch in pixels.findall("ome:Channel", OME_NS)] == names
+    annotation = {m.get("K"): m.text for m in root.findall(".//ome:MapAnnotation/ome:Value/ome:M", OME_NS)}
+    scale = float(annotation["value_scale"])
+    assert scale == pytest.approx(1 / 255)
+
+    assert stored.dtype == np.uint8
+    np.testing.assert_allclose(stored * scale, reference, atol=0.5 / 255 + 1e-6)
+    # Level 1 is the 2 x 2 mean of level 0.
+    h, w = (stored.shape[1] // 2) * 2, (stored.shape[2] // 2) * 2
+    mean = stored[:, :h, :w].astype(np.float64).reshape(2, h // 2, 2, w // 2, 2).mean(axis=(2, 4))
+    np.testing.assert_allclose(level1[:, : h // 2, : w // 2], mean, atol=0.5 + 1e-9)
+
+
+@pytest.mark.parametrize("dtype, atol", [("uint16", 0.5 / 65535 + 1e-7), ("float32", 0.0)])
+def test_other_stored_types_keep_values(tmp_path, dtype, atol):
+    rng = np.random.default_rng(2)
+    data = rng.random((1, 300, 200)).astype(np.float32)
+    path = tmp_path / "h.ome.tif"
+    with OmeTiffHeatmapWriter(path, 200, 300, 1, dtype=dtype, tile=64, levels=2) as writer:
+        for y in range(0, 300, 70):
+            writer(y, data[:, y : y + 70])
+    with tifffile.TiffFile(path) as tif:
+        levels = tif.series[0].levels
+        assert len(levels) == 2
+        stored = levels[0].asarray().reshape(data.shape)  # one channel: tifffile squeezes C
+        root = ET.fromstring(tif.ome_metadata)
+    scale = float(root.find(".//ome:M[@K='value_scale']", OME_NS).text)
+    assert stored.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(stored.astype(np.float64) * scale, data, atol=atol)
+    # No physical size given: none claimed.
+    assert root.find(".//ome:Pixels", OME_NS).get("PhysicalSizeX") is None
+
+
+def test_failure_leaves_no_file(tmp_path):
+    path = tmp_path / "h.ome.tif"
+    with pytest.raises(RuntimeError), OmeTiffHeatmapWriter(path, 64, 64, 1) as writer:
+        writer(0, np.zeros((1, 10, 64), dtype=np.float32))
+        raise RuntimeError("blending failed")
+    assert list(tmp_path.iterdir()) == []
+
+    writer = OmeTiffHeatmapWriter(path, 64, 64, 1)
+    writer(0, np.zeros((1, 10, 64), dtype=np.float32))
+    with pytest.raises(WSIPipelineError, match=r"h\.ome\.tif.*rows from 10"):
+        writer(20, np.zeros((1, 10, 64), dtype=np.float32))
+    with pytest.raises(WSIPipelineError, match="10 of 64"):
+        writer.close()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,50 @@
+"""Overlay rendering and PNG writing."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+
+from wsi_pipeline.errors import ConfigError
+from wsi_pipeline.io.overlay import render_overlay, write_png
+
+
+def test_heatmap_and_boxes_land_where_their_level0_coordinates_say(tmp_path):
+    # Slide 1600 x 1200 level-0 px; thumbnail at downsample 8 (200 x 150);
+    # heatmap at 32 level-0 px per pixel (50 x 37), hot over level-0 x 640..960, y 320..640.
+    thumb = np.full((150, 200, 3), 200, dtype=np.uint8)
+    heat = np.zeros((2, 38, 50), dtype=np.float32)
+    heat[1, 10:20, 20:30] = 0.9
+    boxes = np.array([[80, 800, 400, 1040], [1200, 80, 1440, 240]], dtype=np.float32)
+    colors = [(255, 0, 0), (0, 0, 255)]
+    out = render_overlay(thumb, 8.0, heat, 32.0, boxes, np.array([0, 1]), colors, alpha=0.5)
+
+    assert out.shape == thumb.shape and out.dtype == np.uint8
+    assert (thumb == 200).all(), "the input is left untouched"
+    hot = out[45:75, 85:115]  # thumbnail px of level-0 (680..920, 360..600), inside the hot area
+    assert (hot != 200).any(axis=2).all()
+    colormapped = cv2.cvtColor(cv2.applyColorMap(np.array([[230]], np.uint8), cv2.COLORMAP_JET), cv2.COLOR_BGR2RGB)
+    np.testing.assert_allclose(hot[10, 10], 0.5 * 200 + 0.5 * colormapped[0, 0].astype(float), atol=2)
+    assert (out[:30, :60] == 200).all()  # cold and no box: unchanged
+    # Box outlines in the class colours, at level-0 / 8.
+    assert tuple(out[100, 10]) == (255, 0, 0) and tuple(out[129, 30]) == (255, 0, 0)
+    assert tuple(out[10, 150]) == (0, 0, 255) and tuple(out[20, 179]) == (0, 0, 255)
+    assert tuple(out[115, 30]) == (200, 200, 200)  # inside the box, not on its outline
+
+    path = write_png(tmp_path / "overlay.png", out)
+    back = cv2.cvtColor(cv2.imread(str(path), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB)
+    np.testing.assert_array_equal(back, out)
+    assert [p.name for p in tmp_path.iterdir()] == ["overlay.png"]
+
+
+def test_overlay_without_heatmap_or_boxes_is_the_thumbnail():
+    thumb = np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(render_overlay(thumb, 4.0), thumb)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ConfigError, match="thumbnail"):
+        render_overlay(np.zeros((10, 10), dtype=np.uint8), 1.0)
+    with pytest.raises(ConfigError, match="uint8"):
+        write_png("/tmp/never.png", np.zeros((4, 4, 3), dtype=np.float32))

@@ -1,0 +1,65 @@
+"""The inference backend protocol and the factory that picks one by name.
+
+A backend runs one model (described by its :class:`~.card.ModelCard`) on
+batches of tiles. ``infer`` takes ``N x H x W x 3 uint8`` RGB tiles (H, W =
+the card's input size, C-contiguous) and returns the raw outputs by name,
+each with N in its first axis; decoding them is the decoders' job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, ConfigError
+from .card import ModelCard, load_card
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend (ort, torch, tensorrt) provides."""
+
+    card: ModelCard
+    max_batch: int
+
+    def infer(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        """Run ``batch`` (``N x H x W x 3 uint8`` RGB) and return ``{output name: array [N, ...]}``."""
+        ...
+
+    def close(self) -> None:
+        """Free the session/engine; the backend cannot run afterwards."""
+        ...
+
+
+# name -> (module relative to this package, class name). Other backends
+# register here as they are written; import is deferred so that e.g. torch
+# is only needed when the torch backend is asked for.
+BACKENDS: dict[str, tuple[str, str]] = {
+    "ort": (".ort_backend", "OrtBackend"),
+    "torch": (".torch_backend", "TorchBackend"),
+    "tensorrt": (".tensorrt_backend", "TensorRTBackend"),
+}
+
+
+def create_backend(card: ModelCard | str | os.PathLike[str], backend: str = "ort", **opts: Any) -> Backend:
+    """Make a backend by name for ``card`` (a ModelCard, or a card/model path to load).
+
+    ``opts`` go to the backend's constructor (e.g. ``max_batch``,
+    ``intra_op_threads`` for ``ort``). Raises ConfigError for an unknown name
+    and BackendUnavailableError when the backend cannot run on this machine.
+    """
+    if not isinstance(card, ModelCard):
+        card = load_card(card)
+    try:
+        module_name, class_name = BACKENDS[backend]
+    except KeyError:
+        raise ConfigError(f"backend: expected one of {sorted(BACKENDS)}, found {backend!r}") from None
+    try:
+        module = importlib.import_module(module_name, __package__)
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend {backend!r} is not available here: {exc}") from exc
+    cls = getattr(module, class_name)
+    return cls(card, **opts)

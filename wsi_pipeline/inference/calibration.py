@@ -1,0 +1,98 @@
+"""Sample representative tiles from slides for INT8 calibration and accuracy checks.
+
+Tiles are read at the model's resolution (``mpp``; or level 0 when the model
+or the slide has none), where the slide has tissue (an Otsu mask of the
+thumbnail, or everywhere), spread evenly over the slides, and written as JPEG
+files with a ``manifest.json`` that records where each came from (slide,
+level-0 origin, downsample).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from ..errors import ConfigError
+
+MANIFEST = "manifest.json"
+
+
+def _candidate_origins(slide, tile_extent_level0: float, tissue: str, min_tissue: float) -> np.ndarray:
+    """Level-0 (x0, y0) of non-overlapping tile cells with at least ``min_tissue`` tissue."""
+    from ..tiling.tissue import tissue_mask
+
+    w0, h0 = slide.dimensions
+    cols, rows = int(w0 // tile_extent_level0), int(h0 // tile_extent_level0)
+    if cols < 1 or rows < 1:
+        return np.zeros((0, 2), np.int64)
+    tm = tissue_mask(slide, method=tissue)
+    # Tissue fraction per cell: the mask averaged over each cell's footprint.
+    mh = max(1, round(rows * tile_extent_level0 / tm.downsample[1]))
+    mw = max(1, round(cols * tile_extent_level0 / tm.downsample[0]))
+    cropped = tm.mask[:mh, :mw].astype(np.float32)
+    frac = cv2.resize(cropped, (cols, rows), interpolation=cv2.INTER_AREA)
+    ys, xs = np.nonzero(frac >= min_tissue)
+    return np.stack([xs * tile_extent_level0, ys * tile_extent_level0], axis=1).round().astype(np.int64)
+
+
+def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
+                             n: int = 300, tile_px: int = 512, mpp: float | None = None,
+                             tissue: str = "otsu", min_tissue: float = 0.5, seed: int = 0,
+                             quality: int = 92, prefix: str = "") -> list[dict]:
+    """Write ``n`` tiles of ``tile_px`` square from ``slides`` into ``out_dir``; return the manifest rows.
+
+    ``mpp``: the model's micrometres per pixel (tiles are resampled to it
+    where the slide knows its own); None reads level 0. ``tissue``: "otsu"
+    or "all" (industrial images). Each slide contributes about ``n /
+    len(slides)`` tiles, chosen at random (``seed``) among cells with at least
+    ``min_tissue`` tissue.
+    """
+    from ..slide import open_slide
+
+    if not slides:
+        raise ConfigError("calibration-sample: expected at least one slide, found none")
+    if n < 1:
+        raise ConfigError(f"calibration-sample: --n: expected >= 1, found {n}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shares = [n // len(slides) + (1 if i < n % len(slides) else 0) for i in range(len(slides))]
+    rows: list[dict] = []
+    for path, share in zip(slides, shares, strict=True):
+        if share == 0:
+            continue
+        with open_slide(path) as slide:
+            downsample = 1.0
+            if mpp is not None and slide.mpp is not None:
+                downsample = float(mpp) / float(np.mean(slide.mpp))
+            extent = tile_px * downsample
+            origins = _candidate_origins(slide, extent, tissue, min_tissue)
+            if len(origins) == 0:
+                raise ConfigError(f"{path}: no {tile_px} px tile with {min_tissue:.0%} tissue "
+                                  f"(tissue method {tissue!r}); try --tissue all or --min-tissue lower")
+            picks = rng.choice(len(origins), min(share, len(origins)), replace=False)
+            level = slide.best_level_for_downsample(downsample)
+            level_ds = slide.level_downsamples[level]
+            read_px = max(1, round(extent / level_ds))
+            stem = Path(path).stem.split(".")[0]
+            for i in sorted(picks.tolist()):
+                x0, y0 = (int(v) for v in origins[i])
+                region = slide.read_region((x0, y0), level, (read_px, read_px))
+                if read_px != tile_px:
+                    region = cv2.resize(region, (tile_px, tile_px), interpolation=cv2.INTER_AREA)
+                name = f"{prefix}{stem}_{x0}_{y0}.jpg"
+                ok = cv2.imwrite(str(out / name), region[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
+                if not ok:
+                    raise ConfigError(f"{out / name}: cannot write the tile")
+                rows.append({"file": name, "slide": os.path.basename(os.fspath(path)), "x0_level0": x0,
+                             "y0_level0": y0, "downsample": downsample, "tile_px": tile_px})
+    manifest_path = out / MANIFEST
+    previous = json.loads(manifest_path.read_text())["tiles"] if manifest_path.is_file() else []
+    keep = [r for r in previous if r["file"] not in {row["file"] for row in rows} and (out / r["file"]).is_file()]
+    manifest_path.write_text(json.dumps({"tiles": keep + rows}, indent=1) + "\n")
+    return rows

@@ -1,0 +1,468 @@
+"""Model cards: the JSON file beside each model that says how to feed and decode it.
+
+A card ``engines/NAME.card.json`` describes ``engines/NAME.onnx``: the input
+tensor (name, size, layout, dtype, channel order, normalisation), the
+resolution the model was trained at (``mpp``, micrometres per pixel, or
+``null`` for industrial models), every output (name, shape, dtype), the
+decoder that turns the outputs into boxes, the object classes and the region
+heatmap. :func:`load_card` validates all of it and refuses a model file whose
+SHA-256, inputs or outputs differ from what the card says. The format is
+documented in ``docs/model_card.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, ModelError
+
+CARD_SUFFIX = ".card.json"
+SCHEMA_VERSION = 1
+LAYOUTS = ("NHWC", "NCHW")
+INPUT_DTYPES = ("uint8", "float32", "float16")
+CHANNEL_ORDERS = ("RGB", "BGR")
+DECODER_TYPES = ("centernet", "boxes_scores_labels", "yolo")
+HEATMAP_ACTIVATIONS = ("none", "sigmoid", "softmax")
+PRECISIONS = ("fp32", "fp16", "int8")
+OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
+
+# ONNX TensorProto element types -> card dtype names.
+_ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
+# onnxruntime NodeArg.type strings -> card dtype names.
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(uint8)": "uint8", "tensor(int32)": "int32",
+    "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(float16)": "float16",
+}
+
+Dim = int | str | None  # a fixed size, or a symbolic name / None for a dynamic axis
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The model's image input.
+
+    ``size_hw`` is (height, width) in pixels of one tile. ``mean``/``std`` are
+    per channel in the card's ``channel_order`` and in the input's value range
+    (0..255 for uint8 tiles). With ``normalize_in_graph`` the graph applies
+    them itself and the backend feeds raw pixels; otherwise the backend feeds
+    ``(pixel - mean) / std`` in ``dtype``.
+    """
+
+    name: str
+    size_hw: tuple[int, int]
+    layout: str = "NHWC"
+    dtype: str = "uint8"
+    channel_order: str = "RGB"
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    normalize_in_graph: bool = True
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One model output: its name, shape (ints fixed; strings or None dynamic) and dtype."""
+
+    name: str
+    shape: tuple[Dim, ...]
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Which decoder turns the outputs into boxes, and its parameters (see decoders.py)."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClassSpec:
+    """An object class: display name and colour (``#rrggbb``)."""
+
+    name: str
+    color: str = "#ff0000"
+
+
+@dataclass(frozen=True)
+class HeatmapSpec:
+    """The region heatmap output.
+
+    ``output`` names a ``[B, C, H/stride, W/stride]`` output; ``stride`` is in
+    tile pixels per heatmap cell; ``classes`` names the C channels;
+    ``activation`` is what the decoder applies to the raw output to get
+    probabilities (``none`` when the graph already outputs them).
+    """
+
+    output: str
+    stride: int
+    classes: tuple[str, ...]
+    activation: str = "none"
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A validated model card. ``model_path`` is absolute; ``card_path`` is where it was read."""
+
+    name: str
+    version: str
+    model_path: Path
+    sha256: str
+    input: InputSpec
+    outputs: tuple[OutputSpec, ...]
+    decoder: DecoderSpec
+    classes: tuple[ClassSpec, ...]
+    mpp: float | None = None
+    heatmap: HeatmapSpec | None = None
+    precision: str = "fp32"
+    card_path: Path | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def class_names(self) -> list[str]:
+        return [c.name for c in self.classes]
+
+    @property
+    def tile_size_hw(self) -> tuple[int, int]:
+        return self.input.size_hw
+
+    def output(self, name: str) -> OutputSpec:
+        for spec in self.outputs:
+            if spec.name == name:
+                return spec
+        raise ModelError(f"{self.card_path}: no output named {name!r} (outputs: {[o.name for o in self.outputs]})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The card as the JSON document :func:`load_card` reads (model path relative to the card)."""
+        base = self.card_path.parent if self.card_path is not None else self.model_path.parent
+        model_file = os.path.relpath(self.model_path, base)
+        doc: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "version": self.version,
+            "model_file": model_file.replace(os.sep, "/"),
+            "sha256": self.sha256,
+            "precision": self.precision,
+            "input": {
+                "name": self.input.name,
+                "size": list(self.input.size_hw),
+                "layout": self.input.layout,
+                "dtype": self.input.dtype,
+                "channel_order": self.input.channel_order,
+                "mean": list(self.input.mean),
+                "std": list(self.input.std),
+                "normalize_in_graph": self.input.normalize_in_graph,
+            },
+            "mpp": self.mpp,
+            "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in self.outputs],
+            "decoder": {"type": self.decoder.type, "params": dict(self.decoder.params)},
+            "classes": [{"name": c.name, "color": c.color} for c in self.classes],
+            "heatmap": None if self.heatmap is None else {
+                "output": self.heatmap.output,
+                "stride": self.heatmap.stride,
+                "classes": list(self.heatmap.classes),
+                "activation": self.heatmap.activation,
+            },
+        }
+        doc.update(dict(self.extra))
+        return doc
+
+
+def card_path_for(model_path: str | os.PathLike[str]) -> Path:
+    """``engines/NAME.onnx`` -> ``engines/NAME.card.json``."""
+    p = Path(model_path)
+    return p.with_name(p.stem + CARD_SUFFIX) if p.suffix else p.with_name(p.name + CARD_SUFFIX)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_card(card: ModelCard, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``card`` as JSON (to ``path``, or beside its model) and return the path."""
+    out = Path(path) if path is not None else card_path_for(card.model_path)
+    card = dataclasses.replace(card, card_path=out.resolve())
+    out.write_text(json.dumps(card.to_dict(), indent=2) + "\n")
+    return out
+
+
+# -- parsing -------------------------------------------------------------------
+
+class _Reader:
+    """Field access on the card's JSON with errors that name the file and field."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, expected: str, found: Any) -> ConfigError:
+        return ConfigError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
+
+    def get(self, obj: Mapping[str, Any], key: str, where: str, kinds: type | tuple[type, ...],
+            expected: str, default: Any = ..., optional: bool = False) -> Any:
+        full = f"{where}.{key}" if where else key
+        if key not in obj or (optional and obj[key] is None):
+            if default is not ...:
+                return default
+            raise ConfigError(f"{self.path}: missing field {full!r} ({expected})")
+        value = obj[key]
+        # bool is an int in Python; never accept it where a number is meant.
+        if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+            raise self.fail(full, expected, value)
+        if not isinstance(value, kinds):
+            raise self.fail(full, expected, value)
+        return value
+
+    def choice(self, obj: Mapping[str, Any], key: str, where: str, choices: Sequence[str],
+               default: Any = ...) -> str:
+        value = self.get(obj, key, where, str, f"one of {list(choices)}", default)
+        if value not in choices:
+            raise self.fail(f"{where}.{key}" if where else key, f"one of {list(choices)}", value)
+        return value
+
+    def triple(self, obj: Mapping[str, Any], key: str, where: str, default: Any) -> tuple[float, float, float]:
+        value = self.get(obj, key, where, list, "a list of 3 numbers", default)
+        if isinstance(value, tuple):
+            return value
+        if len(value) != 3 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            raise self.fail(f"{where}.{key}", "a list of 3 numbers", value)
+        return tuple(float(v) for v in value)  # type: ignore[return-value]
+
+
+def _parse_dim(reader: _Reader, value: Any, where: str) -> Dim:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise reader.fail(where, "a non-negative int, a string (dynamic axis) or null", value)
+
+
+def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> ModelCard:
+    """Validate a card's JSON document; ``card_path`` locates the model file and names errors."""
+    path = Path(card_path).resolve()
+    r = _Reader(path)
+    if not isinstance(doc, Mapping):
+        raise r.fail("", "a JSON object", type(doc).__name__)
+    schema = r.get(doc, "schema_version", "", int, "an int", SCHEMA_VERSION)
+    if schema > SCHEMA_VERSION:
+        raise r.fail("schema_version", f"<= {SCHEMA_VERSION}", schema)
+    name = r.get(doc, "name", "", str, "a string")
+    version = str(r.get(doc, "version", "", (str, int, float), "a string", "0"))
+    model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
+    sha = r.get(doc, "sha256", "", str, "64 hex digits")
+    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
+        raise r.fail("sha256", "64 hex digits", sha)
+    precision = r.choice(doc, "precision", "", PRECISIONS, "fp32")
+
+    inp = r.get(doc, "input", "", dict, "an object")
+    size = r.get(inp, "size", "input", list, "[height, width] in pixels")
+    if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
+        raise r.fail("input.size", "[height, width], two positive ints", size)
+    input_spec = InputSpec(
+        name=r.get(inp, "name", "input", str, "the graph input's name"),
+        size_hw=(size[0], size[1]),
+        layout=r.choice(inp, "layout", "input", LAYOUTS, "NHWC"),
+        dtype=r.choice(inp, "dtype", "input", INPUT_DTYPES, "uint8"),
+        channel_order=r.choice(inp, "channel_order", "input", CHANNEL_ORDERS, "RGB"),
+        mean=r.triple(inp, "mean", "input", (0.0, 0.0, 0.0)),
+        std=r.triple(inp, "std", "input", (1.0, 1.0, 1.0)),
+        normalize_in_graph=r.get(inp, "normalize_in_graph", "input", bool, "true or false", True),
+    )
+    if any(s == 0 for s in input_spec.std):
+        raise r.fail("input.std", "non-zero values", list(input_spec.std))
+    if input_spec.dtype == "uint8" and not input_spec.normalize_in_graph and (
+            input_spec.mean != (0.0, 0.0, 0.0) or input_spec.std != (1.0, 1.0, 1.0)):
+        raise r.fail("input.normalize_in_graph", "true for a uint8 input with mean/std "
+                     "(a uint8 tensor cannot carry normalised values)", False)
+
+    mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
+    if mpp is not None and not mpp > 0:
+        raise r.fail("mpp", "a positive number or null", mpp)
+
+    outputs_doc = r.get(doc, "outputs", "", list, "a list of {name, shape, dtype}")
+    if not outputs_doc:
+        raise r.fail("outputs", "at least one output", outputs_doc)
+    outputs = []
+    for i, o in enumerate(outputs_doc):
+        where = f"outputs[{i}]"
+        if not isinstance(o, dict):
+            raise r.fail(where, "an object", o)
+        shape = r.get(o, "shape", where, list, "a list of dims")
+        outputs.append(OutputSpec(
+            name=r.get(o, "name", where, str, "a string"),
+            shape=tuple(_parse_dim(r, d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
+            dtype=r.choice(o, "dtype", where, OUTPUT_DTYPES, "float32"),
+        ))
+    names = [o.name for o in outputs]
+    if len(set(names)) != len(names):
+        raise r.fail("outputs", "unique names", names)
+
+    dec = r.get(doc, "decoder", "", dict, "an object {type, params}")
+    decoder = DecoderSpec(
+        type=r.choice(dec, "type", "decoder", DECODER_TYPES),
+        params=dict(r.get(dec, "params", "decoder", dict, "an object", {})),
+    )
+
+    classes_doc = r.get(doc, "classes", "", list, "a list of {name, color}")
+    if not classes_doc:
+        raise r.fail("classes", "at least one class", classes_doc)
+    classes = []
+    for i, c in enumerate(classes_doc):
+        where = f"classes[{i}]"
+        if isinstance(c, str):
+            classes.append(ClassSpec(c))
+            continue
+        if not isinstance(c, dict):
+            raise r.fail(where, "an object {name, color}", c)
+        color = r.get(c, "color", where, str, "#rrggbb", "#ff0000")
+        if len(color) != 7 or color[0] != "#" or any(ch not in "0123456789abcdefABCDEF" for ch in color[1:]):
+            raise r.fail(f"{where}.color", "#rrggbb", color)
+        classes.append(ClassSpec(r.get(c, "name", where, str, "a string"), color))
+
+    heatmap = None
+    hm = r.get(doc, "heatmap", "", dict, "an object or null", None, optional=True)
+    if hm is not None:
+        stride = r.get(hm, "stride", "heatmap", int, "a positive int (tile pixels per cell)")
+        if stride <= 0:
+            raise r.fail("heatmap.stride", "a positive int", stride)
+        hm_classes = r.get(hm, "classes", "heatmap", list, "a list of channel names")
+        if not hm_classes or not all(isinstance(c, str) for c in hm_classes):
+            raise r.fail("heatmap.classes", "a non-empty list of strings", hm_classes)
+        heatmap = HeatmapSpec(
+            output=r.get(hm, "output", "heatmap", str, "an output name"),
+            stride=stride,
+            classes=tuple(hm_classes),
+            activation=r.choice(hm, "activation", "heatmap", HEATMAP_ACTIVATIONS, "none"),
+        )
+        if heatmap.output not in names:
+            raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
+
+    known = {"schema_version", "name", "version", "model_file", "sha256", "precision", "input",
+             "mpp", "outputs", "decoder", "classes", "heatmap"}
+    extra = {k: v for k, v in doc.items() if k not in known}
+    card = ModelCard(
+        name=name, version=version, model_path=(path.parent / model_file).resolve(), sha256=sha.lower(),
+        input=input_spec, outputs=tuple(outputs), decoder=decoder, classes=tuple(classes), mpp=mpp,
+        heatmap=heatmap, precision=precision, card_path=path, extra=extra,
+    )
+    # Imported here: decoders import this module for the card types.
+    from .decoders import validate_decoder_params
+
+    validate_decoder_params(card)
+    return card
+
+
+def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
+              verify_model: bool = True) -> ModelCard:
+    """Read and validate a model card.
+
+    ``path`` is the card (``NAME.card.json``) or the model file beside it.
+    With ``verify_sha256`` the model file must hash to the card's ``sha256``;
+    with ``verify_model`` its input and output names, dtypes and fixed dims
+    must match the card (read with ``onnx``, or ``onnxruntime`` without it).
+    Raises ConfigError for a malformed card, ModelError for a missing or
+    mismatching model file.
+    """
+    p = Path(path)
+    if not p.name.endswith(CARD_SUFFIX) and p.suffix != ".json":
+        p = card_path_for(p)
+    if not p.is_file():
+        raise ModelError(f"{p}: model card not found (expected a JSON card beside the model)")
+    try:
+        doc = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON: {exc}") from exc
+    card = parse_card(doc, p)
+    if not card.model_path.is_file():
+        raise ModelError(f"{p}: model_file {card.model_path} does not exist")
+    if verify_sha256:
+        found = file_sha256(card.model_path)
+        if found != card.sha256:
+            raise ModelError(f"{card.model_path}: SHA-256 does not match its card {p}: "
+                             f"expected {card.sha256}, found {found}")
+    if verify_model and card.model_path.suffix == ".onnx":
+        check_onnx_matches_card(card)
+    return card
+
+
+# -- model <-> card consistency ----------------------------------------------------
+
+def _onnx_signature(model_path: Path) -> tuple[dict[str, tuple[str, tuple[Dim, ...]]],
+                                              dict[str, tuple[str, tuple[Dim, ...]]]]:
+    """{name: (dtype, shape)} of the graph's real inputs and of its outputs."""
+    try:
+        import onnx
+    except ImportError:
+        onnx = None
+    if onnx is not None:
+        try:
+            model = onnx.load(str(model_path), load_external_data=False)
+        except Exception as exc:  # onnx raises DecodeError and others for a corrupt file
+            raise ModelError(f"{model_path}: cannot be read as ONNX: {exc}") from exc
+        initializers = {init.name for init in model.graph.initializer}
+
+        def sig(values) -> dict[str, tuple[str, tuple[Dim, ...]]]:
+            out = {}
+            for v in values:
+                if v.name in initializers:
+                    continue
+                t = v.type.tensor_type
+                dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                             for d in t.shape.dim)
+                out[v.name] = (_ONNX_ELEM_TYPES.get(t.elem_type, f"onnx-type-{t.elem_type}"), dims)
+            return out
+
+        return sig(model.graph.input), sig(model.graph.output)
+    import onnxruntime as ort
+
+    try:
+        sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise ModelError(f"{model_path}: cannot be loaded by onnxruntime: {exc}") from exc
+
+    def ort_sig(args) -> dict[str, tuple[str, tuple[Dim, ...]]]:
+        return {a.name: (_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
+
+    return ort_sig(sess.get_inputs()), ort_sig(sess.get_outputs())
+
+
+def _dims_conflict(expected: Dim, found: Dim) -> bool:
+    return isinstance(expected, int) and isinstance(found, int) and expected != found
+
+
+def check_onnx_matches_card(card: ModelCard) -> None:
+    """Raise ModelError unless the ONNX file's input/outputs agree with the card."""
+    inputs, outputs = _onnx_signature(card.model_path)
+    where = f"{card.model_path} (card {card.card_path})"
+    if len(inputs) != 1 or card.input.name not in inputs:
+        raise ModelError(f"{where}: input: expected one input named {card.input.name!r}, "
+                         f"found {sorted(inputs)}")
+    dtype, shape = inputs[card.input.name]
+    if dtype != card.input.dtype:
+        raise ModelError(f"{where}: input {card.input.name!r} dtype: expected {card.input.dtype}, found {dtype}")
+    h, w = card.input.size_hw
+    expected_shape: tuple[Dim, ...] = (None, h, w, 3) if card.input.layout == "NHWC" else (None, 3, h, w)
+    if len(shape) != 4 or any(_dims_conflict(e, f) for e, f in zip(expected_shape, shape, strict=True)):
+        raise ModelError(f"{where}: input {card.input.name!r} shape: expected {card.input.layout} "
+                         f"{list(expected_shape)}, found {list(shape)}")
+    expected_names = [o.name for o in card.outputs]
+    if sorted(expected_names) != sorted(outputs):
+        raise ModelError(f"{where}: outputs: expected {sorted(expected_names)}, found {sorted(outputs)}")
+    for spec in card.outputs:
+        dtype, shape = outputs[spec.name]
+        if dtype != spec.dtype:
+            raise ModelError(f"{where}: output {spec.name!r} dtype: expected {spec.dtype}, found {dtype}")
+        if len(shape) != len(spec.shape) or any(
+                _dims_conflict(e, f) for e, f in zip(spec.shape, shape, strict=True)):
+            raise ModelError(f"{where}: output {spec.name!r} shape: expected {list(spec.shape)}, "
+                             f"found {list(shape)}")

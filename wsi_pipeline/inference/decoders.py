@@ -1,0 +1,308 @@
+"""Output decoders: a batch's raw model outputs -> one :class:`TileDetections` per tile.
+
+Every decoder returns boxes in TILE pixels of the model input (``x0, y0, x1,
+y1``, origin top-left of the tile, x right, y down); the stitcher moves them
+to level-0 slide pixels. The card's ``decoder`` entry picks the decoder and
+its parameters:
+
+``centernet``
+    The shipped models' graph already does peak extraction and outputs
+    fixed-size ``boxes [B,K,4]`` (xyxy tile px), ``scores [B,K]``, ``labels
+    [B,K]``; decoding keeps the entries with ``score >= score_threshold``.
+    Params: ``boxes``, ``scores``, ``labels`` (output names; default those
+    words), ``score_threshold`` (0.3), ``max_detections`` (all),
+    ``iou_threshold`` (null: no NMS; a number: class-aware NMS per tile, for
+    long objects such as scratches that can raise more than one peak).
+``boxes_scores_labels``
+    Detection exports in torchvision's style: ``boxes [B,N,4]``, ``scores
+    [B,N]``, ``labels [B,N]`` (rank-2 outputs are taken as B=1), possibly
+    padded. Params: the three output names, ``num_detections`` (optional
+    output ``[B]`` with the count of valid rows per tile), ``score_threshold``
+    (0.0), ``box_format`` (``xyxy`` | ``xywh`` | ``cxcywh``), ``normalized``
+    (boxes in 0..1 of the tile: false), ``label_offset`` (added to labels, e.g.
+    -1 for exports whose class 0 is the background: 0). Rows with a negative
+    label after the offset are padding and dropped.
+``yolo``
+    A raw YOLO (v8-style) head ``[B, 4+C, N]`` of ``cx, cy, w, h`` in tile px
+    followed by C class scores. Params: ``output``, ``score_threshold``
+    (0.25), ``iou_threshold`` (0.45), ``max_detections`` (300),
+    ``channels_last`` (the head is ``[B, N, 4+C]``: false), ``objectness``
+    (a v5-style objectness column after the box, multiplied in: false).
+    Class-aware NMS per tile with OpenCV's ``cv2.dnn.NMSBoxesBatched``.
+
+A card's ``heatmap`` output ``[B, C, H/stride, W/stride]`` is returned per
+tile as ``CxHxW float32`` probabilities after the card's activation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import cv2
+import numpy as np
+
+from ..errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from .card import ModelCard
+
+
+@dataclass
+class TileDetections:
+    """Detections of one tile, in tile pixels of the model input.
+
+    ``boxes``: ``Nx4 float32`` (x0, y0, x1, y1); ``scores``: ``N float32``;
+    ``labels``: ``N int64`` indices into the card's classes; ``heatmap``:
+    ``CxHxW float32`` region probabilities at the card's heatmap stride, or
+    None for a model without one.
+    """
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    labels: np.ndarray
+    heatmap: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.boxes.shape[0])
+
+    @classmethod
+    def empty(cls, heatmap: np.ndarray | None = None) -> TileDetections:
+        return cls(np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64), heatmap)
+
+
+Decoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], list[TileDetections]]
+
+_PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
+    "centernet": {
+        "boxes": (str, "boxes"), "scores": (str, "scores"), "labels": (str, "labels"),
+        "score_threshold": ((int, float), 0.3), "max_detections": ((int, type(None)), None),
+        "iou_threshold": ((int, float, type(None)), None),
+    },
+    "boxes_scores_labels": {
+        "boxes": (str, "boxes"), "scores": (str, "scores"), "labels": (str, "labels"),
+        "num_detections": ((str, type(None)), None), "score_threshold": ((int, float), 0.0),
+        "box_format": (str, "xyxy"), "normalized": (bool, False), "label_offset": (int, 0),
+    },
+    "yolo": {
+        "output": (str, "output0"), "score_threshold": ((int, float), 0.25),
+        "iou_threshold": ((int, float), 0.45), "max_detections": (int, 300),
+        "channels_last": (bool, False), "objectness": (bool, False),
+    },
+}
+BOX_FORMATS = ("xyxy", "xywh", "cxcywh")
+
+
+def decoder_params(card: ModelCard) -> dict[str, Any]:
+    """The card's decoder params with defaults filled in."""
+    spec = _PARAMS[card.decoder.type]
+    params = {k: default for k, (_, default) in spec.items()}
+    params.update(card.decoder.params)
+    return params
+
+
+def validate_decoder_params(card: ModelCard) -> None:
+    """Raise ConfigError for unknown, mistyped or inconsistent decoder params of ``card``."""
+    kind = card.decoder.type
+    spec = _PARAMS[kind]
+    where = card.card_path
+    for key, value in card.decoder.params.items():
+        if key not in spec:
+            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected one of "
+                              f"{sorted(spec)} for decoder {kind!r}, found unknown key")
+        kinds = spec[key][0]
+        if (isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))) \
+                or not isinstance(value, kinds):
+            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected "
+                              f"{_kind_name(kinds)}, found {value!r}")
+    params = decoder_params(card)
+    names = {o.name for o in card.outputs}
+    for key in ("boxes", "scores", "labels", "num_detections", "output"):
+        if key in spec and params[key] is not None and params[key] not in names:
+            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected one of the outputs "
+                              f"{sorted(names)}, found {params[key]!r}")
+    if kind == "boxes_scores_labels" and params["box_format"] not in BOX_FORMATS:
+        raise ConfigError(f"{where}: field 'decoder.params.box_format': expected one of "
+                          f"{list(BOX_FORMATS)}, found {params['box_format']!r}")
+    for key in ("score_threshold", "iou_threshold"):
+        if params.get(key) is not None and not 0.0 <= float(params[key]) <= 1.0:
+            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], "
+                              f"found {params[key]!r}")
+
+
+def _kind_name(kinds: type | tuple[type, ...]) -> str:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+
+
+def _get(outputs: Mapping[str, np.ndarray], name: str, card: ModelCard) -> np.ndarray:
+    try:
+        return np.asarray(outputs[name])
+    except KeyError:
+        raise ModelError(f"{card.model_path}: output {name!r} missing from the model's results "
+                         f"(found {sorted(outputs)})") from None
+
+
+def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> list[np.ndarray | None]:
+    if card.heatmap is None:
+        return [None] * batch
+    raw = _get(outputs, card.heatmap.output, card).astype(np.float32, copy=False)
+    if raw.ndim != 4 or raw.shape[0] != batch or raw.shape[1] != len(card.heatmap.classes):
+        raise ModelError(f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
+                         f"[{batch}, {len(card.heatmap.classes)}, H, W], found {list(raw.shape)}")
+    if card.heatmap.activation == "sigmoid":
+        raw = 1.0 / (1.0 + np.exp(-raw))
+    elif card.heatmap.activation == "softmax":
+        e = np.exp(raw - raw.max(axis=1, keepdims=True))
+        raw = e / e.sum(axis=1, keepdims=True)
+    return [np.ascontiguousarray(raw[i], dtype=np.float32) for i in range(batch)]
+
+
+def _as_batched(a: np.ndarray, rank: int) -> np.ndarray:
+    return a[None] if a.ndim == rank - 1 else a
+
+
+def _check_rows(card: ModelCard, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
+    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.shape != boxes.shape[:2] or labels.shape != boxes.shape[:2]:
+        raise ModelError(f"{card.model_path}: detection outputs: expected boxes [B,N,4], scores [B,N], "
+                         f"labels [B,N], found {list(boxes.shape)}, {list(scores.shape)}, {list(labels.shape)}")
+
+
+def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
+                  iou_threshold: float) -> np.ndarray:
+    """Indices kept by class-aware NMS (OpenCV's ``NMSBoxesBatched``), by descending score.
+
+    ``boxes``: ``Nx4`` xyxy; ``scores``: ``N``; ``labels``: ``N`` ints.
+    """
+    if len(boxes) == 0:
+        return np.zeros(0, np.int64)
+    rects = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)  # x, y, w, h
+    keep = np.asarray(cv2.dnn.NMSBoxesBatched(
+        rects.astype(np.float64).tolist(), np.asarray(scores, np.float64).tolist(),
+        np.asarray(labels, np.int64).tolist(), -1.0, float(iou_threshold)), np.int64).reshape(-1)
+    return keep[np.argsort(-np.asarray(scores)[keep], kind="stable")]
+
+
+def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """Fixed-size peak outputs -> detections with ``score >= score_threshold``."""
+    p = decoder_params(card)
+    boxes = _as_batched(_get(outputs, p["boxes"], card), 3)
+    scores = _as_batched(_get(outputs, p["scores"], card), 2)
+    labels = _as_batched(_get(outputs, p["labels"], card), 2)
+    _check_rows(card, boxes, scores, labels)
+    heatmaps = _heatmaps(outputs, card, boxes.shape[0])
+    results = []
+    for i in range(boxes.shape[0]):
+        keep = np.flatnonzero(scores[i] >= p["score_threshold"])
+        keep = keep[np.argsort(-scores[i][keep], kind="stable")]
+        if p["iou_threshold"] is not None and keep.size > 1:
+            keep = keep[nms_per_class(boxes[i][keep], scores[i][keep], labels[i][keep], p["iou_threshold"])]
+        if p["max_detections"] is not None:
+            keep = keep[: p["max_detections"]]
+        results.append(TileDetections(
+            boxes[i][keep].astype(np.float32), scores[i][keep].astype(np.float32),
+            labels[i][keep].astype(np.int64), heatmaps[i]))
+    return results
+
+
+def _to_xyxy(boxes: np.ndarray, box_format: str) -> np.ndarray:
+    if box_format == "xyxy":
+        return boxes
+    out = np.empty_like(boxes)
+    if box_format == "xywh":
+        out[..., :2] = boxes[..., :2]
+        out[..., 2:] = boxes[..., :2] + boxes[..., 2:]
+    else:  # cxcywh
+        half = boxes[..., 2:] / 2
+        out[..., :2] = boxes[..., :2] - half
+        out[..., 2:] = boxes[..., :2] + half
+    return out
+
+
+def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """torchvision-style ``boxes/scores/labels`` outputs -> detections (padding and low scores dropped)."""
+    p = decoder_params(card)
+    boxes = _as_batched(_get(outputs, p["boxes"], card), 3).astype(np.float32)
+    scores = _as_batched(_get(outputs, p["scores"], card), 2).astype(np.float32)
+    labels = _as_batched(_get(outputs, p["labels"], card), 2).astype(np.int64) + p["label_offset"]
+    _check_rows(card, boxes, scores, labels)
+    boxes = _to_xyxy(boxes, p["box_format"])
+    if p["normalized"]:
+        h, w = card.input.size_hw
+        boxes = boxes * np.array([w, h, w, h], np.float32)
+    counts = None
+    if p["num_detections"] is not None:
+        counts = _get(outputs, p["num_detections"], card).reshape(-1).astype(np.int64)
+        if counts.shape[0] != boxes.shape[0]:
+            raise ModelError(f"{card.model_path}: output {p['num_detections']!r}: expected "
+                             f"[{boxes.shape[0]}], found {list(counts.shape)}")
+    heatmaps = _heatmaps(outputs, card, boxes.shape[0])
+    results = []
+    for i in range(boxes.shape[0]):
+        valid = (scores[i] >= p["score_threshold"]) & (labels[i] >= 0) & np.isfinite(boxes[i]).all(axis=1)
+        if counts is not None:
+            valid[counts[i]:] = False
+        keep = np.flatnonzero(valid)
+        keep = keep[np.argsort(-scores[i][keep], kind="stable")]
+        results.append(TileDetections(boxes[i][keep], scores[i][keep], labels[i][keep], heatmaps[i]))
+    return results
+
+
+def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """Raw YOLO head -> thresholded, class-aware NMS'd detections per tile."""
+    p = decoder_params(card)
+    raw = _as_batched(_get(outputs, p["output"], card), 3).astype(np.float32)
+    if not p["channels_last"]:
+        raw = raw.transpose(0, 2, 1)  # -> [B, N, 4+C]
+    n_cls = len(card.classes)
+    width = 4 + int(p["objectness"]) + n_cls
+    if raw.ndim != 3 or raw.shape[2] != width:
+        layout = "[B, N, {}]" if p["channels_last"] else "[B, {}, N]"
+        raise ModelError(f"{card.model_path}: yolo output {p['output']!r}: expected "
+                         f"{layout.format(width)} for {n_cls} classes, found "
+                         f"{list(_get(outputs, p['output'], card).shape)}")
+    heatmaps = _heatmaps(outputs, card, raw.shape[0])
+    results = []
+    for i in range(raw.shape[0]):
+        rows = raw[i]
+        cls_scores = rows[:, width - n_cls:]
+        if p["objectness"]:
+            cls_scores = cls_scores * rows[:, 4:5]
+        labels = cls_scores.argmax(axis=1)
+        scores = cls_scores[np.arange(rows.shape[0]), labels]
+        cand = np.flatnonzero(scores >= p["score_threshold"])
+        if cand.size == 0:
+            results.append(TileDetections.empty(heatmaps[i]))
+            continue
+        boxes = _to_xyxy(rows[cand, :4], "cxcywh")
+        keep = nms_per_class(boxes, scores[cand], labels[cand], p["iou_threshold"])[: p["max_detections"]]
+        results.append(TileDetections(boxes[keep].astype(np.float32), scores[cand][keep].astype(np.float32),
+                                      labels[cand][keep].astype(np.int64), heatmaps[i]))
+    return results
+
+
+DECODERS: dict[str, Decoder] = {
+    "centernet": decode_centernet,
+    "boxes_scores_labels": decode_boxes_scores_labels,
+    "yolo": decode_yolo,
+}
+
+
+def get_decoder(card: ModelCard) -> Decoder:
+    """The decoder function named by the card."""
+    return DECODERS[card.decoder.type]
+
+
+def decode(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """Decode one batch of raw outputs with the card's decoder: one TileDetections per tile."""
+    return get_decoder(card)(outputs, card)
+
+
+def decode_names(card: ModelCard) -> Sequence[str]:
+    """The output names the decoder reads (heatmap included)."""
+    p = decoder_params(card)
+    names = [p[k] for k in ("boxes", "scores", "labels", "num_detections", "output") if p.get(k)]
+    if card.heatmap is not None:
+        names.append(card.heatmap.output)
+    return names

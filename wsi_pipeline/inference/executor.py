@@ -1,0 +1,633 @@
+"""The executor: one backend run over a stream of tile batches by N concurrent workers.
+
+On CUDA (a :class:`~.torch_backend.TorchBackend` or
+:class:`~.tensorrt_backend.TensorRTBackend` on a GPU) every worker owns a
+CUDA stream, a pinned host input buffer, the backend's per-stream runner
+(device input buffer, CUDA graphs or TensorRT execution context) and pinned
+host output buffers. A worker's batch goes: asynchronous H2D copy straight
+from the loader's buffer, page-locked once per pooled buffer (or, where that
+is not possible, a host copy into the worker's pinned buffer first); the
+loader's buffer is released as soon as the copy has finished -> model ->
+output reduction on the device (score threshold, sort, counts, heatmap
+activation) -> asynchronous D2H copy of the small results -> event. Different workers' batches overlap copies and compute on the GPU.
+
+On the CPU (ONNX Runtime, or the torch backend on ``cpu``) workers are
+threads calling ``backend.infer``; ONNX Runtime runs concurrent calls and
+releases the GIL. For the best CPU throughput give each worker its own
+session with the intra-op threads split between them
+(:meth:`Executor.from_card` does that).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, WSIPipelineError
+from ..tiling.grid import Tile
+from .card import ModelCard, load_card
+from .decoders import TileDetections, decode, decode_names, decoder_params
+
+DEFAULT_CUDA_STREAMS = 4
+DEFAULT_CPU_WORKERS = 2
+_POLL_S = 0.1
+
+
+class BatchInferenceError(WSIPipelineError):
+    """Inference failed on one batch; ``tile_indices`` names its tiles (grid indices)."""
+
+    def __init__(self, tile_indices: Sequence[int], sequence: int, reason: str):
+        self.tile_indices = list(tile_indices)
+        self.sequence = sequence
+        shown = self.tile_indices if len(self.tile_indices) <= 16 else \
+            [*self.tile_indices[:8], "...", *self.tile_indices[-4:]]
+        super().__init__(f"inference failed on batch {sequence} (tiles {shown}): {reason}")
+
+
+@dataclass
+class BatchResult:
+    """One batch's detections: ``detections[i]`` belongs to ``tiles[i]`` (tile pixels)."""
+
+    tiles: list[Tile]
+    detections: list[TileDetections]
+    sequence: int
+
+
+def _is_cuda_backend(backend: Any) -> bool:
+    device = getattr(backend, "device", None)
+    return getattr(device, "type", None) == "cuda" and hasattr(backend, "create_runner")
+
+
+# -- device-side output reduction -------------------------------------------------
+
+class _DeviceDecoder:
+    """Turns a batch's device outputs into small device tensors, then host TileDetections.
+
+    ``centernet`` and ``boxes_scores_labels``: the threshold, validity mask,
+    stable descending sort by score and per-tile counts are computed on the
+    device; the host only slices ``[:count]``. The result is the CPU
+    decoder's, row for row. ``yolo`` (class-aware NMS): the raw outputs are
+    copied back and decoded on the host by the CPU decoder.
+    """
+
+    def __init__(self, card: ModelCard):
+        self.card = card
+        self.kind = card.decoder.type
+        self.p = decoder_params(card)
+
+    def reduce(self, outs: dict[str, Any], n: int) -> dict[str, Any]:
+        import torch
+
+        card, p = self.card, self.p
+        red: dict[str, torch.Tensor] = {}
+        if self.kind in ("centernet", "boxes_scores_labels"):
+            boxes = outs[p["boxes"]][:n].float()
+            scores = outs[p["scores"]][:n].float()
+            labels = outs[p["labels"]][:n].long()
+            if boxes.dim() == 2:
+                boxes, scores, labels = boxes[None], scores[None], labels[None]
+            valid = scores >= float(p["score_threshold"])
+            if self.kind == "boxes_scores_labels":
+                labels = labels + int(p["label_offset"])
+                boxes = _to_xyxy_t(boxes, p["box_format"])
+                if p["normalized"]:
+                    h, w = card.input.size_hw
+                    boxes = boxes * boxes.new_tensor([w, h, w, h])
+                valid = valid & (labels >= 0) & torch.isfinite(boxes).all(dim=2)
+                if p["num_detections"] is not None:
+                    counts = outs[p["num_detections"]][:n].reshape(-1).long()
+                    cols = torch.arange(scores.shape[1], device=scores.device)
+                    valid = valid & (cols[None, :] < counts[:, None])
+            key = torch.where(valid, scores, torch.full_like(scores, -float("inf")))
+            _, order = torch.sort(key, dim=1, descending=True, stable=True)
+            count = valid.sum(dim=1)
+            if self.kind == "centernet" and p["max_detections"] is not None:
+                count = count.clamp(max=int(p["max_detections"]))
+            red["boxes"] = torch.gather(boxes, 1, order[:, :, None].expand(-1, -1, 4)).contiguous()
+            red["scores"] = torch.gather(scores, 1, order).contiguous()
+            red["labels"] = torch.gather(labels, 1, order).to(torch.int32).contiguous()
+            red["count"] = count.to(torch.int32)
+        else:
+            for name in decode_names(card):
+                if card.heatmap is None or name != card.heatmap.output:
+                    red["raw:" + name] = outs[name][:n].contiguous()
+        if card.heatmap is not None:
+            hm = outs[card.heatmap.output][:n].float()
+            if card.heatmap.activation == "sigmoid":
+                hm = torch.sigmoid(hm)
+            elif card.heatmap.activation == "softmax":
+                hm = torch.softmax(hm, dim=1)
+            red["heatmap"] = hm.contiguous()
+        return red
+
+    def finish(self, host: dict[str, np.ndarray], n: int) -> list[TileDetections]:
+        """Host arrays (views of reused pinned buffers: everything is copied) -> detections."""
+        heat = host.get("heatmap")
+        if self.kind in ("centernet", "boxes_scores_labels"):
+            result = []
+            for i in range(n):
+                c = int(host["count"][i])
+                result.append(TileDetections(
+                    host["boxes"][i, :c].copy(), host["scores"][i, :c].copy(),
+                    host["labels"][i, :c].astype(np.int64),
+                    None if heat is None else heat[i].copy()))
+            return result
+        raw = {k[4:]: v.copy() for k, v in host.items() if k.startswith("raw:")}
+        if heat is not None:
+            raw[self.card.heatmap.output] = heat.copy()  # activation already applied
+            card = _card_without_activation(self.card)
+        else:
+            card = self.card
+        return decode(raw, card)
+
+
+def _card_without_activation(card: ModelCard) -> ModelCard:
+    import dataclasses
+
+    return dataclasses.replace(card, heatmap=dataclasses.replace(card.heatmap, activation="none"))
+
+
+def _to_xyxy_t(boxes, box_format: str):
+    import torch
+
+    if box_format == "xyxy":
+        return boxes
+    if box_format == "xywh":
+        return torch.cat([boxes[..., :2], boxes[..., :2] + boxes[..., 2:]], dim=-1)
+    half = boxes[..., 2:] / 2
+    return torch.cat([boxes[..., :2] - half, boxes[..., :2] + half], dim=-1)
+
+
+# -- page-locking the loader's buffers ---------------------------------------------
+
+class _HostRegistry:
+    """Page-locks (cudaHostRegister) the host arrays batches come in, once per buffer.
+
+    A loader reuses a few pooled buffers, so registering each once lets the
+    H2D copy read the loader's buffer directly: no extra host memcpy, whose
+    memory bandwidth otherwise caps a many-stream executor. The registration
+    is undone when the array is freed. Where registering fails (or for
+    arrays that do not own contiguous memory) the caller copies through its
+    own pinned buffer instead.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
+        self._refused: set[int] = set()
+
+    @staticmethod
+    def _root(arr: np.ndarray) -> np.ndarray | None:
+        root = arr
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.base is not None or not root.flags.c_contiguous or not root.flags.owndata:
+            return None
+        return root
+
+    def ensure(self, arr: np.ndarray) -> bool:
+        import torch
+
+        root = self._root(arr)
+        if root is None or root.nbytes < (1 << 20):
+            return False
+        ptr, size = int(root.ctypes.data), int(root.nbytes)
+        with self._lock:
+            if self._registered.get(ptr) == size:
+                return True
+            if ptr in self._refused:
+                return False
+            cudart = torch.cuda.cudart()
+            if int(cudart.cudaHostRegister(ptr, size, 0)) != 0:
+                self._refused.add(ptr)
+                clear = getattr(cudart, "cudaGetLastError", None)
+                if clear is not None:  # leave no error behind for the next kernel launch check
+                    clear()
+                return False
+            self._registered[ptr] = size
+            weakref.finalize(root, self._unregister, ptr)
+            return True
+
+    def _unregister(self, ptr: int) -> None:
+        import torch
+
+        with self._lock:
+            if self._registered.pop(ptr, None) is not None:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+_HOST_REGISTRY = _HostRegistry()
+
+
+# -- workers ----------------------------------------------------------------------
+
+class _CudaWorker:
+    """One CUDA stream with its pinned buffers and runner. Not thread-safe (``lock``)."""
+
+    def __init__(self, backend: Any, decoder: _DeviceDecoder, register_host: bool = True):
+        import torch
+
+        self.torch = torch
+        self.device = backend.device
+        self.stream = torch.cuda.Stream(self.device)
+        self.runner = backend.create_runner(self.stream)
+        self.max_batch = int(self.runner.max_batch)
+        h, w = backend.card.input.size_hw
+        self.pinned_in = torch.empty((self.max_batch, h, w, 3), dtype=torch.uint8, pin_memory=True)
+        self.copied = torch.cuda.Event()   # H2D done: pinned_in may be overwritten
+        self.done = torch.cuda.Event()     # D2H done: pinned_out may be read
+        self.pinned_out: dict[str, Any] = {}
+        self.decoder = decoder
+        self.lock = threading.Lock()
+        self._copied_recorded = False
+        self.register_host = register_host
+        prepare = getattr(self.runner, "prepare", None)
+        if prepare is not None:
+            prepare()
+
+    def _out_buffer(self, name: str, t) -> Any:
+        buf = self.pinned_out.get(name)
+        if buf is None or buf.dtype != t.dtype or tuple(buf.shape[1:]) != tuple(t.shape[1:]):
+            buf = self.torch.empty((self.max_batch, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+            self.pinned_out[name] = buf
+        return buf[: t.shape[0]]
+
+    def process(self, images: Any, release: Any = None, ready: Any = None) -> list[TileDetections]:
+        """Detections of ``images`` (host ``n x H x W x 3 uint8`` array, or a CUDA tensor).
+
+        ``release`` is called once the pixels are copied (host) or queued (device);
+        ``ready`` is an event the device tensor's producer recorded.
+        """
+        torch = self.torch
+        n_total = int(images.shape[0])
+        results: list[TileDetections] = []
+        on_device = isinstance(images, torch.Tensor) and images.is_cuda
+        direct = False
+        if not on_device and isinstance(images, np.ndarray):
+            direct = self.register_host and _HOST_REGISTRY.ensure(images)
+            images = torch.from_numpy(images)
+        released = False
+        try:
+            for start in range(0, n_total, self.max_batch):
+                chunk = images[start:start + self.max_batch]
+                n = int(chunk.shape[0])
+                if on_device:
+                    if ready is not None:
+                        self.stream.wait_event(ready)
+                    chunk.record_stream(self.stream)
+                    with torch.cuda.stream(self.stream):
+                        self.runner.input[:n].copy_(chunk, non_blocking=True)
+                elif direct:
+                    # The batch's own (page-locked) buffer is the DMA source; it is
+                    # released once the copy has finished (below).
+                    with torch.cuda.stream(self.stream):
+                        self.runner.input[:n].copy_(chunk, non_blocking=True)
+                        self.copied.record(self.stream)
+                else:
+                    if self._copied_recorded:
+                        self.copied.synchronize()
+                    self.pinned_in[:n].copy_(chunk)
+                    if start + n >= n_total and release is not None:
+                        release()
+                        released = True
+                    with torch.cuda.stream(self.stream):
+                        self.runner.input[:n].copy_(self.pinned_in[:n], non_blocking=True)
+                        self.copied.record(self.stream)
+                        self._copied_recorded = True
+                with torch.cuda.stream(self.stream):
+                    outs = self.runner.run(n)
+                    red = self.decoder.reduce(outs, n)
+                    host = {}
+                    for k, v in red.items():
+                        buf = self._out_buffer(k, v)
+                        buf.copy_(v, non_blocking=True)
+                        host[k] = buf
+                    self.done.record(self.stream)
+                if direct:
+                    self.copied.synchronize()
+                if (on_device or direct) and start + n >= n_total and release is not None:
+                    release()
+                    released = True
+                self.done.synchronize()
+                results.extend(self.decoder.finish({k: v.numpy() for k, v in host.items()}, n))
+        finally:
+            if not released and release is not None:
+                release()
+        return results
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.runner = None
+        self.pinned_out.clear()
+
+
+class _CpuWorker:
+    """A thread calling ``backend.infer`` (its own backend, or one shared)."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+        self.card = backend.card
+        self.lock = threading.Lock()
+
+    def process(self, images: np.ndarray, release: Any = None, ready: Any = None) -> list[TileDetections]:
+        try:
+            outs = self.backend.infer(images)
+        finally:
+            if release is not None:
+                release()
+        return decode(outs, self.card)
+
+    def close(self) -> None:
+        pass
+
+
+_DONE = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Executor:
+    """Run a backend over batches of tiles with ``streams`` concurrent workers.
+
+    ``backend``: a backend (ort, torch, tensorrt), or a list of CPU backends
+    (one per worker, e.g. ONNX Runtime sessions with split intra-op threads).
+    ``streams``: workers (CUDA streams on a GPU backend; threads on the CPU);
+    default 4 on CUDA, 2 on the CPU. ``register_host``: page-lock the host
+    buffers batches arrive in (once per buffer, see ``_HostRegistry``) so the
+    H2D copy reads them directly; otherwise each stream copies the batch
+    into its own pinned buffer first.
+
+    :meth:`run` takes loader batches and yields :class:`BatchResult` s;
+    :meth:`infer_tiles` runs an array of tiles directly. The executor keeps
+    its streams, buffers and CUDA graphs between calls; :meth:`close` frees
+    them.
+    """
+
+    def __init__(self, backend: Any, streams: int | None = None, register_host: bool = True):
+        backends = list(backend) if isinstance(backend, list | tuple) else [backend]
+        if not backends:
+            raise ConfigError("Executor: expected a backend, found an empty list")
+        self.backend = backends[0]
+        self.card: ModelCard = self.backend.card
+        self.is_cuda = _is_cuda_backend(self.backend)
+        if streams is None:
+            streams = len(backends) if len(backends) > 1 else (
+                DEFAULT_CUDA_STREAMS if self.is_cuda else DEFAULT_CPU_WORKERS)
+        if streams < 1:
+            raise ConfigError(f"streams: expected >= 1, found {streams}")
+        self.streams = int(streams)
+        if self.is_cuda:
+            if len(backends) > 1:
+                raise ConfigError("Executor: a CUDA backend makes its own per-stream runners; pass one")
+            decoder = _DeviceDecoder(self.card)
+            self._workers: list[Any] = [_CudaWorker(self.backend, decoder, register_host)
+                                        for _ in range(self.streams)]
+        else:
+            self._workers = [_CpuWorker(backends[i % len(backends)]) for i in range(self.streams)]
+        self.max_batch = int(getattr(self._workers[0], "max_batch", getattr(self.backend, "max_batch", 16)))
+        self._closed = False
+
+    @classmethod
+    def from_card(cls, card: ModelCard | str | os.PathLike[str], backend: str = "ort",
+                  streams: int | None = None, **opts: Any) -> Executor:
+        """An executor with a backend made from ``card``.
+
+        For ``ort`` each of the ``streams`` workers (default 2) gets its own
+        session with ``intra_op_threads`` = CPU cores / workers (unless given).
+        """
+        from .backend import create_backend
+
+        if not isinstance(card, ModelCard):
+            card = load_card(card)
+        if backend == "ort":
+            workers = streams or DEFAULT_CPU_WORKERS
+            if "intra_op_threads" not in opts:
+                opts["intra_op_threads"] = max(1, (os.cpu_count() or 1) // workers)
+            return cls([create_backend(card, "ort", **opts) for _ in range(workers)], streams=workers)
+        return cls(create_backend(card, backend, **opts), streams=streams)
+
+    # -- direct calls ------------------------------------------------------------
+    def infer_tiles(self, images: np.ndarray) -> list[TileDetections]:
+        """Detections of ``images`` (``N x H x W x 3 uint8`` RGB, H, W the card's), in order.
+
+        Runs on the first worker in the calling thread (low latency, no queues).
+        """
+        self._check_open()
+        from .ort_backend import check_tile_batch
+
+        if not (self.is_cuda and _is_torch_tensor(images)):
+            images = check_tile_batch(images, self.card)
+        if images.shape[0] == 0:
+            return []
+        w = self._workers[0]
+        with w.lock:
+            return w.process(images)
+
+    # -- streaming ---------------------------------------------------------------
+    def run(self, batches: Iterable[Any], ordered: bool = False) -> Iterator[BatchResult]:
+        """Yield a :class:`BatchResult` per batch of ``batches``.
+
+        ``batches``: loader :class:`~..tiling.loader.Batch` es (``images``
+        ``n x H x W x 3 uint8``, ``tiles``, ``sequence``, ``release()``), from
+        a loader made with ``auto_release=False``; each is released as soon as
+        its pixels are copied. Batches whose ``images`` is a CUDA tensor
+        (:mod:`.gpu_decode`) are copied device to device after their
+        ``ready`` event. Results come in COMPLETION order, which may differ
+        from input order with several streams; ``ordered=True`` yields them
+        in input order instead (holding finished ones back).
+
+        An error in a batch stops the run: the workers and the feeding thread
+        are stopped and joined, held batches released, and the error raised
+        as :class:`BatchInferenceError` naming the batch's tile indices (a
+        loader's own TileReadError passes through unchanged). Leaving the loop
+        early stops the run the same way.
+        """
+        self._check_open()
+        n_workers = len(self._workers)
+        in_q: queue.Queue = queue.Queue(maxsize=n_workers)
+        out_q: queue.Queue = queue.Queue(maxsize=2 * n_workers + 2)
+        stop = threading.Event()
+        feeding_done = threading.Event()
+
+        def put_out(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out_q.put(item, timeout=_POLL_S)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def feed() -> None:
+            it = iter(batches)
+            try:
+                for seq, batch in enumerate(it):
+                    if stop.is_set():
+                        _release(batch)
+                        break
+                    while True:
+                        if stop.is_set():
+                            _release(batch)
+                            break
+                        try:
+                            in_q.put((seq, batch), timeout=_POLL_S)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as exc:  # a loader error ends the run; the consumer raises it
+                stop.set()
+                out_q.put(_Failure(exc))
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    try:
+                        close()
+                    except Exception:
+                        pass
+                feeding_done.set()
+
+        def work(worker: Any) -> None:
+            try:
+                while True:
+                    try:
+                        seq, batch = in_q.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        if feeding_done.is_set() or stop.is_set():
+                            if in_q.empty():
+                                break
+                        continue
+                    if stop.is_set():
+                        _release(batch)
+                        continue
+                    tiles = list(getattr(batch, "tiles", []))
+                    try:
+                        with worker.lock:
+                            dets = worker.process(batch.images, release=getattr(batch, "release", None),
+                                                  ready=getattr(batch, "ready", None))
+                        if len(dets) != len(tiles) and tiles:
+                            raise WSIPipelineError(f"{len(dets)} results for {len(tiles)} tiles")
+                    except BaseException as exc:
+                        _release(batch)
+                        stop.set()
+                        indices = [t.index for t in tiles]
+                        err = BatchInferenceError(indices, getattr(batch, "sequence", seq),
+                                                  f"{type(exc).__name__}: {exc}")
+                        err.__cause__ = exc
+                        out_q.put(_Failure(err))
+                        break
+                    put_out((seq, BatchResult(tiles, dets, getattr(batch, "sequence", seq))))
+            finally:
+                out_q.put(_DONE)
+
+        feeder = threading.Thread(target=feed, name="executor-feed", daemon=True)
+        threads = [threading.Thread(target=work, args=(w,), name=f"executor-{i}", daemon=True)
+                   for i, w in enumerate(self._workers)]
+        feeder.start()
+        for t in threads:
+            t.start()
+        failure: BaseException | None = None
+        finished = 0
+        pending: dict[int, BatchResult] = {}
+        next_seq = 0
+        try:
+            while finished < n_workers:
+                try:
+                    item = out_q.get(timeout=_POLL_S)
+                except queue.Empty:
+                    continue
+                if item is _DONE:
+                    finished += 1
+                    continue
+                if isinstance(item, _Failure):
+                    if failure is None:
+                        failure = item.exc
+                    stop.set()
+                    continue
+                if failure is not None:
+                    continue
+                seq, result = item
+                if not ordered:
+                    yield result
+                    continue
+                pending[seq] = result
+                while next_seq in pending:
+                    yield pending.pop(next_seq)
+                    next_seq += 1
+            # The workers are gone; batches still queued would keep the feeder
+            # waiting in the loader for a free buffer: release them until it ends.
+            failure = self._drain_and_join(in_q, out_q, feeder, threads) or failure
+            if failure is None:
+                for seq in sorted(pending):
+                    yield pending.pop(seq)
+        finally:
+            stop.set()
+            self._drain_and_join(in_q, out_q, feeder, threads)
+        if failure is not None:
+            raise failure
+
+    @staticmethod
+    def _drain_and_join(in_q: queue.Queue, out_q: queue.Queue, feeder: threading.Thread,
+                        threads: list[threading.Thread]) -> BaseException | None:
+        """Release queued batches until every thread has ended; return the first failure seen."""
+        failure = None
+
+        def drain() -> None:
+            nonlocal failure
+            for q in (in_q, out_q):
+                try:
+                    while True:
+                        item = q.get_nowait()
+                        if isinstance(item, _Failure) and failure is None:
+                            failure = item.exc
+                        elif q is in_q:
+                            _release(item[1])
+                except queue.Empty:
+                    pass
+
+        while any(t.is_alive() for t in [feeder, *threads]):
+            drain()
+            for t in [feeder, *threads]:
+                t.join(timeout=_POLL_S / 4)
+        drain()
+        return failure
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WSIPipelineError("executor is closed")
+
+    def close(self) -> None:
+        """Synchronise and free the streams, buffers and graphs (the backend stays open)."""
+        if not self._closed:
+            for w in self._workers:
+                try:
+                    w.close()
+                except Exception as exc:  # a sticky CUDA error: nothing left to free
+                    warnings.warn(f"executor: closing a worker failed: {exc}", stacklevel=2)
+            self._closed = True
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release(batch: Any) -> None:
+    release = getattr(batch, "release", None)
+    if release is not None:
+        release()
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")

@@ -1,0 +1,70 @@
+"""Atomic output files: written under a temporary name, renamed when complete.
+
+A reader (or a resumed batch run) never sees half a file: either the old
+file, no file, or the whole new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+def partial_name(path: str | os.PathLike[str]) -> Path:
+    """The temporary name a file is written under before its rename."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.partial-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], mode: str = "w", **open_kw: Any) -> Iterator[IO]:
+    """Open a temporary file beside ``path``; rename it to ``path`` on success.
+
+    On an exception the temporary file is removed and ``path`` is untouched.
+
+    >>> import tempfile, os
+    >>> p = os.path.join(tempfile.mkdtemp(), "out.txt")
+    >>> with atomic_write(p) as f:
+    ...     _ = f.write("done")
+    >>> open(p).read()
+    'done'
+    """
+    final = Path(path)
+    tmp = partial_name(final)
+    if "b" not in mode:
+        open_kw.setdefault("encoding", "utf-8")
+    try:
+        with open(tmp, mode, **open_kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
+    """Write ``obj`` as JSON atomically."""
+    with atomic_write(path) as f:
+        json.dump(obj, f, indent=indent, default=_json_default)
+        f.write("\n")
+
+
+def _json_default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

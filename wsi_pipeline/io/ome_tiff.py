@@ -1,0 +1,301 @@
+"""Pyramidal tiled OME-TIFF heatmaps, written as the blender streams rows.
+
+Layout of the file (what QuPath / Bio-Formats read):
+
+- One OME image, axes ``CYX``: one TIFF page per channel (class), each page
+  tiled (default 256 x 256), deflate-compressed (``zlib``, TIFF compression 8:
+  lossless, read by Bio-Formats, QuPath, OpenSlide's TIFF reader, libtiff).
+- The reduced resolutions of each page are in its SubIFDs (2x per level,
+  2x2 mean), as the OME-TIFF pyramid convention asks; BigTIFF when the raw
+  data could pass 2 GiB.
+- OME metadata: channel names, PhysicalSizeX/Y in µm (slide mpp x downsample
+  x heatmap stride, see :func:`heatmap_physical_size_um`), and a
+  MapAnnotation whose ``value_scale`` says how stored values map to the
+  model's output: ``value = stored * value_scale`` (uint8 probabilities are
+  stored as 0..255 with scale 1/255).
+
+Memory: tifffile must write a page's SubIFDs right after the page, and
+every level needs all of level 0, so the file cannot be written while rows
+arrive. Rows are spooled instead into an uncompressed ``.npy`` memmap in the
+stored dtype (a 100k x 100k slide at stride 8 is 12.5k x 12.5k, 156 MB per
+uint8 channel), the reduced levels are computed band by band into further
+memmaps (1/3 of level 0 together), and on ``close()`` the pages are written
+from tile generators over those memmaps. RAM stays at a few tiles and bands;
+the spool needs about 1.4x the raw heatmap on disk, beside the output unless
+``spool_dir`` says otherwise. The file is written under a temporary name and
+moved into place with ``os.replace``, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tifffile
+
+from wsi_pipeline.errors import ConfigError, WSIPipelineError
+
+_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
+# Output rows of a reduced level computed at a time when building the pyramid.
+_BAND_ROWS = 64
+
+
+def heatmap_physical_size_um(mpp_x: float, mpp_y: float, downsample: float, stride: int) -> tuple[float, float]:
+    """Physical size (x, y) in µm of one heatmap pixel: slide mpp x downsample x stride."""
+    return (mpp_x * downsample * stride, mpp_y * downsample * stride)
+
+
+def pyramid_shapes(height: int, width: int, tile: int, levels: int | str = "auto") -> list[tuple[int, int]]:
+    """(height, width) of each pyramid level, level 0 first, each half the previous (rounded up).
+
+    ``levels="auto"`` halves until the level fits in one tile.
+    """
+    shapes = [(height, width)]
+    if levels == "auto":
+        while max(shapes[-1]) > tile:
+            h, w = shapes[-1]
+            shapes.append((math.ceil(h / 2), math.ceil(w / 2)))
+        return shapes
+    if not isinstance(levels, int) or levels < 1:
+        msg = f"levels: expected 'auto' or an int >= 1, found {levels!r}"
+        raise ConfigError(msg)
+    while len(shapes) < levels and max(shapes[-1]) > 1:
+        h, w = shapes[-1]
+        shapes.append((math.ceil(h / 2), math.ceil(w / 2)))
+    return shapes
+
+
+class OmeTiffHeatmapWriter:
+    """Write a C x H x W heatmap, arriving as row bands, to a pyramidal OME-TIFF.
+
+    Usable as :class:`wsi_pipeline.stitch.HeatmapBlender`'s sink: call it as
+    ``writer(y0, rows)`` with rows C x h x width float32, top to bottom; then
+    ``close()`` (or use it as a context manager: an exception aborts and
+    leaves no file).
+
+    Args:
+        path: output file, conventionally ``*.ome.tif``.
+        width, height: heatmap size in heatmap pixels.
+        channels: C; channel_names: C names (default ``channel_0``...).
+        physical_size_um: (x, y) µm per heatmap pixel, or None when unknown
+            (industrial images).
+        tile: TIFF tile side (multiple of 16).
+        dtype: stored type, ``"uint8"``, ``"uint16"`` or ``"float32"``.
+        value_scale: ``value = stored * value_scale``; default 1/255 for
+            uint8, 1/65535 for uint16 (values in [0, 1] use the full range,
+            others are clipped), 1 for float32.
+        levels: ``"auto"`` (down to one tile) or the number of levels.
+        compression: ``"zlib"`` (deflate, the safest for QuPath/Bio-Formats)
+            or ``"zstd"``.
+        spool_dir: directory for the temporary spool (default: the output's).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        width: int,
+        height: int,
+        channels: int,
+        channel_names: Sequence[str] | None = None,
+        physical_size_um: tuple[float, float] | None = None,
+        tile: int = 256,
+        dtype: str | np.dtype = "uint8",
+        value_scale: float | None = None,
+        levels: int | str = "auto",
+        compression: str = "zlib",
+        spool_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        dtype_name = np.dtype(dtype).name
+        if dtype_name not in _DTYPES:
+            msg = f"{self.path}: dtype expected one of {sorted(_DTYPES)}, found {dtype_name}"
+            raise ConfigError(msg)
+        if width <= 0 or height <= 0 or channels <= 0:
+            msg = f"{self.path}: expected positive width, height and channels, found {width}, {height}, {channels}"
+            raise ConfigError(msg)
+        if tile <= 0 or tile % 16:
+            msg = f"{self.path}: tile expected a positive multiple of 16, found {tile}"
+            raise ConfigError(msg)
+        if channel_names is None:
+            channel_names = [f"channel_{k}" for k in range(channels)]
+        channel_names = [str(n) for n in channel_names]
+        if len(channel_names) != channels:
+            msg = f"{self.path}: expected {channels} channel names, found {len(channel_names)}"
+            raise ConfigError(msg)
+        if compression not in ("zlib", "zstd"):
+            msg = f"{self.path}: compression expected 'zlib' or 'zstd', found {compression!r}"
+            raise ConfigError(msg)
+        self.width, self.height, self.channels = int(width), int(height), int(channels)
+        self.channel_names = channel_names
+        self.physical_size_um = physical_size_um
+        self.tile = int(tile)
+        self.dtype = np.dtype(_DTYPES[dtype_name])
+        if value_scale is None:
+            value_scale = {"uint8": 1 / 255, "uint16": 1 / 65535, "float32": 1.0}[dtype_name]
+        if not value_scale > 0:
+            msg = f"{self.path}: value_scale expected > 0, found {value_scale}"
+            raise ConfigError(msg)
+        self.value_scale = float(value_scale)
+        self.compression = compression
+        self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)
+        spool_parent = Path(spool_dir) if spool_dir is not None else (self.path.parent or Path("."))
+        self._spool = Path(tempfile.mkdtemp(prefix=".heatmap-spool-", dir=spool_parent))
+        self._level0 = np.lib.format.open_memmap(
+            self._spool / "level0.npy", mode="w+", dtype=self.dtype, shape=(self.channels, self.height, self.width)
+        )
+        self._next_row = 0
+        self._finished = False
+
+    # -- streaming -------------------------------------------------------
+    def __call__(self, y0_out: int, rows: np.ndarray) -> None:
+        """Store output rows ``y0_out .. y0_out + h`` (rows: C x h x width float)."""
+        self.write_rows(y0_out, rows)
+
+    def write_rows(self, y0_out: int, rows: np.ndarray) -> None:
+        """Same as calling the writer."""
+        if self._finished:
+            msg = f"{self.path}: rows written after the heatmap was closed"
+            raise WSIPipelineError(msg)
+        rows = np.asarray(rows)
+        if rows.ndim != 3 or rows.shape[0] != self.channels or rows.shape[2] != self.width:
+            msg = f"{self.path}: expected rows of shape ({self.channels}, h, {self.width}), found {rows.shape}"
+            raise WSIPipelineError(msg)
+        if y0_out != self._next_row:
+            msg = f"{self.path}: expected rows from {self._next_row} (top to bottom), found rows from {y0_out}"
+            raise WSIPipelineError(msg)
+        y1 = y0_out + rows.shape[1]
+        if y1 > self.height:
+            msg = f"{self.path}: rows {y0_out}..{y1} pass the heatmap height {self.height}"
+            raise WSIPipelineError(msg)
+        self._level0[:, y0_out:y1] = self._quantise(rows)
+        self._next_row = y1
+
+    def _quantise(self, values: np.ndarray) -> np.ndarray:
+        scaled = values.astype(np.float32) * np.float32(1.0 / self.value_scale)
+        if self.dtype.kind == "f":
+            return scaled.astype(self.dtype)
+        info = np.iinfo(self.dtype)
+        return np.clip(np.rint(scaled), info.min, info.max).astype(self.dtype)
+
+    # -- finishing --------------------------------------------------------
+    def close(self) -> Path:
+        """Build the pyramid, write the file, move it into place; returns its path."""
+        if self._finished:
+            return self.path
+        if self._next_row != self.height:
+            self.abort()
+            msg = f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows"
+            raise WSIPipelineError(msg)
+        tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        try:
+            self._level0.flush()
+            levels = [self._level0]
+            for k, shape in enumerate(self.shapes[1:], start=1):
+                levels.append(self._reduce(levels[-1], shape, self._spool / f"level{k}.npy"))
+            self._write(tmp, levels)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            self._cleanup()
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written so far; no output file is made."""
+        self._cleanup()
+
+    def __enter__(self) -> OmeTiffHeatmapWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _cleanup(self) -> None:
+        self._finished = True
+        self._level0 = None  # type: ignore[assignment]  # release the memmap before removing it
+        shutil.rmtree(self._spool, ignore_errors=True)
+
+    def _reduce(self, src: np.ndarray, shape: tuple[int, int], path: Path) -> np.ndarray:
+        """2x2 mean of ``src`` (C x H x W) into a new memmap of ``shape``, band by band."""
+        h, w = shape
+        dst = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=(self.channels, h, w))
+        src_h, src_w = src.shape[1:]
+        for c in range(self.channels):
+            for y in range(0, h, _BAND_ROWS):
+                y1 = min(y + _BAND_ROWS, h)
+                band = np.asarray(src[c, 2 * y : min(2 * y1, src_h)], dtype=np.float32)
+                # Odd sizes: repeat the last row / column so every output pixel has 2x2 inputs.
+                need_h, need_w = 2 * (y1 - y), 2 * w
+                if band.shape[0] < need_h or src_w < need_w:
+                    band = np.pad(band, ((0, need_h - band.shape[0]), (0, need_w - src_w)), mode="edge")
+                mean = band.reshape(y1 - y, 2, w, 2).mean(axis=(1, 3))
+                dst[c, y:y1] = mean if self.dtype.kind == "f" else np.rint(mean)
+        dst.flush()
+        return dst
+
+    def _tiles(self, data: np.ndarray) -> Iterator[np.ndarray]:
+        t = self.tile
+        _, h, w = data.shape
+        for c in range(data.shape[0]):
+            for y in range(0, h, t):
+                for x in range(0, w, t):
+                    block = np.asarray(data[c, y : y + t, x : x + t])
+                    if block.shape != (t, t):
+                        full = np.zeros((t, t), dtype=self.dtype)
+                        full[: block.shape[0], : block.shape[1]] = block
+                        block = full
+                    yield block
+
+    def _metadata(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "axes": "CYX",
+            "Name": self.path.name.split(".")[0],
+            "Channel": {"Name": self.channel_names},
+            "MapAnnotation": {
+                "value_scale": repr(self.value_scale),
+                "value_offset": "0",
+                "value_formula": "value = stored * value_scale",
+                "stored_dtype": self.dtype.name,
+            },
+        }
+        if self.physical_size_um is not None:
+            px, py = self.physical_size_um
+            meta.update(
+                PhysicalSizeX=float(px), PhysicalSizeXUnit="µm", PhysicalSizeY=float(py), PhysicalSizeYUnit="µm"
+            )
+        return meta
+
+    def _write(self, tmp: Path, levels: list[np.ndarray]) -> None:
+        raw_bytes = sum(a.size for a in levels) * self.dtype.itemsize
+        options: dict[str, Any] = {
+            "tile": (self.tile, self.tile),
+            "compression": self.compression,
+            "photometric": "minisblack",
+            "dtype": self.dtype,
+        }
+        with tifffile.TiffWriter(tmp, bigtiff=raw_bytes > 2**31, ome=True) as tif:
+            for k, data in enumerate(levels):
+                extra: dict[str, Any] = {}
+                if self.physical_size_um is not None:
+                    scale_x = self.width / data.shape[2]
+                    scale_y = self.height / data.shape[1]
+                    px, py = self.physical_size_um
+                    extra["resolution"] = (1e4 / (px * scale_x), 1e4 / (py * scale_y))
+                    extra["resolutionunit"] = "CENTIMETER"
+                if k == 0:
+                    extra["subifds"] = len(levels) - 1
+                    extra["metadata"] = self._metadata()
+                else:
+                    extra["subfiletype"] = 1
+                    extra["metadata"] = None
+                tif.write(self._tiles(data), shape=data.shape, **options, **extra)

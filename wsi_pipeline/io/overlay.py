@@ -1,0 +1,127 @@
+"""Overlay pictures: a slide thumbnail with the heatmap and the boxes drawn on it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from wsi_pipeline.errors import ConfigError, WSIPipelineError
+
+Color = tuple[int, int, int]
+_DEFAULT_COLOR: Color = (255, 255, 0)
+
+
+def _class_color(class_colors: Mapping[int, Color] | Sequence[Color] | None, label: int) -> Color:
+    if class_colors is None:
+        return _DEFAULT_COLOR
+    if isinstance(class_colors, Mapping):
+        return tuple(int(v) for v in class_colors.get(label, _DEFAULT_COLOR))  # type: ignore[return-value]
+    if 0 <= label < len(class_colors):
+        return tuple(int(v) for v in class_colors[label])  # type: ignore[return-value]
+    return _DEFAULT_COLOR
+
+
+def render_overlay(
+    thumbnail: np.ndarray,
+    thumb_downsample: float,
+    heatmap: np.ndarray | None = None,
+    heatmap_scale_level0: float = 1.0,
+    boxes: np.ndarray | None = None,
+    labels: np.ndarray | None = None,
+    class_colors: Mapping[int, Color] | Sequence[Color] | None = None,
+    alpha: float = 0.45,
+    threshold: float = 0.05,
+    colormap: int = cv2.COLORMAP_JET,
+    line_thickness: int = 1,
+) -> np.ndarray:
+    """Draw a heatmap and boxes over a thumbnail.
+
+    Args:
+        thumbnail: H x W x 3 uint8 RGB.
+        thumb_downsample: level-0 pixels per thumbnail pixel.
+        heatmap: C x h x w float in [0, 1] (values outside are clipped), or
+            None; the channels' maximum is shown.
+        heatmap_scale_level0: level-0 pixels per heatmap pixel
+            (downsample x stride).
+        boxes: N x 4 (x0, y0, x1, y1) level-0 pixels, or None.
+        labels: N int class ids for the box colours, or None.
+        class_colors: RGB colour per class id (a sequence indexed by id or a
+            mapping); unknown ids are drawn yellow.
+        alpha: heatmap opacity where it is shown.
+        threshold: heatmap values at or below this are not drawn.
+        colormap: an OpenCV colormap id.
+        line_thickness: box outline in thumbnail pixels.
+
+    Returns:
+        H x W x 3 uint8 RGB, a new array.
+    """
+    thumbnail = np.asarray(thumbnail)
+    if thumbnail.ndim != 3 or thumbnail.shape[2] != 3 or thumbnail.dtype != np.uint8:
+        msg = f"thumbnail: expected an H x W x 3 uint8 array, found {thumbnail.shape} {thumbnail.dtype}"
+        raise ConfigError(msg)
+    if thumb_downsample <= 0 or heatmap_scale_level0 <= 0:
+        msg = "thumb_downsample and heatmap_scale_level0: expected > 0"
+        raise ConfigError(msg)
+    out = thumbnail.copy()
+    th, tw = out.shape[:2]
+
+    if heatmap is not None:
+        heatmap = np.asarray(heatmap, dtype=np.float32)
+        if heatmap.ndim == 2:
+            heatmap = heatmap[None]
+        if heatmap.ndim != 3:
+            msg = f"heatmap: expected C x H x W, found shape {heatmap.shape}"
+            raise ConfigError(msg)
+        value = np.clip(heatmap.max(axis=0), 0.0, 1.0)
+        # Thumbnail pixel (x, y) centre is level-0 (x + 0.5) * thumb_downsample,
+        # i.e. heatmap pixel (x + 0.5) * thumb_downsample / heatmap_scale - 0.5.
+        s = thumb_downsample / heatmap_scale_level0
+        m = np.array([[s, 0, 0.5 * s - 0.5], [0, s, 0.5 * s - 0.5]], dtype=np.float64)
+        value = cv2.warpAffine(
+            value, m, (tw, th), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+            borderMode=cv2.BORDER_CONSTANT, borderValue=0.0,
+        )
+        colored = cv2.applyColorMap(np.rint(value * 255).astype(np.uint8), colormap)
+        colored = cv2.cvtColor(colored, cv2.COLOR_BGR2RGB)
+        shown = value > threshold
+        blended = (1 - alpha) * out[shown].astype(np.float32) + alpha * colored[shown].astype(np.float32)
+        out[shown] = np.clip(np.rint(blended), 0, 255).astype(np.uint8)
+
+    if boxes is not None and len(boxes):
+        boxes = np.asarray(boxes, dtype=np.float64)
+        if boxes.ndim != 2 or boxes.shape[1] != 4:
+            msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
+            raise ConfigError(msg)
+        corners = np.rint(boxes / thumb_downsample).astype(np.int64)
+        for k, (x0, y0, x1, y1) in enumerate(corners.tolist()):
+            label = int(labels[k]) if labels is not None else 0
+            # cv2 draws the closing corner inclusive: stop one pixel short.
+            cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)),
+                          _class_color(class_colors, label), line_thickness)
+    return out
+
+
+def write_png(path: str | os.PathLike[str], image: np.ndarray) -> Path:
+    """Write an H x W x 3 uint8 RGB (or H x W gray) image as PNG, atomically."""
+    path = Path(path)
+    image = np.asarray(image)
+    if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
+        msg = f"{path}: expected an H x W x 3 or H x W uint8 image, found {image.shape} {image.dtype}"
+        raise ConfigError(msg)
+    bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if image.ndim == 3 else image
+    ok, encoded = cv2.imencode(".png", bgr)
+    if not ok:
+        msg = f"{path}: PNG encoding failed"
+        raise WSIPipelineError(msg)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_bytes(encoded.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,198 @@
+"""Train the demo detector on synthetic scenes and export it to ONNX with its card.
+
+    python -m wsi_pipeline.models.train --kind pathology --out engines/
+    python -m wsi_pipeline.models.train --kind industrial --out engines/
+
+Seeded end to end (torch, numpy and the scene seeds), two CPU threads; the
+committed ``engines/*.onnx`` files are what these commands write. Training
+scenes use seeds from ``TRAIN_SEEDS``; evaluation uses ``EVAL_SEEDS`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .data import (
+    SCENE_SAMPLING,
+    TRAIN_SEEDS,
+    TileSample,
+    augment,
+    center_targets,
+    region_targets,
+    render_tiles,
+)
+from .net import IMAGENET_MEAN_RGB, IMAGENET_STD_RGB, OBJECT_STRIDE, REGION_STRIDE, CenterNetSmall
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What differs between the pathology and the industrial model."""
+
+    name: str
+    class_colors: tuple[str, ...]
+    region_classes: tuple[str, ...]
+    region_labels: tuple[tuple[int, ...], ...]  # scene region labels that make up each channel
+    mpp: float | None
+    top_k: int
+    score_threshold: float = 0.3
+    nms_iou: float | None = None  # class-aware NMS in the decoder (long objects raise several peaks)
+    widths: tuple[int, int, int, int] = (16, 32, 64, 96)
+    train_scenes: int = 120
+    tiles_per_scene: int = 4
+    steps: int = 4000
+    batch: int = 12
+    crop_px: int = 256
+    lr: float = 3e-3
+    extra: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "pathology": Preset(
+        name="nuclei_pathology", class_colors=("#7b2cbf",), region_classes=("tissue", "tumour"),
+        region_labels=((1, 2), (2,)), mpp=0.25, top_k=512, steps=3000,
+    ),
+    # Industrial scenes have no regions (one "surface" everywhere): no region head.
+    # Defects are sparse, so most training tiles are placed on one.
+    "industrial": Preset(
+        name="defects_industrial", class_colors=("#e6a000", "#00aae6"), region_classes=(),
+        region_labels=(), mpp=None, top_k=64, train_scenes=80, tiles_per_scene=6, nms_iou=0.3,
+    ),
+}
+
+
+def focal_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """CornerNet/CenterNet penalty-reduced focal loss, normalised by the number of centres."""
+    p = torch.sigmoid(logits).clamp(1e-4, 1 - 1e-4)
+    pos = target.eq(1).float()
+    neg_weight = (1 - target).pow(4)
+    pos_loss = torch.log(p) * (1 - p).pow(2) * pos
+    neg_loss = torch.log(1 - p) * p.pow(2) * neg_weight * (1 - pos)
+    return -(pos_loss.sum() + neg_loss.sum()) / pos.sum().clamp(min=1)
+
+
+def dice_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    p = torch.sigmoid(logits)
+    inter = (p * target).sum(dim=(0, 2, 3))
+    denom = p.sum(dim=(0, 2, 3)) + target.sum(dim=(0, 2, 3))
+    return (1 - (2 * inter + 1) / (denom + 1)).mean()
+
+
+def make_batch(samples: list[TileSample], rng: np.random.Generator, preset: Preset, num_classes: int):
+    """Augmented crops and their targets as torch tensors (image already normalised NCHW float)."""
+    images, heats, sizes, offsets, masks, regions = [], [], [], [], [], []
+    for idx in rng.integers(0, len(samples), preset.batch):
+        s = augment(samples[int(idx)], rng, preset.crop_px, REGION_STRIDE)
+        h, sz, off, m = center_targets(s.boxes, s.labels, num_classes, preset.crop_px, OBJECT_STRIDE)
+        images.append(s.image)
+        heats.append(h)
+        sizes.append(sz)
+        offsets.append(off)
+        masks.append(m)
+        if preset.region_labels:
+            regions.append(region_targets(s.regions, preset.region_labels))
+    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float()
+    mean = torch.tensor(IMAGENET_MEAN_RGB).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD_RGB).view(1, 3, 1, 1)
+    as_t = lambda a: torch.from_numpy(np.stack(a))  # noqa: E731
+    return ((x - mean) / std, as_t(heats), as_t(sizes), as_t(offsets), as_t(masks),
+            as_t(regions) if regions else None)
+
+
+def train(kind: str, out_dir: Path, *, steps: int | None = None, train_scenes: int | None = None,
+          seed: int = 0, threads: int = 2, device: str = "cpu", widths: tuple[int, ...] | None = None,
+          log=print) -> Path:
+    """Train the ``kind`` preset, export ``out_dir/NAME.onnx`` + card; return the ONNX path."""
+    from .data import scene_class
+    from .export import export_with_card
+
+    preset = PRESETS[kind]
+    steps = steps or preset.steps
+    n_scenes = train_scenes or preset.train_scenes
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    rng = np.random.default_rng(seed)
+    class_names = list(scene_class()(512, 512, 0, kind=kind).class_names)
+    t0 = time.perf_counter()
+    seeds = list(TRAIN_SEEDS)[:n_scenes]
+    samples = render_tiles(kind, seeds, preset.tiles_per_scene, region_stride=REGION_STRIDE,
+                           **SCENE_SAMPLING[kind])
+    log(f"rendered {len(samples)} tiles from {len(seeds)} scenes in {time.perf_counter() - t0:.0f} s")
+
+    net = CenterNetSmall(len(class_names), len(preset.region_classes), widths or preset.widths).to(device)
+    opt = torch.optim.AdamW(net.parameters(), lr=preset.lr, weight_decay=1e-4)
+    warmup = max(steps // 20, 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1))) * 0.98 + 0.02
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    net.train()
+    t1 = time.perf_counter()
+    running = np.zeros(4)
+    for step in range(steps):
+        x, heat, size, offset, mask, regions = (
+            None if t is None else t.to(device) for t in make_batch(samples, rng, preset, len(class_names)))
+        center_logits, size_px, off_pred, region_logits = net(x)
+        n_pos = mask.sum().clamp(min=1)
+        m = mask.unsqueeze(1)
+        l_heat = focal_loss(center_logits, heat)
+        l_size = (torch.abs(torch.log(size_px) - torch.log(size.clamp(min=1))) * m).sum() / n_pos
+        l_off = (torch.abs(off_pred - offset) * m).sum() / n_pos
+        l_reg = (F.binary_cross_entropy_with_logits(region_logits, regions) + dice_loss(region_logits, regions)
+                 if regions is not None else torch.zeros((), device=device))
+        loss = l_heat + l_size + l_off + l_reg
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        running += [l_heat.item(), l_size.item(), l_off.item(), l_reg.item()]
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            r = running / 100
+            running[:] = 0
+            log(f"step {step + 1}/{steps} heat {r[0]:.3f} size {r[1]:.3f} off {r[2]:.3f} "
+                f"region {r[3]:.3f} lr {sched.get_last_lr()[0]:.5f} {time.perf_counter() - t1:.0f} s")
+    net.eval().cpu()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_path = out_dir / f"{preset.name}.onnx"
+    training = {"kind": kind, "seed": seed, "steps": steps, "train_scene_seeds": [seeds[0], seeds[-1]],
+                "tiles": len(samples), "crop_px": preset.crop_px, "batch": preset.batch,
+                "command": f"python -m wsi_pipeline.models.train --kind {kind}"}
+    export_with_card(net, model_path, name=preset.name, version="1.0.0", class_names=class_names,
+                     class_colors=preset.class_colors, region_classes=preset.region_classes,
+                     top_k=preset.top_k, mpp=preset.mpp, score_threshold=preset.score_threshold, nms_iou=preset.nms_iou,
+                     extra={"training": training})
+    log(f"wrote {model_path} ({model_path.stat().st_size / 1e6:.2f} MB) in {time.perf_counter() - t0:.0f} s total")
+    return model_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wsi_pipeline.models.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--kind", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", type=Path, default=Path("engines"))
+    parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default: the preset's)")
+    parser.add_argument("--train-scenes", type=int, default=None, help="training scenes (default: the preset's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device (the shipped models are trained on cpu)")
+    parser.add_argument("--widths", default=None, help="trunk channel widths, e.g. 16,32,64,96")
+    args = parser.parse_args(argv)
+    train(args.kind, args.out, steps=args.steps, train_scenes=args.train_scenes, seed=args.seed,
+          threads=args.threads, device=args.device,
+          widths=tuple(int(v) for v in args.widths.split(",")) if args.widths else None,
+          log=lambda msg: print(msg, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Streaming weighted blending of tile heatmaps into one slide heatmap.
+
+The output canvas is in heatmap pixels: canvas pixel (i, j) covers the level-0
+square of side ``downsample * stride`` whose top-left corner is
+(j * downsample * stride, i * downsample * stride). Tile (row, col) covers
+canvas rows ``[row * step_out, row * step_out + tile_size_out)`` and the same
+for columns. Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
+cover it, with ``w`` the tile's position weights (:mod:`.weights`); a tile
+the tissue mask skipped counts as p = 0 with its weights.
+
+Memory: only a band of tile rows is held, ``window_rows`` tile rows deep
+(accumulators C x band_height x canvas_width float32 plus a band_height x
+canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
+rows above ``(r + 1) * step_out`` are touched by no later tile: they are
+normalised, handed to the sink top to bottom, and the band moves down. Peak
+memory depends on the canvas width and the window, not on the slide height.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from wsi_pipeline.errors import ConfigError, WSIPipelineError
+
+Sink = Callable[[int, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class BlendGeometry:
+    """Where tiles land on the heatmap canvas, all in heatmap pixels.
+
+    Attributes:
+        n_rows, n_cols: the tile grid's size.
+        tile_size_out: a tile's heatmap side (tile_size_px / stride).
+        step_out: distance between tile origins (step_px / stride).
+        out_height, out_width: the slide's heatmap size; the canvas
+            ((n - 1) * step_out + tile_size_out per axis) is cropped to it.
+    """
+
+    n_rows: int
+    n_cols: int
+    tile_size_out: int
+    step_out: int
+    out_height: int
+    out_width: int
+
+    def __post_init__(self) -> None:
+        if min(self.n_rows, self.n_cols, self.tile_size_out, self.step_out) <= 0:
+            msg = f"blend geometry: expected positive grid size, tile size and step, found {self}"
+            raise ConfigError(msg)
+        if self.step_out > self.tile_size_out:
+            msg = f"blend geometry: step_out {self.step_out} > tile_size_out {self.tile_size_out} leaves gaps"
+            raise ConfigError(msg)
+        if not (0 < self.out_height <= self.canvas_height and 0 < self.out_width <= self.canvas_width):
+            msg = (
+                f"blend geometry: output {self.out_height} x {self.out_width} must be positive and "
+                f"within the tiles' canvas {self.canvas_height} x {self.canvas_width}"
+            )
+            raise ConfigError(msg)
+
+    @property
+    def canvas_height(self) -> int:
+        return (self.n_rows - 1) * self.step_out + self.tile_size_out
+
+    @property
+    def canvas_width(self) -> int:
+        return (self.n_cols - 1) * self.step_out + self.tile_size_out
+
+    @classmethod
+    def from_slide(
+        cls,
+        width_level0: int,
+        height_level0: int,
+        tile_size_px: int = 512,
+        overlap_px: int = 64,
+        downsample: float = 1.0,
+        stride: int = 8,
+        n_rows: int | None = None,
+        n_cols: int | None = None,
+    ) -> BlendGeometry:
+        """Geometry for a slide tiled on the step lattice with padding at the right/bottom.
+
+        ``tile_size_px`` and ``overlap_px`` are in pixels of the level read
+        (level-0 pixels times ``1 / downsample``); tile size and step must be
+        multiples of ``stride``. ``n_rows``/``n_cols`` default to the fewest
+        tiles that cover the slide; pass the tile grid's own counts when it
+        has them.
+        """
+        step_px = tile_size_px - overlap_px
+        if tile_size_px % stride or step_px % stride:
+            msg = (
+                f"tile size {tile_size_px} and step {step_px} px must be multiples of the "
+                f"heatmap stride {stride}"
+            )
+            raise ConfigError(msg)
+        width_px = math.ceil(width_level0 / downsample)
+        height_px = math.ceil(height_level0 / downsample)
+        if n_cols is None:
+            n_cols = max(1, math.ceil(max(width_px - tile_size_px, 0) / step_px) + 1)
+        if n_rows is None:
+            n_rows = max(1, math.ceil(max(height_px - tile_size_px, 0) / step_px) + 1)
+        return cls(
+            n_rows=n_rows,
+            n_cols=n_cols,
+            tile_size_out=tile_size_px // stride,
+            step_out=step_px // stride,
+            out_height=math.ceil(height_px / stride),
+            out_width=math.ceil(width_px / stride),
+        )
+
+
+class HeatmapBlender:
+    """Blend tile heatmaps into a slide heatmap, streaming finished rows to a sink.
+
+    Args:
+        geometry: where tiles land (:class:`BlendGeometry`).
+        channels: C, the heatmap's channel count.
+        weights: tile_size_out x tile_size_out float weights, all > 0
+            (:func:`wsi_pipeline.stitch.weights.tile_weights`).
+        sink: called as ``sink(y0_out, rows)`` with rows a C x h x out_width
+            float32 array of final output rows starting at output row
+            ``y0_out``; calls come top to bottom, contiguous, and together
+            cover rows 0..out_height-1 exactly once.
+        window_rows: how many tile rows may be open at once. A tile of row r
+            is accepted while r < (first incomplete row) + window_rows;
+            larger windows tolerate more out-of-order arrival and hold a
+            deeper band.
+
+    Use: ``add(row, col, heatmap)`` or ``skip(row, col)`` once for every tile
+    of the grid, in any order within the window, then ``close()``.
+    """
+
+    def __init__(
+        self,
+        geometry: BlendGeometry,
+        channels: int,
+        weights: np.ndarray,
+        sink: Sink,
+        window_rows: int = 3,
+    ) -> None:
+        g = geometry
+        if channels <= 0:
+            msg = f"channels: expected > 0, found {channels}"
+            raise ConfigError(msg)
+        weights = np.asarray(weights, dtype=np.float32)
+        if weights.shape != (g.tile_size_out, g.tile_size_out):
+            msg = f"weights: expected shape {(g.tile_size_out, g.tile_size_out)}, found {weights.shape}"
+            raise ConfigError(msg)
+        if not (weights > 0).all():
+            msg = "weights: expected all weights > 0"
+            raise ConfigError(msg)
+        if window_rows < 1:
+            msg = f"window_rows: expected >= 1, found {window_rows}"
+            raise ConfigError(msg)
+        self.geometry = g
+        self.channels = channels
+        self.weights = weights
+        self.sink = sink
+        self.window_rows = min(window_rows, g.n_rows)
+        self.band_height = (self.window_rows - 1) * g.step_out + g.tile_size_out
+        self._num = np.zeros((channels, self.band_height, g.canvas_width), dtype=np.float32)
+        self._den = np.zeros((self.band_height, g.canvas_width), dtype=np.float32)
+        self._band_y0 = 0  # canvas row held at band row 0
+        self._first_open_row = 0  # lowest tile row with tiles still to come
+        self._done = np.zeros((g.n_rows, g.n_cols), dtype=bool)
+        self._done_per_row = np.zeros(g.n_rows, dtype=np.int64)
+        self._emitted = 0  # output rows handed to the sink so far
+        self._closed = False
+
+    @property
+    def buffer_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the two accumulators (weighted sum, weight sum)."""
+        return self._num.shape, self._den.shape
+
+    def add(self, row: int, col: int, heatmap: np.ndarray) -> None:
+        """Add tile (row, col)'s heatmap, C x tile_size_out x tile_size_out float."""
+        g = self.geometry
+        heatmap = np.asarray(heatmap, dtype=np.float32)
+        expected = (self.channels, g.tile_size_out, g.tile_size_out)
+        if heatmap.shape != expected:
+            msg = f"tile (row {row}, col {col}): expected a heatmap of shape {expected}, found {heatmap.shape}"
+            raise WSIPipelineError(msg)
+        y, x = self._claim(row, col)
+        t = g.tile_size_out
+        self._num[:, y : y + t, x : x + t] += heatmap * self.weights
+        self._den[y : y + t, x : x + t] += self.weights
+        self._advance()
+
+    def skip(self, row: int, col: int) -> None:
+        """Record tile (row, col) as background (p = 0 with its weights), e.g. no tissue."""
+        y, x = self._claim(row, col)
+        t = self.geometry.tile_size_out
+        self._den[y : y + t, x : x + t] += self.weights
+        self._advance()
+
+    def close(self) -> None:
+        """Flush the last rows. Every tile must have been added or skipped."""
+        if self._closed:
+            return
+        missing = np.argwhere(~self._done)
+        if len(missing):
+            r, c = (int(v) for v in missing[0])
+            msg = f"heatmap blending closed with {len(missing)} tiles neither added nor skipped, first (row {r}, col {c})"
+            raise WSIPipelineError(msg)
+        self._closed = True
+
+    def _claim(self, row: int, col: int) -> tuple[int, int]:
+        """Mark the tile done; return its top-left in band coordinates."""
+        g = self.geometry
+        if self._closed:
+            msg = f"tile (row {row}, col {col}) arrived after the blender was closed"
+            raise WSIPipelineError(msg)
+        if not (0 <= row < g.n_rows and 0 <= col < g.n_cols):
+            msg = f"tile (row {row}, col {col}): outside the grid of {g.n_rows} x {g.n_cols} tiles"
+            raise WSIPipelineError(msg)
+        if self._done[row, col]:
+            msg = f"tile (row {row}, col {col}) arrived twice"
+            raise WSIPipelineError(msg)
+        if row < self._first_open_row:
+            msg = f"tile (row {row}, col {col}) arrived after its rows were flushed"
+            raise WSIPipelineError(msg)
+        if row >= self._first_open_row + self.window_rows:
+            msg = (
+                f"tile (row {row}, col {col}) arrived before row {self._first_open_row} was complete, "
+                f"outside the window of {self.window_rows} tile rows; raise window_rows"
+            )
+            raise WSIPipelineError(msg)
+        self._done[row, col] = True
+        self._done_per_row[row] += 1
+        return row * g.step_out - self._band_y0, col * g.step_out
+
+    def _advance(self) -> None:
+        g = self.geometry
+        r = self._first_open_row
+        while r < g.n_rows and self._done_per_row[r] == g.n_cols:
+            r += 1
+        if r == self._first_open_row:
+            return
+        self._first_open_row = r
+        final_y = g.canvas_height if r == g.n_rows else r * g.step_out
+        k = final_y - self._band_y0
+        self._emit(k)
+        if r < g.n_rows:
+            # Move the band down by k rows.
+            self._num[:, : self.band_height - k] = self._num[:, k:]
+            self._num[:, self.band_height - k :] = 0.0
+            self._den[: self.band_height - k] = self._den[k:]
+            self._den[self.band_height - k :] = 0.0
+            self._band_y0 = final_y
+
+    def _emit(self, k: int) -> None:
+        g = self.geometry
+        y0 = self._band_y0
+        y1 = min(y0 + k, g.out_height)
+        if y1 <= y0:
+            return
+        h = y1 - y0
+        num = self._num[:, :h, : g.out_width]
+        den = self._den[:h, : g.out_width]
+        rows = np.zeros_like(num)
+        np.divide(num, den[None], out=rows, where=den[None] > 0)
+        self.sink(y0, rows)
+        self._emitted = y1
