@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
+from ..io.atomic import atomic_write
 from .card import file_sha256
 
 TRT_MISSING = "TensorRT is not installed; use --backend torch or ort"
@@ -88,15 +88,8 @@ def _check_batches(max_batch: int, opt_batch: int | None) -> int:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_write(path, "wb") as f:
+        f.write(data)
 
 
 def build_engine(model_path: str | os.PathLike[str], max_batch: int = DEFAULT_MAX_BATCH,

@@ -10,6 +10,7 @@ import cv2
 import numpy as np
 
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.io.atomic import atomic_write
 
 Color = tuple[int, int, int]
 _DEFAULT_COLOR: Color = (255, 255, 0)
@@ -117,11 +118,6 @@ def write_png(path: str | os.PathLike[str], image: np.ndarray) -> Path:
     if not ok:
         msg = f"{path}: PNG encoding failed"
         raise WSIPipelineError(msg)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        tmp.write_bytes(encoded.tobytes())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "wb") as f:
+        f.write(encoded.tobytes())
     return path

@@ -26,6 +26,7 @@ import cv2
 import numpy as np
 
 from ..errors import WSIPipelineError
+from ..io.atomic import atomic_write
 from .synthetic_scene import SyntheticScene
 
 # Truth regions are traced on a region mask no larger than this on its longer side.
@@ -130,45 +131,38 @@ def write_truth(scene: SyntheticScene, path: str | os.PathLike[str]) -> dict[str
     """Write the scene's truth GeoJSON to ``path`` (atomically: temporary name, then
     rename), streaming detections cell by cell. Returns object counts per class name."""
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
     counts = {name: 0 for name in scene.class_names}
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            meta = {"kind": scene.kind, "seed": scene.seed, "width": scene.width,
-                    "height": scene.height, "mpp": scene.mpp, "classNames": scene.class_names,
-                    "regionNames": scene.region_class_names}
-            fh.write('{"type":"FeatureCollection","wsiPipeline":' + json.dumps(meta)
-                     + ',"features":[\n')
-            first = True
-            for name, polygons in trace_regions(scene).items():
-                colour = scene.region_class_colors[scene.region_class_names.index(name)]
-                coords = [[_ring_coords(r) for r in poly] for poly in polygons]
-                geometry = ({"type": "Polygon", "coordinates": coords[0]} if len(coords) == 1
-                            else {"type": "MultiPolygon", "coordinates": coords})
-                feature = {"type": "Feature", "geometry": geometry, "properties": {
-                    "objectType": "annotation",
-                    "classification": {"name": name, "color": _colour(colour)}}}
-                fh.write(("" if first else ",\n") + json.dumps(feature, separators=(",", ":")))
+    with atomic_write(path) as fh:
+        meta = {"kind": scene.kind, "seed": scene.seed, "width": scene.width,
+                "height": scene.height, "mpp": scene.mpp, "classNames": scene.class_names,
+                "regionNames": scene.region_class_names}
+        fh.write('{"type":"FeatureCollection","wsiPipeline":' + json.dumps(meta)
+                 + ',"features":[\n')
+        first = True
+        for name, polygons in trace_regions(scene).items():
+            colour = scene.region_class_colors[scene.region_class_names.index(name)]
+            coords = [[_ring_coords(r) for r in poly] for poly in polygons]
+            geometry = ({"type": "Polygon", "coordinates": coords[0]} if len(coords) == 1
+                        else {"type": "MultiPolygon", "coordinates": coords})
+            feature = {"type": "Feature", "geometry": geometry, "properties": {
+                "objectType": "annotation",
+                "classification": {"name": name, "color": _colour(colour)}}}
+            fh.write(("" if first else ",\n") + json.dumps(feature, separators=(",", ":")))
+            first = False
+        templates = [
+            ('{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[%.4f,%.4f],'
+             '[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f]]]},"properties":{"objectType":'
+             '"detection","classification":{"name":' + json.dumps(name) + ',"color":'
+             + json.dumps(_colour(colour)) + "}}}")
+            for name, colour in zip(scene.class_names, scene.class_colors, strict=True)
+        ]
+        for _cx, _cy, boxes, labels in scene.iter_cells():
+            _write_boxes(fh, boxes, labels, templates, first)
+            if len(labels):
                 first = False
-            templates = [
-                ('{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[%.4f,%.4f],'
-                 '[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f]]]},"properties":{"objectType":'
-                 '"detection","classification":{"name":' + json.dumps(name) + ',"color":'
-                 + json.dumps(_colour(colour)) + "}}}")
-                for name, colour in zip(scene.class_names, scene.class_colors, strict=True)
-            ]
-            for _cx, _cy, boxes, labels in scene.iter_cells():
-                _write_boxes(fh, boxes, labels, templates, first)
-                if len(labels):
-                    first = False
-                for lab in labels:
-                    counts[scene.class_names[lab]] += 1
-            fh.write("\n]}\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+            for lab in labels:
+                counts[scene.class_names[lab]] += 1
+        fh.write("\n]}\n")
     return counts
 
 
