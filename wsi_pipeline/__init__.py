@@ -7,4 +7,13 @@ __version__ = "0.1.0"
 from .errors import SlideError, WSIPipelineError  # noqa: E402
 from .slide import Slide, open_slide  # noqa: E402
 
-__all__ = ["__version__", "open_slide", "Slide", "SlideError", "WSIPipelineError"]
+__all__ = ["__version__", "open_slide", "Pipeline", "Result", "Slide", "SlideError", "WSIPipelineError"]
+
+
+def __getattr__(name: str):
+    # The pipeline pulls in the inference stack; load it on first use only.
+    if name in ("Pipeline", "Result"):
+        from . import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'wsi_pipeline' has no attribute {name!r}")

@@ -397,6 +397,8 @@ class Executor:
             self._workers = [_CpuWorker(backends[i % len(backends)]) for i in range(self.streams)]
         self.max_batch = int(getattr(self._workers[0], "max_batch", getattr(self.backend, "max_batch", 16)))
         self._closed = False
+        self._rr = 0
+        self._rr_lock = threading.Lock()
 
     @classmethod
     def from_card(cls, card: ModelCard | str | os.PathLike[str], backend: str = "ort",
@@ -421,7 +423,9 @@ class Executor:
     def infer_tiles(self, images: np.ndarray) -> list[TileDetections]:
         """Detections of ``images`` (``N x H x W x 3 uint8`` RGB, H, W the card's), in order.
 
-        Runs on the first worker in the calling thread (low latency, no queues).
+        Runs in the calling thread on a free worker (low latency, no queues):
+        several threads calling at once use different workers (streams or
+        sessions) where there are enough, and wait for one otherwise.
         """
         self._check_open()
         from .ort_backend import check_tile_batch
@@ -430,7 +434,15 @@ class Executor:
             images = check_tile_batch(images, self.card)
         if images.shape[0] == 0:
             return []
-        w = self._workers[0]
+        for w in self._workers:
+            if w.lock.acquire(blocking=False):
+                try:
+                    return w.process(images)
+                finally:
+                    w.lock.release()
+        with self._rr_lock:
+            w = self._workers[self._rr % len(self._workers)]
+            self._rr += 1
         with w.lock:
             return w.process(images)
 

@@ -299,3 +299,63 @@ class OmeTiffHeatmapWriter:
                     extra["subfiletype"] = 1
                     extra["metadata"] = None
                 tif.write(self._tiles(data), shape=data.shape, **options, **extra)
+
+
+class HeatmapFile:
+    """A heatmap OME-TIFF written by :class:`OmeTiffHeatmapWriter`, read lazily.
+
+    ``shape`` is C x H x W of level 0; :meth:`read` returns one pyramid level
+    as float32 values (``stored * value_scale``, probabilities for the
+    shipped models); ``numpy.asarray(heatmap_file)`` reads level 0.
+
+    >>> import numpy as np, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "h.ome.tif")
+    >>> with OmeTiffHeatmapWriter(path, 64, 32, 1, ["tumour"], (2.0, 2.0)) as w:
+    ...     w(0, np.full((1, 32, 64), 0.5, np.float32))
+    >>> h = HeatmapFile(path)
+    >>> h.shape, h.channel_names, h.physical_size_um
+    ((1, 32, 64), ['tumour'], (2.0, 2.0))
+    >>> round(float(h.read().mean()), 2)
+    0.5
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        import re
+
+        self.path = Path(path)
+        try:
+            with tifffile.TiffFile(self.path) as tif:
+                series = tif.series[0]
+                self.level_shapes = [tuple(int(v) for v in lv.shape) for lv in series.levels]
+                xml = tif.ome_metadata or ""
+        except (OSError, tifffile.TiffFileError, IndexError) as exc:
+            raise WSIPipelineError(f"{self.path}: not a readable heatmap OME-TIFF: {exc}") from exc
+        self.channel_names = re.findall(r'<Channel [^>]*Name="([^"]*)"', xml)
+        m = re.search(r'<M K="value_scale">([^<]+)</M>', xml)
+        self.value_scale = float(m.group(1)) if m else 1.0
+        px = re.search(r'PhysicalSizeX="([^"]+)"', xml)
+        py = re.search(r'PhysicalSizeY="([^"]+)"', xml)
+        self.physical_size_um = (float(px.group(1)), float(py.group(1))) if px and py else None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.level_shapes[0]
+
+    @property
+    def level_count(self) -> int:
+        return len(self.level_shapes)
+
+    def read(self, level: int = 0) -> np.ndarray:
+        """Level ``level`` (0 = full size) as C x h x w float32 values."""
+        if not 0 <= level < len(self.level_shapes):
+            raise WSIPipelineError(f"{self.path}: level {level} does not exist ({len(self.level_shapes)} levels)")
+        with tifffile.TiffFile(self.path) as tif:
+            data = tif.series[0].levels[level].asarray()
+        return data.astype(np.float32) * np.float32(self.value_scale)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.read(0)
+        return a if dtype is None else a.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"HeatmapFile({str(self.path)!r}, shape={self.shape}, levels={self.level_count})"

@@ -20,11 +20,12 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import imagecodecs
 import numpy as np
 import tifffile
 
 from ..errors import SlideError, TileReadError
-from .base import Slide, checked_mpp, paste_into_background
+from .base import Slide, checked_mpp
 from .resolution import tiff_page_mpp
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -42,6 +43,20 @@ class _Level:
     offsets: np.ndarray
     bytecounts: np.ndarray
     jpegtables: bytes | None
+    jpeg_args: dict | None = None
+
+
+def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
+    """Set every pixel of ``region`` (``... x 3`` uint8) to ``rgb``.
+
+    A grey background is one byte fill; a coloured one a fill per channel.
+    NumPy's broadcast of a 3-vector over a large image is far slower.
+    """
+    if rgb[0] == rgb[1] == rgb[2]:
+        region.fill(rgb[0])
+    else:
+        for c in range(3):
+            region[..., c] = rgb[c]
 
 
 class TiffSlide(Slide):
@@ -65,6 +80,8 @@ class TiffSlide(Slide):
             self._tif.close()
             raise
         self._fd = os.open(self.path, os.O_RDONLY)
+        for lv in self._levels:
+            lv.jpeg_args = self._direct_jpeg_args(lv)
         self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._cache_bytes = 0
         self._cache_limit = int(cache_bytes)
@@ -180,16 +197,57 @@ class TiffSlide(Slide):
         # tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
         return data[:2] + tables[2:-2] + data[2:]
 
+    def _direct_jpeg_args(self, lv: _Level) -> dict | None:
+        """Keyword arguments that decode ``lv``'s JPEG tiles with imagecodecs directly.
+
+        The direct call skips tifffile's per-tile wrapper (segment bookkeeping,
+        reshape and padding). It is used only for 3-sample interleaved JPEG
+        levels, and only after the first stored tile decodes to exactly the
+        pixels ``page.decode`` gives; otherwise None (use ``page.decode``).
+        """
+        page = lv.page
+        colorspace_for = getattr(tifffile.tifffile, "jpeg_decode_colorspace", None)
+        if (
+            colorspace_for is None
+            or page.compression != tifffile.COMPRESSION.JPEG
+            or page.samplesperpixel != 3
+            or page.planarconfig != 1
+            or page.extrasamples
+        ):
+            return None
+        colorspace, outcolorspace = colorspace_for(
+            page.photometric, page.planarconfig, page.extrasamples, page.is_jfif
+        )
+        kwargs = {"tables": lv.jpegtables, "colorspace": colorspace, "outcolorspace": outcolorspace}
+        nonempty = np.flatnonzero(lv.bytecounts)
+        if not len(nonempty):
+            return None
+        i = int(nonempty[0])
+        data = os.pread(self._fd, int(lv.bytecounts[i]), int(lv.offsets[i]))
+        try:
+            direct = imagecodecs.jpeg8_decode(data, **kwargs)
+            ref, _, _ = page.decode(data, i, jpegtables=lv.jpegtables)
+        except Exception:  # a tile that does not decode: let the general path report it
+            return None
+        ref = ref.reshape(ref.shape[-3], ref.shape[-2], 3)
+        if direct.shape != (lv.tile_h, lv.tile_w, 3) or not np.array_equal(direct, ref):
+            return None
+        return kwargs
+
     def _decode_tile(self, level: int, tx: int, ty: int) -> np.ndarray:
+        """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB."""
         lv = self._levels[level]
         i = ty * lv.tiles_across + tx
         data = self.raw_tile(level, tx, ty)
-        spp = lv.page.samplesperpixel
         if not data:
             tile = np.empty((lv.tile_h, lv.tile_w, 3), np.uint8)
-            tile[...] = self.background_rgb
+            _fill(tile, self.background_rgb)
             return tile
         try:
+            if lv.jpeg_args is not None:
+                seg = imagecodecs.jpeg8_decode(data, **lv.jpeg_args)
+                if seg.shape == (lv.tile_h, lv.tile_w, 3):
+                    return seg
             seg, _, _ = lv.page.decode(data, i, jpegtables=lv.jpegtables)
         except Exception as exc:  # codecs raise their own error types
             raise TileReadError(
@@ -199,6 +257,7 @@ class TiffSlide(Slide):
             ) from exc
         if seg is None:
             raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to nothing", None, level)
+        spp = lv.page.samplesperpixel
         seg = seg.reshape(seg.shape[-3], seg.shape[-2], spp)
         if spp == 1:
             seg = np.repeat(seg, 3, axis=2)
@@ -209,12 +268,14 @@ class TiffSlide(Slide):
         return np.ascontiguousarray(seg)
 
     def _get_tile(self, level: int, tx: int, ty: int) -> np.ndarray:
+        """Decoded stored tile from the cache, decoding it (once, whatever the threads) if absent."""
         key = (level, ty * self._levels[level].tiles_across + tx)
+        cache = self._cache
         while True:
             with self._lock:
-                tile = self._cache.get(key)
+                tile = cache.get(key)
                 if tile is not None:
-                    self._cache.move_to_end(key)
+                    cache.move_to_end(key)
                     return tile
                 event = self._inflight.get(key)
                 if event is None:
@@ -226,10 +287,10 @@ class TiffSlide(Slide):
         try:
             tile = self._decode_tile(level, tx, ty)
             with self._lock:
-                self._cache[key] = tile
+                cache[key] = tile
                 self._cache_bytes += tile.nbytes
-                while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
-                    _, old = self._cache.popitem(last=False)
+                while self._cache_bytes > self._cache_limit and len(cache) > 1:
+                    _, old = cache.popitem(last=False)
                     self._cache_bytes -= old.nbytes
         finally:
             with self._lock:
@@ -238,26 +299,71 @@ class TiffSlide(Slide):
         return tile
 
     # -- regions ------------------------------------------------------------
+    def read_region_into(
+        self, location: tuple[int, int], level: int, size: tuple[int, int], out: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`read_region` written into ``out`` (``height x width x 3`` uint8), returned.
+
+        Saves the copy from a new array when the caller has a buffer (a
+        batch slot of the tile loader).
+        """
+        self._check_open()
+        if not 0 <= level < self.level_count:
+            raise ValueError(
+                f"{self.path}: level {level} does not exist (slide has {self.level_count} levels)"
+            )
+        w, h = int(size[0]), int(size[1])
+        if w <= 0 or h <= 0:
+            raise ValueError(f"{self.path}: region size must be positive, got {size}")
+        if out.shape != (h, w, 3) or out.dtype != np.uint8:
+            raise ValueError(
+                f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8"
+            )
+        self._assemble(int(location[0]), int(location[1]), level, out)
+        return out
+
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
+        out = np.empty((h, w, 3), np.uint8)
+        self._assemble(x0_level0, y0_level0, level, out)
+        return out
+
+    def _assemble(self, x0_level0: int, y0_level0: int, level: int, out: np.ndarray) -> None:
+        """Fill ``out`` (``h x w x 3``) with the region of ``level`` at level-0 (x0, y0).
+
+        Each stored tile the region touches is copied once from the decoded-tile
+        cache; only the part outside the level is filled with the background.
+        """
+        h, w = out.shape[:2]
         lv = self._levels[level]
         ds = self._level_downsamples[level]
         # Level-0 location to this level's pixels, as OpenSlide does.
         x0 = int(math.floor(x0_level0 / ds))
         y0 = int(math.floor(y0_level0 / ds))
-        out = paste_into_background(h, w, self.background_rgb)
         ix0, iy0 = max(x0, 0), max(y0, 0)
         ix1, iy1 = min(x0 + w, lv.width), min(y0 + h, lv.height)
         if ix0 >= ix1 or iy0 >= iy1:
-            return out
-        for ty in range(iy0 // lv.tile_h, (iy1 - 1) // lv.tile_h + 1):
-            ty0 = ty * lv.tile_h
-            for tx in range(ix0 // lv.tile_w, (ix1 - 1) // lv.tile_w + 1):
-                tx0 = tx * lv.tile_w
+            _fill(out, self.background_rgb)
+            return
+        # Background only where the region leaves the level: bands above, below, left, right.
+        bg = self.background_rgb
+        if iy0 > y0:
+            _fill(out[: iy0 - y0], bg)
+        if iy1 < y0 + h:
+            _fill(out[iy1 - y0:], bg)
+        if ix0 > x0:
+            _fill(out[iy0 - y0:iy1 - y0, : ix0 - x0], bg)
+        if ix1 < x0 + w:
+            _fill(out[iy0 - y0:iy1 - y0, ix1 - x0:], bg)
+        tw, th = lv.tile_w, lv.tile_h
+        for ty in range(iy0 // th, (iy1 - 1) // th + 1):
+            ty0 = ty * th
+            sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
+            dst_rows = out[sy0 - y0:sy1 - y0]
+            for tx in range(ix0 // tw, (ix1 - 1) // tw + 1):
+                tx0 = tx * tw
+                sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
                 tile = self._get_tile(level, tx, ty)
-                sx0, sy0 = max(ix0, tx0), max(iy0, ty0)
-                sx1, sy1 = min(ix1, tx0 + lv.tile_w), min(iy1, ty0 + lv.tile_h)
-                out[sy0 - y0:sy1 - y0, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
-        return out
+                dst_rows[:, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
 
     def close(self) -> None:
         if not self._closed:

@@ -10,7 +10,7 @@ See docs/stitching.md for when to use which.
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender
 from wsi_pipeline.stitch.merge import cluster_leaders, merge_boxes
 from wsi_pipeline.stitch.nms import global_nms, score_order
-from wsi_pipeline.stitch.ownership import owned_by_tile, tile_core_px
+from wsi_pipeline.stitch.ownership import owned_by_tile, tile_core_px, touches_inner_edge
 from wsi_pipeline.stitch.spatial_grid import intersecting_pairs
 from wsi_pipeline.stitch.weights import tile_weights
 
@@ -25,4 +25,5 @@ __all__ = [
     "score_order",
     "tile_core_px",
     "tile_weights",
+    "touches_inner_edge",
 ]

@@ -72,3 +72,42 @@ def owned_by_tile(
     cx = (boxes[:, 0] + boxes[:, 2]) / 2.0
     cy = (boxes[:, 1] + boxes[:, 3]) / 2.0
     return (cx >= x0) & (cx < x1) & (cy >= y0) & (cy < y1)
+
+
+def touches_inner_edge(
+    boxes_tile_px: np.ndarray,
+    row: int,
+    col: int,
+    n_rows: int,
+    n_cols: int,
+    tile_size_px: int = 512,
+    overlap_px: int = 64,
+    margin_px: float = 1.0,
+) -> np.ndarray:
+    """Mask of the boxes of tile (row, col) cut by a tile border that has a neighbour.
+
+    A box within ``margin_px`` of such a border is (likely) an object cut by
+    the tile, whose whole box the neighbouring tile sees when the object is
+    smaller than the overlap. Dropping these before global NMS keeps a cut
+    box from surviving beside the whole one (their IoU is often below the
+    NMS threshold). Borders on the slide's edge keep their boxes.
+
+    Args:
+        boxes_tile_px: N x 4 float (x0, y0, x1, y1) in the tile's pixels.
+
+    Returns:
+        N bool.
+    """
+    tile_core_px(row, col, n_rows, n_cols, tile_size_px, overlap_px)  # checks the arguments
+    b = np.asarray(boxes_tile_px, dtype=np.float64).reshape(-1, 4)
+    far = tile_size_px - margin_px
+    cut = np.zeros(len(b), dtype=bool)
+    if col > 0:
+        cut |= b[:, 0] <= margin_px
+    if row > 0:
+        cut |= b[:, 1] <= margin_px
+    if col < n_cols - 1:
+        cut |= b[:, 2] >= far
+    if row < n_rows - 1:
+        cut |= b[:, 3] >= far
+    return cut

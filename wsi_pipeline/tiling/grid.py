@@ -176,9 +176,17 @@ class TileGrid(Sequence[Tile]):
 def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.ndarray:
     """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp).
 
-    ``out``, if given, is a ``size x size x 3`` uint8 array filled in place.
+    ``out``, if given, is a ``size x size x 3`` uint8 array filled in place
+    (written directly by a backend with ``read_region_into``, such as the
+    tifffile one, when no resize is needed).
     """
-    region = slide.read_region((tile.x0_level0, tile.y0_level0), tile.level, (tile.read_size, tile.read_size))
+    location = (tile.x0_level0, tile.y0_level0)
+    region_size = (tile.read_size, tile.read_size)
+    if out is not None and tile.read_size == tile.size:
+        read_into = getattr(slide, "read_region_into", None)
+        if read_into is not None:
+            return read_into(location, tile.level, region_size, out)
+    region = slide.read_region(location, tile.level, region_size)
     if tile.read_size != tile.size:
         region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)
     if out is None:

@@ -1,7 +1,9 @@
 """The streaming tile loader: parallel read + decode into reusable batch buffers.
 
 Worker threads read tiles straight into slots of a small pool of batch
-buffers (``N x size x size x 3`` uint8). At most ``prefetch`` batches are in
+buffers (``N x size x size x 3`` uint8), each worker a contiguous run of a
+batch's tiles (a whole batch unless there are more workers than batches in
+flight). At most ``prefetch`` batches are in
 flight, so memory is ``(prefetch + 1) * batch_size`` tiles whatever the
 slide's size, and a slow consumer holds the readers back. Batches come out
 in grid order. Threads suffice (no processes): OpenSlide, the TIFF codecs
@@ -118,8 +120,6 @@ class TileLoader:
             self._free_cv.notify()
 
     def _read_one(self, tile: Tile, out: np.ndarray) -> None:
-        if self._stop.is_set():
-            return
         try:
             self._read(self.slide, tile, out)
         except TileReadError as exc:
@@ -132,6 +132,26 @@ class TileLoader:
             )
             err.tile = tile
             raise err from exc
+
+    def _read_chunk(self, tiles: Sequence[Tile], out: np.ndarray) -> None:
+        """Read contiguous ``tiles`` into ``out[0], out[1], ...`` on one worker, in order."""
+        for i, tile in enumerate(tiles):
+            if self._stop.is_set():
+                return
+            self._read_one(tile, out[i])
+
+    def _chunk_bounds(self, n: int) -> list[tuple[int, int]]:
+        """Split a batch of ``n`` tiles into contiguous (start, stop) runs, one task each.
+
+        One run per batch while the batches in flight (``prefetch``) already
+        keep every worker busy: a worker then reads neighbouring tiles one
+        after another (they share stored tiles, so the decode cache hits) and
+        the hand-off costs one task per batch, not one per tile. With more
+        workers than batches in flight, a batch is split so all can read.
+        """
+        parts = min(n, max(1, -(-self.workers // self.prefetch)))
+        edges = [round(k * n / parts) for k in range(parts + 1)]
+        return [(edges[k], edges[k + 1]) for k in range(parts)]
 
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
@@ -149,7 +169,10 @@ class TileLoader:
             seq, start = item
             tiles = self.tiles[start:start + self.batch_size]
             buf = self._acquire()
-            futures = [self._pool.submit(self._read_one, t, buf[i]) for i, t in enumerate(tiles)]
+            futures = [
+                self._pool.submit(self._read_chunk, tiles[lo:hi], buf[lo:hi])
+                for lo, hi in self._chunk_bounds(len(tiles))
+            ]
             pending.append((seq, buf, tiles, futures))
             return True
 

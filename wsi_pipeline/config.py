@@ -1,0 +1,181 @@
+"""Run configuration: the CLI flags as a validated dataclass, loadable from TOML.
+
+A config file holds the same names as ``wsi-pipeline run``'s flags (with
+``_`` for ``-``), at top level or under ``[run]``::
+
+    model = "engines/nuclei_pathology.card.json"
+    backend = "ort"
+    tile = 512
+    overlap = 64
+    mpp = 0.5
+    min_tissue = 0.05
+
+Unknown keys, wrong types and impossible values (an overlap as large as the
+tile) are refused with the file and key named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+BACKEND_CHOICES = ("auto", "ort", "torch", "tensorrt")
+TISSUE_CHOICES = ("auto", "otsu", "all", "file")
+MERGE_CHOICES = ("nms", "nmm", "wbf", "ownership")
+BLEND_CHOICES = ("gaussian", "hann", "linear", "constant")
+
+
+@dataclass
+class RunConfig:
+    """Everything that decides a run's result (and so its resume key)."""
+
+    model: str | None = None
+    backend: str = "auto"
+    tile: int | None = None  # default: the model card's input size
+    overlap: int = 64
+    mpp: float | None = None  # default: the model card's mpp
+    level: int | None = None
+    tissue: str = "auto"  # auto: otsu for models with an mpp, all for industrial ones
+    mask: str | None = None
+    min_tissue: float = 0.05
+    batch_size: int | None = None
+    workers: int = 2
+    streams: int | None = None
+    score_threshold: float | None = None
+    nms_iou: float = 0.5
+    nms_metric: str = "iou"
+    merge: str = "nms"
+    drop_edge_boxes: bool = True
+    blend: str = "gaussian"
+    sigma_scale: float = 0.125
+    overlay_size: int = 2048
+    dask: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, source: str = "config") -> None:
+        def bad(key: str, expected: str, found: Any) -> ConfigError:
+            return ConfigError(f"{source}: {key}: expected {expected}, found {found!r}")
+
+        if self.backend not in BACKEND_CHOICES:
+            raise bad("backend", f"one of {', '.join(BACKEND_CHOICES)}", self.backend)
+        if self.tissue not in TISSUE_CHOICES:
+            raise bad("tissue", f"one of {', '.join(TISSUE_CHOICES)}", self.tissue)
+        if self.merge not in MERGE_CHOICES:
+            raise bad("merge", f"one of {', '.join(MERGE_CHOICES)}", self.merge)
+        if self.blend not in BLEND_CHOICES:
+            raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
+        if self.nms_metric not in ("iou", "ios"):
+            raise bad("nms_metric", "iou or ios", self.nms_metric)
+        if self.tile is not None and self.tile < 16:
+            raise bad("tile", "at least 16 pixels", self.tile)
+        if self.overlap < 0:
+            raise bad("overlap", "at least 0", self.overlap)
+        if self.tile is not None and self.overlap >= self.tile:
+            raise bad("overlap", f"less than the tile size {self.tile}", self.overlap)
+        if self.mpp is not None and self.mpp <= 0:
+            raise bad("mpp", "a positive number of micrometres per pixel", self.mpp)
+        if self.mpp is not None and self.level is not None:
+            raise ConfigError(f"{source}: give mpp or level, not both")
+        if self.level is not None and self.level < 0:
+            raise bad("level", "a level index >= 0", self.level)
+        if not 0 <= self.min_tissue <= 1:
+            raise bad("min_tissue", "a fraction in [0, 1]", self.min_tissue)
+        if self.tissue == "file" and not self.mask:
+            raise ConfigError(f"{source}: tissue = 'file' needs mask = PATH")
+        for key in ("workers", "batch_size", "streams", "overlay_size"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise bad(key, "at least 1", v)
+        if not 0 <= self.nms_iou <= 1:
+            raise bad("nms_iou", "a value in [0, 1]", self.nms_iou)
+        if self.score_threshold is not None and not 0 <= self.score_threshold <= 1:
+            raise bad("score_threshold", "a value in [0, 1]", self.score_threshold)
+
+    # Keys that change how a run goes but not what it produces.
+    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "extra")
+
+    def result_key(self) -> dict[str, Any]:
+        """The settings that determine the outputs (resume compares these)."""
+        d = dataclasses.asdict(self)
+        for k in self._NOT_IN_RESULT:
+            d.pop(k, None)
+        return d
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra", None)
+        return d
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "config") -> RunConfig:
+        """Build from a mapping, checking every key and type."""
+        hints = typing.get_type_hints(cls)
+        fields = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"{source}: unknown key {key!r} (known: {', '.join(sorted(fields))})")
+            kwargs[name] = _check_type(source, key, value, hints[name])
+        cfg = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(cfg, f.name, kwargs.get(f.name, default))
+        cfg.validate(source)
+        return cfg
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` (None values leave a setting as it is)."""
+        values = self.as_dict()
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return RunConfig.from_mapping(values, "options")
+
+
+def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
+    args = typing.get_args(hint)
+    allowed = [a for a in args if a is not type(None)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    if value is None:
+        if type(None) in args:
+            return None
+        raise ConfigError(f"{source}: {key}: expected {allowed[0].__name__}, found none")
+    for t in allowed:
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is str and isinstance(value, str):
+            return value
+        if t is dict and isinstance(value, dict):
+            return value
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(f"{source}: {key}: expected {names}, found {type(value).__name__} {value!r}")
+
+
+def load_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Read a TOML config file (keys at top level or under ``[run]``)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    if "run" in doc and isinstance(doc["run"], dict):
+        extra = set(doc) - {"run"}
+        if extra:
+            raise ConfigError(f"{path}: unknown section or key {sorted(extra)[0]!r} beside [run]")
+        doc = doc["run"]
+    return RunConfig.from_mapping(doc, path)

@@ -1,0 +1,121 @@
+"""Detections in slide coordinates and their files (QuPath GeoJSON, CSV).
+
+A slide's detections are a numpy structured array with fields
+``x0, y0, x1, y1`` (float32, level-0 pixels, origin top-left), ``score``
+(float32) and ``label`` (int32, index into the model's classes);
+``pandas.DataFrame(detections)`` turns it into a table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import WSIPipelineError
+from .atomic import atomic_write
+
+DETECTION_DTYPE = np.dtype(
+    [("x0", "<f4"), ("y0", "<f4"), ("x1", "<f4"), ("y1", "<f4"), ("score", "<f4"), ("label", "<i4")]
+)
+CSV_COLUMNS = ("x0", "y0", "x1", "y1", "score", "label", "class")
+
+
+def make_detections(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Pack ``boxes`` (Nx4 x0, y0, x1, y1), ``scores`` (N) and ``labels`` (N) into the record array."""
+    boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+    out = np.empty(len(boxes), DETECTION_DTYPE)
+    for i, name in enumerate(("x0", "y0", "x1", "y1")):
+        out[name] = boxes[:, i]
+    out["score"] = np.asarray(scores, np.float32).reshape(-1)
+    out["label"] = np.asarray(labels).reshape(-1).astype(np.int32)
+    return out
+
+
+def detection_boxes(dets: np.ndarray) -> np.ndarray:
+    """Nx4 float32 boxes (x0, y0, x1, y1) of a detection array."""
+    return np.stack([dets[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float32)
+
+
+def _class(classes: Sequence[dict], label: int) -> dict:
+    if 0 <= label < len(classes):
+        return classes[label]
+    return {"name": f"class_{label}", "color": [255, 0, 0]}
+
+
+def _rgb(color) -> list[int]:
+    if isinstance(color, str):
+        v = int(color.lstrip("#"), 16)
+        return [(v >> 16) & 255, (v >> 8) & 255, v & 255]
+    return [int(c) for c in color][:3]
+
+
+def to_geojson(dets: np.ndarray, classes: Sequence[dict]) -> dict:
+    """A QuPath-importable FeatureCollection of detection boxes (level-0 pixels).
+
+    Each Feature: a closed Polygon ring, ``properties.objectType:
+    "detection"``, ``properties.classification: {name, color}`` (color as
+    [r, g, b]) and ``properties.measurements: {score: ...}``.
+    """
+    feats = []
+    for d in dets:
+        x0, y0, x1, y1 = (float(d[k]) for k in ("x0", "y0", "x1", "y1"))
+        c = _class(classes, int(d["label"]))
+        feats.append({
+            "type": "Feature",
+            "geometry": {"type": "Polygon", "coordinates": [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]},
+            "properties": {
+                "objectType": "detection",
+                "classification": {"name": c["name"], "color": _rgb(c.get("color", [255, 0, 0]))},
+                "measurements": {"score": round(float(d["score"]), 6)},
+            },
+        })
+    return {"type": "FeatureCollection", "features": feats}
+
+
+def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
+    """Write detections as QuPath GeoJSON, atomically."""
+    with atomic_write(path) as f:
+        json.dump(to_geojson(dets, classes), f, separators=(",", ":"))
+
+
+def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
+    """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels), atomically."""
+    with atomic_write(path, newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_COLUMNS)
+        for d in dets:
+            w.writerow([f"{d['x0']:.2f}", f"{d['y0']:.2f}", f"{d['x1']:.2f}", f"{d['y1']:.2f}",
+                        f"{d['score']:.5f}", int(d["label"]), _class(classes, int(d["label"]))["name"]])
+
+
+def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = None) -> np.ndarray:
+    """Read detection boxes back from a GeoJSON file (the boxes' bounding rectangles).
+
+    Labels are looked up by classification name in ``classes`` (or numbered
+    in order of appearance); a missing score reads as 1.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
+    names = {c["name"]: i for i, c in enumerate(classes or [])}
+    rows = []
+    for feat in doc.get("features", []):
+        props = feat.get("properties", {})
+        if props.get("objectType", "detection") != "detection":
+            continue
+        ring = np.asarray(feat["geometry"]["coordinates"][0], np.float64)
+        name = (props.get("classification") or {}).get("name", "object")
+        if name not in names:
+            names[name] = len(names)
+        score = (props.get("measurements") or {}).get("score", 1.0)
+        rows.append((*ring.min(0), *ring.max(0), score, names[name]))
+    out = np.empty(len(rows), DETECTION_DTYPE)
+    for i, r in enumerate(rows):
+        out[i] = r
+    return out

@@ -1,0 +1,128 @@
+"""Sinks for the blended heatmap's rows: in memory, statistics, a reduced copy."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from wsi_pipeline.tiling.tissue import TissueMask
+
+Sink = Callable[[int, np.ndarray], None]
+
+
+class ArraySink:
+    """Collects all rows into one ``C x H x W`` float32 array (``.array``)."""
+
+    def __init__(self, channels: int, height: int, width: int):
+        self.array = np.zeros((channels, height, width), np.float32)
+
+    def __call__(self, y0: int, rows: np.ndarray) -> None:
+        self.array[:, y0:y0 + rows.shape[1]] = rows
+
+
+class HeatmapStats:
+    """Per-class statistics over the tissue, computed as rows stream by.
+
+    ``scale_level0``: level-0 pixels per heatmap pixel. Tissue membership of
+    each heatmap pixel is looked up in the (coarser) tissue mask.
+    """
+
+    def __init__(self, channels: int, width: int, scale_level0: float, tissue: TissueMask | None,
+                 threshold: float = 0.5):
+        self.channels = channels
+        self.threshold = threshold
+        self.scale = scale_level0
+        self.tissue = tissue
+        self.above = np.zeros(channels, np.int64)
+        self.sum = np.zeros(channels, np.float64)
+        self.max = np.zeros(channels, np.float64)
+        self.tissue_px = 0
+        if tissue is not None:
+            mh, mw = tissue.mask.shape
+            xs = ((np.arange(width) + 0.5) * scale_level0 / tissue.downsample[0]).astype(np.int64)
+            self._cols = np.clip(xs, 0, mw - 1)
+            self._valid_cols = xs < mw
+
+    def __call__(self, y0: int, rows: np.ndarray) -> None:
+        h = rows.shape[1]
+        if self.tissue is not None:
+            mh = self.tissue.mask.shape[0]
+            ys = ((np.arange(y0, y0 + h) + 0.5) * self.scale / self.tissue.downsample[1]).astype(np.int64)
+            inside = (ys < mh)[:, None] & self._valid_cols[None, :]
+            sel = self.tissue.mask[np.clip(ys, 0, mh - 1)][:, self._cols] & inside
+        else:
+            sel = np.ones(rows.shape[1:], bool)
+        n = int(sel.sum())
+        self.tissue_px += n
+        if n == 0:
+            return
+        vals = rows[:, sel]  # C x n
+        self.above += (vals > self.threshold).sum(axis=1)
+        self.sum += vals.sum(axis=1, dtype=np.float64)
+        self.max = np.maximum(self.max, vals.max(axis=1))
+
+    def summary(self, class_names: Sequence[str], mm2_per_px: float | None) -> dict:
+        out = {}
+        for c, name in enumerate(class_names):
+            out[name] = {
+                f"area_above_{self.threshold:g}_mm2": (self.above[c] * mm2_per_px) if mm2_per_px else None,
+                f"fraction_of_tissue_above_{self.threshold:g}": (self.above[c] / self.tissue_px) if self.tissue_px else 0.0,
+                "mean_probability": (self.sum[c] / self.tissue_px) if self.tissue_px else 0.0,
+                "max_probability": float(self.max[c]),
+            }
+        return out
+
+
+class ReducedCopy:
+    """A block-averaged copy of the heatmap, ``factor`` x smaller per axis (for overlays)."""
+
+    def __init__(self, channels: int, height: int, width: int, factor: int):
+        self.factor = max(1, int(factor))
+        self.width = width
+        self.array = np.zeros((channels, math.ceil(height / self.factor), math.ceil(width / self.factor)), np.float32)
+        self._pending: list[np.ndarray] = []
+        self._pending_y0 = 0
+        self._next_out = 0
+
+    def __call__(self, y0: int, rows: np.ndarray) -> None:
+        self._pending.append(rows)
+        buf = np.concatenate(self._pending, axis=1) if len(self._pending) > 1 else rows
+        n_full = buf.shape[1] // self.factor
+        if n_full:
+            self._emit(buf[:, : n_full * self.factor])
+            rest = buf[:, n_full * self.factor:]
+            self._pending = [rest] if rest.shape[1] else []
+        else:
+            self._pending = [buf]
+
+    def _emit(self, block: np.ndarray) -> None:
+        c, h, w = block.shape
+        f = self.factor
+        wpad = math.ceil(w / f) * f
+        if wpad != w:
+            block = np.concatenate([block, np.repeat(block[:, :, -1:], wpad - w, axis=2)], axis=2)
+        red = block.reshape(c, h // f, f, wpad // f, f).mean(axis=(2, 4))
+        self.array[:, self._next_out:self._next_out + red.shape[1]] = red
+        self._next_out += red.shape[1]
+
+    def close(self) -> None:
+        if self._pending:
+            buf = np.concatenate(self._pending, axis=1)
+            f = self.factor
+            pad = f - buf.shape[1]
+            buf = np.concatenate([buf, np.repeat(buf[:, -1:], pad, axis=1)], axis=1)
+            self._emit(buf)
+            self._pending = []
+
+
+def fan_out(*sinks: Sink | None) -> Sink:
+    """One sink that calls each of ``sinks`` in turn."""
+    active = [s for s in sinks if s is not None]
+
+    def sink(y0: int, rows: np.ndarray) -> None:
+        for s in active:
+            s(y0, rows)
+
+    return sink
