@@ -47,3 +47,15 @@ def pyramid_tiff(tmp_path_factory):
     image = smooth_rgb(3000, 4100, seed=1)
     write_pyramid_tiff(path, image)
     return path
+
+
+def corrupt_stored_tile(path, index: int | None = None, page: int = 0) -> int:
+    """Overwrite one stored tile of a TIFF page (default: the middle one) with a broken JPEG."""
+    with tifffile.TiffFile(path) as tif:
+        p = tif.pages[page]
+        i = len(p.dataoffsets) // 2 if index is None else index
+        off, n = p.dataoffsets[i], p.databytecounts[i]
+    with open(path, "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff\xd8" + b"\x00" * (n - 2))
+    return i

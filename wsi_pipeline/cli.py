@@ -13,10 +13,10 @@ import logging
 import sys
 import warnings
 
-from .errors import WSIPipelineError
+from .errors import UsageError, WSIPipelineError
 
 # Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = ["synth", "info", "quantize", "train", "build_engine"]
+COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or EXIT_OK)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except WSIPipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

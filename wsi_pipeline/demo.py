@@ -1,39 +1,52 @@
-"""``make demo``: write a small synthetic slide, describe it, and run the detector over its tissue tiles."""
+"""``make demo``: write a small synthetic slide and run ``wsi-pipeline run`` on it.
+
+    python -m wsi_pipeline.demo [--out demo_out] [--size 4096]
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
-from .commands.info import describe
-from .inference import create_backend, decode
-from .slide import open_slide
+from .cli import main as cli_main
 from .slide.synthetic import write_synthetic_slide
-from .tiling import TileGrid, TileLoader, tissue_mask
-
-MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "engines", "nuclei_pathology.card.json")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="demo_out")
     ap.add_argument("--size", type=int, default=4096)
     args = ap.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "demo_slide.tiff")
-    info = write_synthetic_slide(path, args.size, args.size, seed=4242, kind="pathology")
-    print(f"wrote {path} ({info['object_count']} nuclei in its ground truth {info['truth_path']})")
-    d = describe(path)
-    print(f"format {d['format']}, backend {d['backend']}, {d['level_count']} levels, mpp {d['mpp']}")
-    backend = create_backend(MODEL, "ort")
-    with open_slide(path) as slide:
-        grid = TileGrid(slide, mpp=backend.card.mpp) if backend.card.mpp else TileGrid(slide)
-        tiles = grid.select(tissue_mask(slide).tile_fractions(grid), 0.05)
-        print(f"{grid}: {len(tiles)} of {len(grid)} tiles hold tissue")
-        n = 0
-        for batch in TileLoader(slide, tiles, batch_size=8, workers=2):
-            n += sum(len(t) for t in decode(backend.infer(batch.images), backend.card))
-    print(f"detector found {n} nuclei in the tissue tiles (before stitching)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slide = out / "demo_slide.tiff"
+    if not slide.exists():
+        info = write_synthetic_slide(slide, args.size, args.size, seed=4242, kind="pathology")
+        print(f"wrote {slide} ({info['object_count']} nuclei in its ground truth {info['truth_path']})")
+    cli_main(["info", str(slide)])
+    results = out / "results"
+    print(f"\n$ wsi-pipeline run {slide} --out {results}")
+    code = cli_main(["run", str(slide), "--out", str(results)])
+    if code != 0:
+        return code
+    folder = results / "demo_slide"
+    with open(folder / "summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    tumour = (summary.get("heatmap_scores") or {}).get("tumour", {})
+    print(f"\nfound {summary['detections_total']} nuclei; tissue {summary['tissue']['area_mm2']:.3f} mm2, "
+          f"tumour {tumour.get('area_above_0.5_mm2', 0):.3f} mm2 "
+          f"({100 * tumour.get('fraction_of_tissue_above_0.5', 0):.1f} % of tissue)")
+    print(f"""
+outputs in {folder}{os.sep}:
+  overlay.png          the slide with the tumour heatmap and the boxes: open it in any image viewer
+  detections.geojson   QuPath: open {slide}, then File > Import objects (or drag the file onto the viewer)
+  heatmap.ome.tif      QuPath / Fiji (Bio-Formats) / tifffile: the per-class probability pyramid
+  detections.csv       x0, y0, x1, y1, score, label in level-0 pixels: pandas, a spreadsheet
+  summary.json         counts, areas, slide-level scores, timings, settings
+review them in Jupyter: notebooks/02_review_results.ipynb with RUN_DIR = "{results}"
+""")
     return 0
 
 

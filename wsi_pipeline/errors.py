@@ -50,3 +50,7 @@ class ConfigError(WSIPipelineError):
 
 class BackendUnavailableError(WSIPipelineError):
     """An inference backend was asked for that this machine cannot run."""
+
+
+class UsageError(WSIPipelineError):
+    """The command line or its config cannot start a run (exit code 2)."""

@@ -245,7 +245,8 @@ class Pipeline:
 
     # -- running ---------------------------------------------------------------
     def run(self, source: str | os.PathLike[str] | Slide | np.ndarray, out_dir: str | os.PathLike[str] | None = None,
-            progress: bool | Progress = False, keep_heatmap: bool | None = None) -> Result:
+            progress: bool | Progress = False, keep_heatmap: bool | None = None,
+            extra_summary: dict[str, Any] | None = None) -> Result:
         """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
 
         ``out_dir``: write detections.geojson, detections.csv,
@@ -254,7 +255,8 @@ class Pipeline:
         tiles each step finished. ``keep_heatmap``: hold the blended heatmap
         in memory as ``result.heatmap`` (default: when nothing is written);
         with ``out_dir``, ``result.heatmap`` otherwise reads the OME-TIFF
-        lazily.
+        lazily. ``extra_summary``: entries added to the summary (e.g. the
+        batch's run key).
         """
         if self._closed:
             raise WSIPipelineError("pipeline is closed")
@@ -270,7 +272,7 @@ class Pipeline:
             slide = as_slide(source)
         try:
             return self._run_slide(slide, isinstance(source, np.ndarray), out_dir, progress, keep_heatmap,
-                                   timer, t_start)
+                                   timer, t_start, extra_summary or {})
         finally:
             if owns:
                 slide.close()
@@ -296,7 +298,7 @@ class Pipeline:
 
     def _run_slide(self, slide: Slide, is_array: bool, out_dir: str | os.PathLike[str] | None,
                    progress: bool | Progress, keep_heatmap: bool | None, timer: StageTimer,
-                   t_start: float) -> Result:
+                   t_start: float, extra_summary: dict[str, Any]) -> Result:
         cfg, card = self.config, self.card
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
@@ -330,7 +332,8 @@ class Pipeline:
                 dets = stitcher.finish()
             with timer("write"):
                 heatmap = stitcher.close_heatmap()
-                result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, out)
+                result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, out,
+                                      extra_summary)
         except BaseException:
             stitcher.abort()
             raise
@@ -386,7 +389,8 @@ class Pipeline:
             report(len(part))
 
     def _result(self, slide: Slide, grid: TileGrid, mask, tiles: list[Tile], stitcher: _Stitcher,
-                dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float, out: Path | None) -> Result:
+                dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float, out: Path | None,
+                extra_summary: dict[str, Any]) -> Result:
         t_write = time.perf_counter()
         cfg, card = self.config, self.card
         names = card.class_names
@@ -418,6 +422,7 @@ class Pipeline:
             "streams": self.executor.streams,
             "parameters": cfg.as_dict(),
             "versions": package_versions(),
+            **extra_summary,
         }
         if out is not None:
             write_geojson(out / "detections.geojson", dets, [{"name": c.name, "color": c.color} for c in card.classes])
@@ -546,11 +551,13 @@ class _Stitcher:
         boxes = np.concatenate(self._boxes)
         scores = np.concatenate(self._scores)
         labels = np.concatenate(self._labels).astype(np.int64)
+        # Edge tiles are padded past the slide; boxes centred there are the padding's edge, not objects.
         w0, h0 = self.slide.dimensions
+        cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
+        inside = (cx >= 0) & (cx < w0) & (cy >= 0) & (cy < h0)
+        boxes, scores, labels = boxes[inside], scores[inside], labels[inside]
         boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w0)
         boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h0)
-        nonempty = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
-        boxes, scores, labels = boxes[nonempty], scores[nonempty], labels[nonempty]
         cfg = self.cfg
         if cfg.merge == "nms":
             keep = global_nms(boxes, scores, labels, cfg.nms_iou, cfg.nms_metric)

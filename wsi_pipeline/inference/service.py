@@ -13,6 +13,7 @@ in its own order.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -56,6 +57,8 @@ class TileService:
         self._queue: deque[tuple[_Request, int]] = deque()  # (request, first tile not yet taken)
         self._cv = threading.Condition()
         self._closed = False
+        self.batches_run = 0  # batches handed to ``infer``
+        self.mixed_batches = 0  # of which held tiles of more than one caller
         self._threads = [
             threading.Thread(target=self._work, name=f"tile-service-{i}", daemon=True) for i in range(workers)
         ]
@@ -78,7 +81,7 @@ class TileService:
             if self._closed:
                 raise WSIPipelineError("inference service is closed")
             self._queue.append((req, 0))
-            self._cv.notify()
+            self._cv.notify_all()  # idle workers, and one waiting for its batch to fill
         return req.future
 
     def infer(self, tiles: np.ndarray) -> list[TileDetections]:
@@ -88,14 +91,22 @@ class TileService:
     def _take_batch(self) -> list[tuple[_Request, int, int]] | None:
         """Pop up to max_batch tiles from the queue: [(request, start, stop)]."""
         with self._cv:
-            while not self._queue and not self._closed:
-                self._cv.wait()
-            if not self._queue:
-                return None
-            # Let a partial batch fill for a moment: other callers may be about to submit.
-            queued = sum(len(r.tiles) - s for r, s in self._queue)
-            if queued < self.max_batch and self.max_wait_s > 0:
-                self._cv.wait(self.max_wait_s)
+            while True:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return None
+                # Let a partial batch fill for a moment: other callers may be about to submit.
+                queued = sum(len(r.tiles) - s for r, s in self._queue)
+                if queued < self.max_batch and self.max_wait_s > 0:
+                    deadline = time.monotonic() + self.max_wait_s
+                    while self._queue and sum(len(r.tiles) - s for r, s in self._queue) < self.max_batch:
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self._closed:
+                            break
+                        self._cv.wait(left)
+                if self._queue:  # another worker may have taken everything meanwhile
+                    break
             parts: list[tuple[_Request, int, int]] = []
             room = self.max_batch
             while self._queue and room:
@@ -114,6 +125,9 @@ class TileService:
                 return
             batch = parts[0][0].tiles[parts[0][1]:parts[0][2]] if len(parts) == 1 else \
                 np.concatenate([r.tiles[a:b] for r, a, b in parts])
+            with self._cv:
+                self.batches_run += 1
+                self.mixed_batches += len({id(r) for r, _, _ in parts}) > 1
             try:
                 results = self._infer(batch)
                 if len(results) != len(batch):

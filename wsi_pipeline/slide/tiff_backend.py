@@ -59,6 +59,115 @@ def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
             region[..., c] = rgb[c]
 
 
+# Decoded tiles live in slabs of at least this many bytes: NumPy asks the
+# kernel for transparent huge pages for allocations of 4 MiB and more, so a
+# cold cache takes a few page faults per slab instead of one per 4 KiB page
+# (on a virtual machine the per-page faults cost more than decoding).
+_SLAB_BYTES = 8 * 1024 * 1024
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def _aligned_slab(n: int, shape: tuple[int, int]) -> np.ndarray:
+    """An uninitialised ``n x h x w x 3`` uint8 array starting on a 2 MiB boundary.
+
+    Only 2 MiB-aligned stretches can be backed by huge pages; a slab that
+    starts on one wastes none at its head.
+    """
+    nbytes = n * shape[0] * shape[1] * 3
+    if nbytes < _SLAB_BYTES // 2:
+        return np.empty((n, shape[0], shape[1], 3), np.uint8)
+    raw = np.empty(nbytes + _HUGE_PAGE, np.uint8)
+    start = -raw.ctypes.data % _HUGE_PAGE
+    return raw[start:start + nbytes].reshape(n, shape[0], shape[1], 3)
+
+
+class _TileCache:
+    """Bounded LRU of decoded stored tiles whose memory is reused, not freed.
+
+    Tiles are ``tile_h x tile_w x 3`` uint8 views into slabs allocated as
+    the cache grows, up to ``limit`` bytes; past that the least recently
+    used tile not being read gives up its slot to the next decode. A reader
+    holds a *pin* on each tile while it copies from it (:meth:`get` pins,
+    :meth:`unpin` releases), and a pinned tile is never evicted, so no slot
+    is overwritten while a thread copies from it. All methods take the
+    cache's lock; none decodes.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.lock = threading.Lock()
+        self._tiles: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._pins: dict[tuple[int, int], int] = {}
+        self._free: dict[tuple[int, int], list[np.ndarray]] = {}
+        self.allocated = 0  # bytes of slabs and slots handed out
+        self.inflight: dict[tuple[int, int], threading.Event] = {}
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        """The tile cached under ``key``, pinned; None if absent. Lock held by the caller."""
+        tile = self._tiles.get(key)
+        if tile is not None:
+            self._tiles.move_to_end(key)
+            self._pins[key] = self._pins.get(key, 0) + 1
+        return tile
+
+    def unpin(self, keys: list[tuple[int, int]]) -> None:
+        """Release one pin on each of ``keys`` (each previously pinned by :meth:`get` or :meth:`put`)."""
+        with self.lock:
+            pins = self._pins
+            for key in keys:
+                n = pins[key] - 1
+                if n:
+                    pins[key] = n
+                else:
+                    del pins[key]
+
+    def slot(self, shape: tuple[int, int]) -> np.ndarray:
+        """A writable ``shape + (3,)`` uint8 slot for a tile about to be decoded."""
+        with self.lock:
+            free = self._free.setdefault(shape, [])
+            if not free:
+                self._refill(shape, free)
+            return free.pop()
+
+    def _refill(self, shape: tuple[int, int], free: list[np.ndarray]) -> None:
+        tile_bytes = shape[0] * shape[1] * 3
+        room = self.limit - self.allocated
+        if room >= tile_bytes:
+            n = max(1, min(-(-_SLAB_BYTES // tile_bytes), room // tile_bytes))
+            slab = _aligned_slab(n, shape)
+            self.allocated += slab.nbytes
+            free.extend(slab[i] for i in range(n - 1, -1, -1))
+            return
+        for key in list(self._tiles):  # oldest first
+            if key in self._pins:
+                continue
+            tile = self._tiles.pop(key)
+            self._free.setdefault(tile.shape[:2], []).append(tile)
+            if free:
+                return
+        # Everything cached is pinned or of another shape: go over the bound by one slot
+        # (at most one per thread decoding at once).
+        free.append(np.empty((shape[0], shape[1], 3), np.uint8))
+        self.allocated += tile_bytes
+
+    def give_back(self, tile: np.ndarray) -> None:
+        """Return a slot that was not :meth:`put` (its decode failed)."""
+        with self.lock:
+            self._free.setdefault(tile.shape[:2], []).append(tile)
+
+    def put(self, key: tuple[int, int], tile: np.ndarray) -> None:
+        """Cache ``tile`` (a slot from :meth:`slot`) under ``key``, pinned. Lock held by the caller."""
+        self._tiles[key] = tile
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def clear(self) -> None:
+        with self.lock:
+            self._tiles.clear()
+            self._pins.clear()
+            self._free.clear()
+            self.allocated = 0
+
+
 class TiffSlide(Slide):
     """A tiled TIFF opened with :mod:`tifffile`.
 
@@ -82,11 +191,7 @@ class TiffSlide(Slide):
         self._fd = os.open(self.path, os.O_RDONLY)
         for lv in self._levels:
             lv.jpeg_args = self._direct_jpeg_args(lv)
-        self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._cache_bytes = 0
-        self._cache_limit = int(cache_bytes)
-        self._lock = threading.Lock()
-        self._inflight: dict[tuple[int, int], threading.Event] = {}
+        self._cache = _TileCache(cache_bytes)
 
     # -- opening ------------------------------------------------------------
     def _init_levels(self) -> None:
@@ -234,20 +339,26 @@ class TiffSlide(Slide):
             return None
         return kwargs
 
-    def _decode_tile(self, level: int, tx: int, ty: int) -> np.ndarray:
-        """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB."""
+    def _decode_tile(self, level: int, tx: int, ty: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB.
+
+        Written into ``out`` (that shape) when given, else into a new array.
+        """
         lv = self._levels[level]
+        shape = (lv.tile_h, lv.tile_w, 3)
+        if out is None:
+            out = np.empty(shape, np.uint8)
         i = ty * lv.tiles_across + tx
         data = self.raw_tile(level, tx, ty)
         if not data:
-            tile = np.empty((lv.tile_h, lv.tile_w, 3), np.uint8)
-            _fill(tile, self.background_rgb)
-            return tile
+            _fill(out, self.background_rgb)
+            return out
         try:
             if lv.jpeg_args is not None:
-                seg = imagecodecs.jpeg8_decode(data, **lv.jpeg_args)
-                if seg.shape == (lv.tile_h, lv.tile_w, 3):
-                    return seg
+                try:
+                    return imagecodecs.jpeg8_decode(data, out=out, **lv.jpeg_args)
+                except Exception:  # an odd tile: the general path decodes or reports it
+                    pass
             seg, _, _ = lv.page.decode(data, i, jpegtables=lv.jpegtables)
         except Exception as exc:  # codecs raise their own error types
             raise TileReadError(
@@ -265,38 +376,44 @@ class TiffSlide(Slide):
             from .openslide_backend import composite_rgba
 
             seg = composite_rgba(seg, self.background_rgb)
-        return np.ascontiguousarray(seg)
+        out[...] = seg
+        return out
 
-    def _get_tile(self, level: int, tx: int, ty: int) -> np.ndarray:
-        """Decoded stored tile from the cache, decoding it (once, whatever the threads) if absent."""
+    def _get_tile(self, level: int, tx: int, ty: int) -> tuple[tuple[int, int], np.ndarray]:
+        """(key, decoded stored tile), pinned in the cache: unpin the key once copied from.
+
+        A tile absent from the cache is decoded once whatever the number of
+        threads asking; the others wait for it.
+        """
         key = (level, ty * self._levels[level].tiles_across + tx)
         cache = self._cache
         while True:
-            with self._lock:
+            with cache.lock:
                 tile = cache.get(key)
                 if tile is not None:
-                    cache.move_to_end(key)
-                    return tile
-                event = self._inflight.get(key)
+                    return key, tile
+                event = cache.inflight.get(key)
                 if event is None:
                     event = threading.Event()
-                    self._inflight[key] = event
+                    cache.inflight[key] = event
                     break
             # Another thread is decoding this tile: wait and use its result.
             event.wait()
         try:
-            tile = self._decode_tile(level, tx, ty)
-            with self._lock:
-                cache[key] = tile
-                self._cache_bytes += tile.nbytes
-                while self._cache_bytes > self._cache_limit and len(cache) > 1:
-                    _, old = cache.popitem(last=False)
-                    self._cache_bytes -= old.nbytes
+            lv = self._levels[level]
+            slot = cache.slot((lv.tile_h, lv.tile_w))
+            try:
+                tile = self._decode_tile(level, tx, ty, slot)
+            except BaseException:
+                cache.give_back(slot)
+                raise
+            with cache.lock:
+                cache.put(key, slot)
         finally:
-            with self._lock:
-                self._inflight.pop(key, None)
+            with cache.lock:
+                cache.inflight.pop(key, None)
             event.set()
-        return tile
+        return key, slot
 
     # -- regions ------------------------------------------------------------
     def read_region_into(
@@ -354,6 +471,19 @@ class TiffSlide(Slide):
             _fill(out[iy0 - y0:iy1 - y0, : ix0 - x0], bg)
         if ix1 < x0 + w:
             _fill(out[iy0 - y0:iy1 - y0, ix1 - x0:], bg)
+        pinned: list[tuple[int, int]] = []
+        try:
+            self._copy_tiles(level, x0, y0, ix0, iy0, ix1, iy1, out, pinned)
+        finally:
+            self._cache.unpin(pinned)
+
+    def _copy_tiles(self, level: int, x0: int, y0: int, ix0: int, iy0: int, ix1: int, iy1: int,
+                    out: np.ndarray, pinned: list[tuple[int, int]]) -> None:
+        """Copy the level pixels [ix0, ix1) x [iy0, iy1) into ``out`` (origin x0, y0), tile by tile.
+
+        Each stored tile's key is appended to ``pinned`` as it is pinned.
+        """
+        lv = self._levels[level]
         tw, th = lv.tile_w, lv.tile_h
         for ty in range(iy0 // th, (iy1 - 1) // th + 1):
             ty0 = ty * th
@@ -362,7 +492,8 @@ class TiffSlide(Slide):
             for tx in range(ix0 // tw, (ix1 - 1) // tw + 1):
                 tx0 = tx * tw
                 sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
-                tile = self._get_tile(level, tx, ty)
+                key, tile = self._get_tile(level, tx, ty)
+                pinned.append(key)
                 dst_rows[:, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
 
     def close(self) -> None:

@@ -1,0 +1,204 @@
+"""The Python API end to end: quality against synthetic truth, outputs, arrays, threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import tifffile
+from conftest import corrupt_stored_tile
+
+from wsi_pipeline import Pipeline
+from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.io.detections import detection_boxes, read_geojson
+from wsi_pipeline.models.evaluate import detection_counts, dice
+from wsi_pipeline.slide.synthetic import SyntheticScene, load_truth, write_synthetic_slide
+
+INDUSTRIAL = "engines/defects_industrial.card.json"
+
+
+@pytest.fixture(scope="module")
+def slide_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe") / "tissue.tiff"
+    write_synthetic_slide(path, 3072, 2560, seed=11, kind="pathology")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = Pipeline.from_card(backend="ort")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def run_out(pipe, slide_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipe_out") / "tissue"
+    return pipe.run(slide_path, out_dir=out), out
+
+
+def _counts(dets, truth_boxes):
+    return detection_counts([detection_boxes(dets)], [dets["score"]], [np.zeros(len(dets), int)],
+                            [truth_boxes], [np.zeros(len(truth_boxes), int)])
+
+
+def test_slide_detections_match_the_ground_truth(pipe, slide_path):
+    result = pipe.run(slide_path)
+    truth = load_truth(str(slide_path).replace(".tiff", ".truth.geojson"))
+    c = _counts(result.detections, truth.boxes)
+    # Tile-level figures of the model are P 0.997 / R 0.996; stitching must not lose that
+    # (duplicates across overlaps would show up as false positives).
+    assert c.precision >= 0.98, c
+    assert c.recall >= 0.98, c
+    assert result.summary["counts"]["nucleus"] == len(result.detections)
+
+
+def test_heatmap_covers_the_tumour_region(pipe, slide_path):
+    result = pipe.run(slide_path)
+    truth = load_truth(str(slide_path).replace(".tiff", ".truth.geojson"))
+    scale = result.heatmap_scale_level0
+    tumour = result.heatmap[result.heatmap_classes.index("tumour")]
+    expected = truth.region_mask("tumour", scale)[: tumour.shape[0], : tumour.shape[1]]
+    assert tumour.shape == expected.shape
+    assert dice(tumour > 0.5, expected > 0) > 0.9
+
+
+def test_qupath_geojson_shape(run_out, slide_path):
+    result, out = run_out
+    with open(out / "detections.geojson", encoding="utf-8") as f:
+        doc = json.load(f)
+    assert doc["type"] == "FeatureCollection"
+    assert len(doc["features"]) == len(result.detections) > 0
+    w, h = result.summary["dimensions_level0"]
+    for feat in doc["features"][:200]:
+        assert feat["type"] == "Feature"
+        geom = feat["geometry"]
+        assert geom["type"] == "Polygon"
+        ring = np.asarray(geom["coordinates"][0])
+        assert ring.shape == (5, 2) and (ring[0] == ring[-1]).all()
+        assert (ring[:, 0] >= 0).all() and (ring[:, 0] <= w).all() and (ring[:, 1] <= h).all()
+        props = feat["properties"]
+        assert props["objectType"] == "detection"
+        assert props["classification"]["name"] == "nucleus"
+        color = props["classification"]["color"]
+        assert len(color) == 3 and all(isinstance(v, int) and 0 <= v <= 255 for v in color)
+        assert 0 <= props["measurements"]["score"] <= 1
+    back = read_geojson(out / "detections.geojson", [{"name": "nucleus"}])
+    np.testing.assert_allclose(detection_boxes(back), detection_boxes(result.detections), atol=1e-3)
+
+
+def test_csv_matches_detections(run_out):
+    result, out = run_out
+    lines = (out / "detections.csv").read_text().splitlines()
+    assert lines[0] == "x0,y0,x1,y1,score,label,class"
+    assert len(lines) == len(result.detections) + 1
+    first = lines[1].split(",")
+    d = result.detections[0]
+    assert float(first[0]) == pytest.approx(float(d["x0"]), abs=0.01)
+    assert first[6] == "nucleus"
+
+
+def test_heatmap_ome_tiff_has_pyramid_and_pixel_size(run_out):
+    result, out = run_out
+    with tifffile.TiffFile(out / "heatmap.ome.tif") as tif:
+        assert tif.is_ome
+        series = tif.series[0]
+        assert series.axes == "CYX"
+        assert len(series.levels) >= 2
+        assert series.shape == (2, 2560 // 8, 3072 // 8)
+        xml = tif.ome_metadata
+    assert 'PhysicalSizeX="2.0"' in xml  # 0.25 um/px x stride 8
+    assert 'Name="tumour"' in xml
+    lazy = result.heatmap  # written to a folder: read lazily from the file
+    assert lazy.shape == (2, 320, 384)
+    assert lazy.channel_names == ["tissue", "tumour"]
+    full = lazy.read(0)
+    assert full.dtype == np.float32 and 0 <= full.min() and full.max() <= 1
+    assert lazy.read(1).shape == (2, 160, 192)
+
+
+def test_summary_holds_what_a_report_needs(run_out):
+    result, out = run_out
+    s = json.loads((out / "summary.json").read_text())
+    assert s["counts"]["nucleus"] == len(result.detections)
+    assert s["tissue"]["area_mm2"] > 0
+    tumour = s["heatmap_scores"]["tumour"]
+    assert 0 < tumour["area_above_0.5_mm2"] < s["tissue"]["area_mm2"]
+    assert 0 < tumour["fraction_of_tissue_above_0.5"] < 1
+    assert 0 < tumour["mean_probability"] <= tumour["max_probability"] <= 1
+    assert s["tiles"]["read"] + s["tiles"]["skipped"] == s["tiles"]["total"]
+    assert s["tiles"]["skipped"] > 0  # the background tiles
+    for stage in ("tissue_mask", "read_and_infer", "stitch", "write", "total"):
+        assert s["seconds"][stage] >= 0
+    assert s["peak_host_memory_mb"] > 0
+    assert len(s["model"]["sha256"]) == 64
+    assert s["parameters"]["overlap"] == 64
+    assert "numpy" in s["versions"] and "onnxruntime" in s["versions"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["detections.csv", "detections.geojson", "heatmap.ome.tif", "overlay.png", "summary.json"])
+
+
+def _industrial_image(seed: int, size: int = 1024):
+    scene = SyntheticScene(size, size, seed=seed, kind="industrial")
+    return scene.render(0, 0, size, size), scene
+
+
+def test_array_input_finds_the_defects():
+    preds, truths = [], []
+    with Pipeline.from_card(INDUSTRIAL, backend="ort") as p:
+        for seed in (2, 4, 8, 10):  # 24 defects in all
+            img, scene = _industrial_image(seed, 2048)
+            result = p.run(img)
+            assert result.heatmap is None and result.summary["mpp"] is None
+            preds.append(result.detections)
+            truths.append(scene.objects_in(0, 0, 2048, 2048))
+    c = detection_counts([detection_boxes(d) for d in preds], [d["score"] for d in preds],
+                         [d["label"] for d in preds], [t[0] for t in truths], [t[1] for t in truths])
+    # The industrial model's tile-level figures are P 0.91 / R 0.84 on scratches.
+    assert c.tp + c.fn == 24
+    assert c.precision >= 0.8 and c.recall >= 0.75, c
+
+
+def test_threads_share_batches_and_get_their_own_results():
+    images = [_industrial_image(s, 800)[0] for s in (1, 2, 3, 4)]
+    with Pipeline.from_card(INDUSTRIAL, backend="ort", max_wait_s=0.5) as p:
+        alone = [p.run(img).detections for img in images]
+        batches_before = p.service.batches_run
+        results: dict[int, np.ndarray] = {}
+        barrier = threading.Barrier(4)
+
+        def call(i: int) -> None:
+            barrier.wait()
+            results[i] = p.run(images[i]).detections
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        mixed = p.service.mixed_batches
+        batches = p.service.batches_run - batches_before
+    for i in range(4):
+        np.testing.assert_array_equal(results[i], alone[i])
+    # 4 callers x 4 tiles each: shared batches of up to 8 tiles, not 4 runs of 4.
+    assert mixed > 0
+    assert batches < 4 * 1 + 4
+
+
+def test_corrupt_tile_fails_the_run_and_leaves_no_outputs(tmp_path):
+    path = tmp_path / "broken.tiff"
+    write_synthetic_slide(path, 2048, 2048, seed=2, kind="pathology")
+    corrupt_stored_tile(path)
+    out = tmp_path / "out"
+    with Pipeline.from_card(backend="ort", tissue="all") as p, pytest.raises(TileReadError) as info:
+        p.run(path, out_dir=out)
+    assert "broken.tiff" in str(info.value)
+    assert not any(p.name.endswith((".tif", ".geojson", ".json", ".png", ".csv")) for p in out.iterdir())
+    assert list(out.iterdir()) == []  # no spool either
+
+
+def test_tile_size_must_match_the_model():
+    with pytest.raises(Exception, match="takes 512 px tiles"):
+        Pipeline.from_card(backend="ort", tile=256)

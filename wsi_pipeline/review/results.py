@@ -1,0 +1,266 @@
+"""A finished run, loaded for review: detections, classes, summary, slide and heatmap.
+
+:func:`load_run` reads a run folder (the files :meth:`Pipeline.run` writes with
+``out_dir``); :meth:`ReviewRun.from_result` wraps an in-memory
+:class:`~wsi_pipeline.pipeline.Result`. Every coordinate is in level-0 pixels
+of the slide (origin top-left, x to the right, y down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import WSIPipelineError
+from ..io.detections import DETECTION_DTYPE, read_geojson
+from ..io.ome_tiff import HeatmapFile
+from ..slide import Slide, as_slide, open_slide
+
+RGB = tuple[int, int, int]
+
+# Colours for classes a run names without one (matplotlib's tab10, as 0-255 RGB).
+PALETTE: tuple[RGB, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+                            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
+
+
+def parse_color(color: Any) -> RGB:
+    """``"#rrggbb"`` or ``[r, g, b]`` (0-255) -> an (r, g, b) tuple of ints."""
+    if isinstance(color, str):
+        v = int(color.lstrip("#"), 16)
+        return ((v >> 16) & 255, (v >> 8) & 255, v & 255)
+    r, g, b = (int(c) for c in list(color)[:3])
+    return (r, g, b)
+
+
+def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | None] | None:
+    """Class names, colours and heatmap stride from a model card file, or None when unreadable."""
+    if not card_path or not os.path.isfile(card_path):
+        return None
+    try:
+        with open(card_path, encoding="utf-8") as f:
+            card = json.load(f)
+        names = [c["name"] for c in card["classes"]]
+        colors = [parse_color(c.get("color", PALETTE[i % len(PALETTE)])) for i, c in enumerate(card["classes"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    stride = (card.get("heatmap") or {}).get("stride")
+    return names, colors, int(stride) if stride else None
+
+
+def _geojson_colors(path: Path, names: list[str]) -> dict[str, RGB]:
+    """The first colour the GeoJSON file gives each class name."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    found: dict[str, RGB] = {}
+    for feat in doc.get("features", []):
+        c = (feat.get("properties") or {}).get("classification") or {}
+        if c.get("name") in names and c["name"] not in found and "color" in c:
+            found[c["name"]] = parse_color(c["color"])
+            if len(found) == len(names):
+                break
+    return found
+
+
+@dataclass
+class ReviewRun:
+    """One run's results, ready for the figures and filters of :mod:`wsi_pipeline.review`.
+
+    Attributes:
+        detections: structured array (x0, y0, x1, y1 float32 level-0 pixels;
+            score float32; label int32 indexing ``class_names``).
+        class_names, class_colors: per label, the name and an (r, g, b) 0-255 colour.
+        dimensions: level-0 (width, height) of the slide or image.
+        mpp: level-0 (x, y) micrometres per pixel, or None when unknown.
+        summary: the run's summary.json document.
+        slide_path: the slide file, or None (an in-memory array).
+        heatmap: C x H x W float32 array, a lazy :class:`HeatmapFile`, or None.
+        heatmap_classes: names of the heatmap channels.
+        heatmap_scale_level0: level-0 pixels per heatmap pixel (level 0 of the heatmap).
+        run_dir: the run folder, or None.
+        slide: an open :class:`Slide`; opened from ``slide_path`` on first use.
+    """
+
+    detections: np.ndarray
+    class_names: list[str]
+    class_colors: list[RGB]
+    dimensions: tuple[int, int]
+    mpp: tuple[float, float] | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    slide_path: Path | None = None
+    heatmap: np.ndarray | HeatmapFile | None = None
+    heatmap_classes: list[str] = field(default_factory=list)
+    heatmap_scale_level0: float = 1.0
+    run_dir: Path | None = None
+    slide: Slide | None = field(default=None, repr=False)
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def from_result(cls, result: Any, slide: Slide | str | os.PathLike[str] | np.ndarray | None = None) -> ReviewRun:
+        """Wrap a :class:`~wsi_pipeline.pipeline.Result`.
+
+        ``slide``: the slide or RGB array the run read (needed for an array
+        source, which has no file); default: the result's source path.
+        Class colours come from the model card named in the summary.
+        """
+        summary = dict(result.summary)
+        card = _card_classes((summary.get("model") or {}).get("card"))
+        names = list(result.class_names)
+        colors = card[1] if card and card[0] == names else [PALETTE[i % len(PALETTE)] for i in range(len(names))]
+        opened = as_slide(slide) if slide is not None else None
+        path = Path(result.source) if slide is None and os.path.isfile(str(result.source)) else None
+        if opened is not None and not isinstance(slide, np.ndarray):
+            path = Path(str(opened.path))
+        mpp = summary.get("mpp")
+        dims = summary.get("dimensions_level0") or (opened.dimensions if opened else (0, 0))
+        return cls(detections=result.detections, class_names=names, class_colors=list(colors),
+                   dimensions=(int(dims[0]), int(dims[1])), mpp=tuple(mpp) if mpp else None, summary=summary,
+                   slide_path=path, heatmap=result.heatmap, heatmap_classes=list(result.heatmap_classes),
+                   heatmap_scale_level0=float(result.heatmap_scale_level0),
+                   run_dir=Path(result.out_dir) if result.out_dir else None, slide=opened)
+
+    # -- access --------------------------------------------------------------
+    @property
+    def classes(self) -> list[dict[str, Any]]:
+        """``[{"name", "color": [r, g, b]}]`` per label, as :func:`~wsi_pipeline.io.detections.write_geojson` takes."""
+        return [{"name": n, "color": list(c)} for n, c in zip(self.class_names, self.class_colors, strict=True)]
+
+    def color_of(self, label: int) -> tuple[float, float, float]:
+        """The matplotlib colour (0-1 floats) of ``label`` (grey for unknown labels)."""
+        c = self.class_colors[label] if 0 <= label < len(self.class_colors) else (128, 128, 128)
+        return (c[0] / 255.0, c[1] / 255.0, c[2] / 255.0)
+
+    def name_of(self, label: int) -> str:
+        return self.class_names[label] if 0 <= label < len(self.class_names) else f"class_{label}"
+
+    def __repr__(self) -> str:
+        where = self.run_dir or self.slide_path or "in memory"
+        counts = ", ".join(f"{n} {int((self.detections['label'] == i).sum())}" for i, n in enumerate(self.class_names))
+        heat = f", heatmap {'/'.join(self.heatmap_classes)}" if self.heatmap is not None else ""
+        return (f"ReviewRun({where}: {len(self.detections)} detections ({counts}), "
+                f"{self.dimensions[0]} x {self.dimensions[1]} px{heat})")
+
+    def open_slide(self) -> Slide:
+        """The slide, opened once (:func:`~wsi_pipeline.open_slide` on ``slide_path``)."""
+        if self.slide is None:
+            if self.slide_path is None:
+                raise WSIPipelineError("this run has no slide file; pass slide=... to load_run or from_result")
+            if not self.slide_path.is_file():
+                raise WSIPipelineError(f"{self.slide_path}: the run's slide is not there; "
+                                       "pass slide=... to load_run with its new place")
+            self.slide = open_slide(self.slide_path)
+        return self.slide
+
+    def filter(self, **criteria: Any) -> ReviewRun:
+        """A copy holding only the detections that pass :func:`~.filters.filter_detections` ``criteria``."""
+        from .filters import filter_detections
+
+        dets = filter_detections(self.detections, class_names=self.class_names, **criteria)
+        return dataclasses.replace(self, detections=dets)
+
+    def close(self) -> None:
+        if self.slide is not None:
+            self.slide.close()
+            self.slide = None
+
+    def __enter__(self) -> ReviewRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _heatmap_scale(summary: dict[str, Any], heat: HeatmapFile, stride: int | None,
+                   mpp: tuple[float, float] | None, dims: tuple[int, int]) -> float:
+    """Level-0 pixels per heatmap pixel: from the OME physical size and the slide mpp, else the
+    model's stride times the grid downsample, else the width ratio."""
+    if heat.physical_size_um and mpp:
+        return heat.physical_size_um[0] / mpp[0]
+    downsample = (summary.get("tiles") or {}).get("downsample")
+    if stride and downsample:
+        return float(stride) * float(downsample)
+    return dims[0] / heat.shape[2]
+
+
+def _resolve_slide(run_dir: Path, recorded: str | None) -> Path | None:
+    if not recorded:
+        return None
+    p = Path(recorded)
+    if p.is_file() or p.is_absolute():
+        return p
+    return run_dir / p if (run_dir / p).is_file() else p
+
+
+def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Slide | None = None) -> ReviewRun:
+    """Load a run folder (summary.json, detections.geojson, heatmap.ome.tif when written).
+
+    Class names follow the order of ``summary["counts"]`` (the label order);
+    colours come from the model card, else from the GeoJSON file. ``slide``
+    replaces the slide path the summary records (for a moved slide).
+    """
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    try:
+        with open(summary_path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except FileNotFoundError as exc:
+        raise WSIPipelineError(f"{summary_path}: no summary.json; is {run_dir} a finished run folder?") from exc
+    except (OSError, ValueError) as exc:
+        raise WSIPipelineError(f"{summary_path}: not readable JSON: {exc}") from exc
+
+    card = _card_classes((summary.get("model") or {}).get("card"))
+    names = list((summary.get("counts") or {}).keys())
+    if card and (not names or card[0] == names):
+        names, colors = card[0], list(card[1])
+    else:
+        colors = []
+    geo = run_dir / "detections.geojson"
+    if geo.is_file():
+        dets = read_geojson(geo, classes=[{"name": n} for n in names])
+    else:
+        dets = np.zeros(0, DETECTION_DTYPE)
+    if len(dets) and int(dets["label"].max()) >= len(names):  # names the summary did not list
+        with open(geo, encoding="utf-8") as f:
+            doc = json.load(f)
+        for feat in doc.get("features", []):
+            n = ((feat.get("properties") or {}).get("classification") or {}).get("name", "object")
+            if n not in names:
+                names.append(n)
+    if len(colors) != len(names):
+        found = _geojson_colors(geo, names) if geo.is_file() else {}
+        colors = [found.get(n, PALETTE[i % len(PALETTE)]) for i, n in enumerate(names)]
+
+    mpp = tuple(summary["mpp"]) if summary.get("mpp") else None
+    dims_raw = summary.get("dimensions_level0")
+    opened = slide if isinstance(slide, Slide) else None
+    slide_path = Path(str(opened.path)) if opened else (Path(slide) if slide is not None
+                                                        else _resolve_slide(run_dir, summary.get("slide")))
+    if dims_raw:
+        dims = (int(dims_raw[0]), int(dims_raw[1]))
+    elif opened is not None:
+        dims = opened.dimensions
+    else:
+        dims = (int(np.ceil(dets["x1"].max())) if len(dets) else 0, int(np.ceil(dets["y1"].max())) if len(dets) else 0)
+
+    heat = None
+    scale = 1.0
+    classes: list[str] = []
+    hpath = run_dir / "heatmap.ome.tif"
+    if hpath.is_file():
+        heat = HeatmapFile(hpath)
+        classes = list(heat.channel_names) or [f"channel_{i}" for i in range(heat.shape[0])]
+        scale = _heatmap_scale(summary, heat, card[2] if card else None, mpp, dims)
+    return ReviewRun(detections=dets, class_names=names, class_colors=colors, dimensions=dims, mpp=mpp,
+                     summary=summary, slide_path=slide_path, heatmap=heat, heatmap_classes=classes,
+                     heatmap_scale_level0=float(scale), run_dir=run_dir, slide=opened)
+
+
+__all__ = ["PALETTE", "ReviewRun", "load_run", "parse_color"]
