@@ -181,3 +181,55 @@ def test_tensorrt_backend_when_installed(tmp_path, card512, slide_and_grid, refe
     tiles = np.stack([grid.read(t) for t in grid])
     with Executor(tr, streams=2) as ex:
         _check(ex.infer_tiles(tiles), reference, "fp32", card512)
+
+
+@pytest.fixture(scope="module")
+def pathology_slide(tmp_path_factory):
+    from wsi_pipeline.slide.synthetic import write_synthetic_slide
+
+    path = tmp_path_factory.mktemp("gpu_pipe") / "slide.tiff"
+    write_synthetic_slide(path, 4096, 3072, seed=77, kind="pathology")
+    return path
+
+
+def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp_path):
+    from wsi_pipeline import Pipeline
+    from wsi_pipeline.io.detections import detection_boxes
+    from wsi_pipeline.models.evaluate import detection_counts
+    from wsi_pipeline.slide.synthetic import load_truth
+
+    with Pipeline.from_card(backend="ort") as cpu:
+        ref = cpu.run(pathology_slide)
+    with Pipeline.from_card(backend="auto") as gpu:
+        assert gpu.backend_name in ("torch", "tensorrt")
+        assert gpu.batch_size >= 8  # from the device's memory
+        res = gpu.run(pathology_slide, out_dir=tmp_path / "out")
+    truth = load_truth(str(pathology_slide).replace(".tiff", ".truth.geojson"))
+    for dets in (ref.detections, res.detections):
+        c = detection_counts([detection_boxes(dets)], [dets["score"]], [np.zeros(len(dets), int)],
+                             [truth.boxes], [np.zeros(len(truth.boxes), int)])
+        assert c.precision >= 0.98 and c.recall >= 0.98, c
+    assert abs(len(res.detections) - len(ref.detections)) <= 0.01 * len(ref.detections)
+    tumour_cpu = ref.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
+    tumour_gpu = res.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
+    assert tumour_gpu == pytest.approx(tumour_cpu, abs=0.01)
+    assert res.summary["peak_gpu_memory_mb"] > 0
+
+
+def test_dask_gpu_worker_matches_local_run(pathology_slide, tmp_path):
+    pytest.importorskip("dask.distributed")
+    from wsi_pipeline.batch import run_batch, run_key
+    from wsi_pipeline.config import RunConfig
+    from wsi_pipeline.inference.card import load_card
+    from wsi_pipeline.pipeline import DEFAULT_MODEL, Pipeline
+
+    config = RunConfig(model=str(DEFAULT_MODEL))
+    key = run_key(config, load_card(DEFAULT_MODEL))
+    local = run_batch([pathology_slide], tmp_path / "local", lambda: Pipeline(config=config), config, key,
+                      progress=False)
+    dist = run_batch([pathology_slide], tmp_path / "dask", None, config, key, progress=False, dask="local:1")
+    assert local.exit_code == dist.exit_code == 0
+    assert dist.outcomes[0].worker
+    a = (tmp_path / "local" / "slide" / "detections.csv").read_text().splitlines()
+    b = (tmp_path / "dask" / "slide" / "detections.csv").read_text().splitlines()
+    assert abs(len(a) - len(b)) <= 0.002 * len(a)  # fp16 kernels may differ by a box or two between processes

@@ -46,7 +46,7 @@ class RunConfig:
     mask: str | None = None
     min_tissue: float = 0.05
     batch_size: int | None = None
-    workers: int = 2
+    workers: int | None = None  # tile reader threads; default from the CPU count
     streams: int | None = None
     score_threshold: float | None = None
     nms_iou: float = 0.5

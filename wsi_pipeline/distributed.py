@@ -55,22 +55,26 @@ def start_local_cluster(n_workers: int, gpus: int | None = None):
     if n_workers < 1:
         raise UsageError(f"--dask local:N: expected N >= 1, found {n_workers}")
     n_gpus = _cuda_device_count() if gpus is None else gpus
+    n = n_workers if n_gpus <= 0 else min(n_workers, n_gpus)
+    # dask pins worker processes to one OpenMP/BLAS thread; a slide task is a whole
+    # pipeline (OpenCV, ONNX Runtime, torch), so give each worker its share of the cores.
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    env = {k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     common = {"dashboard_address": None, "silence_logs": logging.ERROR}
     if n_gpus <= 0:
-        return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1", **common)
-    n = min(n_workers, n_gpus)
+        return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1", env=env, **common)
     try:
         from dask_cuda import LocalCUDACluster
 
         return LocalCUDACluster(n_workers=n, threads_per_worker=1, host="127.0.0.1",
-                                CUDA_VISIBLE_DEVICES=list(range(n)), **common)
+                                CUDA_VISIBLE_DEVICES=list(range(n)), env=env, **common)
     except ImportError:
         pass
     # dask-cuda's layout from plain dask: one Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES.
     from dask.distributed import Nanny, Scheduler, SpecCluster
 
     workers = {f"gpu-{i}": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1",
-                                                       "env": {"CUDA_VISIBLE_DEVICES": str(i)}}}
+                                                       "env": {**env, "CUDA_VISIBLE_DEVICES": str(i)}}}
                for i in range(n)}
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
@@ -134,6 +138,10 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
 
     client, cluster = connect(address)
     try:
+        if cluster is not None and config.workers is None:
+            # Worker processes on this host share its cores: split the tile readers between them.
+            n = max(1, len(cluster.workers))
+            config = config.replace(workers=max(2, (os.cpu_count() or 2) // n - 1))
         doc = config.as_dict()
         futures = []
         where: dict[str, tuple[Path, str]] = {}

@@ -196,6 +196,8 @@ class Pipeline:
         self.executor, self.backend_name = self._make_executor(requested)
         self.batch_size = config.batch_size or min(default_batch_size(self.card, self.backend_name),
                                                    self.executor.max_batch)
+        # Readers: decoding is the CPU's share of the work; leave a core for the executor.
+        self.reader_workers = config.workers or max(2, min(12, (os.cpu_count() or 2) - 2))
         self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
                                    workers=self.executor.streams, max_wait_s=max_wait_s)
         self._closed = False
@@ -353,7 +355,7 @@ class Pipeline:
             with lock:
                 read_s[0] += time.perf_counter() - t0
 
-        loader = TileLoader(slide, tiles, batch_size=self.batch_size, workers=self.config.workers,
+        loader = TileLoader(slide, tiles, batch_size=self.batch_size, workers=self.reader_workers,
                             prefetch=max(2, self.executor.streams), auto_release=False,
                             max_held=self.executor.streams + 1, read=timed_read)
         with loader:
@@ -403,6 +405,10 @@ class Pipeline:
             "mpp": list(mpp) if mpp else None,
             "status": "done",
             "counts": counts,
+            "classes": [{"name": c.name, "color": c.color} for c in card.classes],
+            "heatmap": None if card.heatmap is None else {
+                "classes": list(card.heatmap.classes), "stride": card.heatmap.stride,
+                "scale_level0": stitcher.heatmap_scale_level0},
             "detections_total": int(len(dets)),
             "tissue": {
                 "method": stitcher.tissue_method,
@@ -420,6 +426,7 @@ class Pipeline:
             "backend": self.backend_name,
             "batch_size": self.batch_size,
             "streams": self.executor.streams,
+            "reader_workers": self.reader_workers,
             "parameters": cfg.as_dict(),
             "versions": package_versions(),
             **extra_summary,

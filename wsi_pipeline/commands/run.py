@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
-    p.add_argument("--workers", type=int, help="tile reader threads (default 2)")
+    p.add_argument("--workers", type=int, help="tile reader threads (default: CPU cores - 2, 2 to 12)")
     p.add_argument("--streams", type=int, help="concurrent inference streams / sessions")
     p.add_argument("--score-threshold", type=float, help="drop detections below this score")
     p.add_argument("--nms-iou", type=float, help="overlap threshold of the box merge (default 0.5)")

@@ -331,6 +331,9 @@ class HeatmapFile:
         except (OSError, tifffile.TiffFileError, IndexError) as exc:
             raise WSIPipelineError(f"{self.path}: not a readable heatmap OME-TIFF: {exc}") from exc
         self.channel_names = re.findall(r'<Channel [^>]*Name="([^"]*)"', xml)
+        # A one-channel file reads as YX: keep the documented C x H x W.
+        c = max(1, len(self.channel_names))
+        self.level_shapes = [s if len(s) == 3 else (c, *s[-2:]) for s in self.level_shapes]
         m = re.search(r'<M K="value_scale">([^<]+)</M>', xml)
         self.value_scale = float(m.group(1)) if m else 1.0
         px = re.search(r'PhysicalSizeX="([^"]+)"', xml)
@@ -351,6 +354,7 @@ class HeatmapFile:
             raise WSIPipelineError(f"{self.path}: level {level} does not exist ({len(self.level_shapes)} levels)")
         with tifffile.TiffFile(self.path) as tif:
             data = tif.series[0].levels[level].asarray()
+        data = data.reshape(self.level_shapes[level])
         return data.astype(np.float32) * np.float32(self.value_scale)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:

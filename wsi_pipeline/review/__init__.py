@@ -11,6 +11,11 @@ optional (:mod:`.widgets`).
 
 from __future__ import annotations
 
+try:
+    import matplotlib  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("wsi_pipeline.review needs matplotlib: pip install 'wsi-pipeline[notebooks]'") from exc
+
 from .figures import plot_counts, plot_gallery, plot_overview, plot_region, save_figure
 from .filters import busiest_region, count_by_class, export_geojson, filter_detections, region_mask
 from .results import ReviewRun, load_run

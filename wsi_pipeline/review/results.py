@@ -182,6 +182,9 @@ def _heatmap_scale(summary: dict[str, Any], heat: HeatmapFile, stride: int | Non
                    mpp: tuple[float, float] | None, dims: tuple[int, int]) -> float:
     """Level-0 pixels per heatmap pixel: from the OME physical size and the slide mpp, else the
     model's stride times the grid downsample, else the width ratio."""
+    recorded = (summary.get("heatmap") or {}).get("scale_level0")
+    if recorded:
+        return float(recorded)
     if heat.physical_size_um and mpp:
         return heat.physical_size_um[0] / mpp[0]
     downsample = (summary.get("tiles") or {}).get("downsample")
@@ -218,7 +221,10 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
 
     card = _card_classes((summary.get("model") or {}).get("card"))
     names = list((summary.get("counts") or {}).keys())
-    if card and (not names or card[0] == names):
+    if summary.get("classes"):  # the run recorded its classes and colours
+        names = [c["name"] for c in summary["classes"]]
+        colors = [parse_color(c.get("color", PALETTE[i % len(PALETTE)])) for i, c in enumerate(summary["classes"])]
+    elif card and (not names or card[0] == names):
         names, colors = card[0], list(card[1])
     else:
         colors = []
