@@ -2,11 +2,16 @@
 
 This is the fast path for tile grids: every stored tile a patch touches is
 read with ``os.pread`` (no shared file position, so worker threads need no
-lock around I/O), decoded once with the page's own codec (imagecodecs) and
-kept in a bounded LRU cache, so the overlapping patches of a grid reuse
-decoded tiles instead of decoding them again. OpenSlide's ``read_region``
-has no such cache across calls for this use, which is why this backend
-exists beside it.
+lock around I/O), decoded once (3-sample JPEG straight with imagecodecs'
+libjpeg-turbo, anything else with the page's own codec) into a slot of a
+bounded LRU cache, and copied from there into the patch; only the part of a
+patch outside the level is filled with the background. The overlapping
+patches of a grid (512 px on a 448 px step over 256 px stored tiles: about
+3.3 decodes a patch for the 4 to 9 stored tiles it touches) reuse decoded tiles, and the cache's
+memory is reused as tiles are evicted. OpenSlide also caches tiles, but
+32 MiB by default (a band of grid rows does not fit) and each call pays its
+own ARGB conversion; the benchmark ``benchmarks/bench_reader.py`` compares
+the two.
 
 Pyramids are found as tifffile's series levels: successive reduced pages
 (generic pyramidal TIFF) or SubIFDs (OME-TIFF).
@@ -29,6 +34,10 @@ from .base import Slide, checked_mpp
 from .resolution import tiff_page_mpp
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
+# With the default size the cache holds at most the stored-tile rows of a band
+# this many level pixels tall across the widest level (plus one row): all that
+# a grid read in row order reuses (a patch row and the next one's overlap).
+CACHE_BAND_PX = 1536
 
 
 @dataclass
@@ -59,26 +68,12 @@ def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
             region[..., c] = rgb[c]
 
 
-# Decoded tiles live in slabs of at least this many bytes: NumPy asks the
-# kernel for transparent huge pages for allocations of 4 MiB and more, so a
-# cold cache takes a few page faults per slab instead of one per 4 KiB page
-# (on a virtual machine the per-page faults cost more than decoding).
+# Decoded tiles live in slots carved from slabs of about this many bytes,
+# allocated as the cache grows and reused as tiles are evicted (never freed
+# while the slide is open): a decode costs no allocation and, once the cache
+# is warm, no page faults. A new array per decode took about 48 faults per
+# 256 px tile, which on the development VM cost up to a third of a cold run.
 _SLAB_BYTES = 8 * 1024 * 1024
-_HUGE_PAGE = 2 * 1024 * 1024
-
-
-def _aligned_slab(n: int, shape: tuple[int, int]) -> np.ndarray:
-    """An uninitialised ``n x h x w x 3`` uint8 array starting on a 2 MiB boundary.
-
-    Only 2 MiB-aligned stretches can be backed by huge pages; a slab that
-    starts on one wastes none at its head.
-    """
-    nbytes = n * shape[0] * shape[1] * 3
-    if nbytes < _SLAB_BYTES // 2:
-        return np.empty((n, shape[0], shape[1], 3), np.uint8)
-    raw = np.empty(nbytes + _HUGE_PAGE, np.uint8)
-    start = -raw.ctypes.data % _HUGE_PAGE
-    return raw[start:start + nbytes].reshape(n, shape[0], shape[1], 3)
 
 
 class _TileCache:
@@ -87,10 +82,12 @@ class _TileCache:
     Tiles are ``tile_h x tile_w x 3`` uint8 views into slabs allocated as
     the cache grows, up to ``limit`` bytes; past that the least recently
     used tile not being read gives up its slot to the next decode. A reader
-    holds a *pin* on each tile while it copies from it (:meth:`get` pins,
+    holds a *pin* on a tile while it copies from it (:meth:`get` pins,
     :meth:`unpin` releases), and a pinned tile is never evicted, so no slot
-    is overwritten while a thread copies from it. All methods take the
-    cache's lock; none decodes.
+    is overwritten while a thread copies from it. With every cached tile
+    pinned, a decode gets a slot over the bound (at most one per thread
+    reading), given up again when evicted. Methods without "lock held by
+    the caller" take the cache's lock; none decodes.
     """
 
     def __init__(self, limit: int):
@@ -110,16 +107,14 @@ class _TileCache:
             self._pins[key] = self._pins.get(key, 0) + 1
         return tile
 
-    def unpin(self, keys: list[tuple[int, int]]) -> None:
-        """Release one pin on each of ``keys`` (each previously pinned by :meth:`get` or :meth:`put`)."""
+    def unpin(self, key: tuple[int, int]) -> None:
+        """Release one pin on ``key`` (taken by :meth:`get` or :meth:`put`)."""
         with self.lock:
-            pins = self._pins
-            for key in keys:
-                n = pins[key] - 1
-                if n:
-                    pins[key] = n
-                else:
-                    del pins[key]
+            n = self._pins[key] - 1
+            if n:
+                self._pins[key] = n
+            else:
+                del self._pins[key]
 
     def slot(self, shape: tuple[int, int]) -> np.ndarray:
         """A writable ``shape + (3,)`` uint8 slot for a tile about to be decoded."""
@@ -134,14 +129,20 @@ class _TileCache:
         room = self.limit - self.allocated
         if room >= tile_bytes:
             n = max(1, min(-(-_SLAB_BYTES // tile_bytes), room // tile_bytes))
-            slab = _aligned_slab(n, shape)
+            slab = np.empty((n, shape[0], shape[1], 3), np.uint8)
             self.allocated += slab.nbytes
             free.extend(slab[i] for i in range(n - 1, -1, -1))
             return
-        for key in list(self._tiles):  # oldest first
-            if key in self._pins:
-                continue
+        pins = self._pins
+        while True:
+            # The least recently used tile that no reader holds (almost always the first).
+            key = next((k for k in self._tiles if k not in pins), None)
+            if key is None:
+                break
             tile = self._tiles.pop(key)
+            if tile.base is None and self.allocated > self.limit:
+                self.allocated -= tile.nbytes  # a slot from over the bound: let it go
+                continue
             self._free.setdefault(tile.shape[:2], []).append(tile)
             if free:
                 return
@@ -172,12 +173,20 @@ class TiffSlide(Slide):
     """A tiled TIFF opened with :mod:`tifffile`.
 
     ``cache_bytes`` bounds the decoded-tile cache shared by all threads
-    reading this slide.
+    reading this slide. By default it is the smaller of 256 MiB and a band
+    of stored-tile rows :data:`CACHE_BAND_PX` pixels tall across the widest
+    level (104 MiB for a 20,000 px wide slide in 256 px tiles): a grid read
+    in row order keeps all its reuse between rows, for patches up to about
+    1024 px, and less memory is first touched (on a VM page faults are
+    dear). Past about 50,000 px wide (256 px tiles) the 256 MiB bound
+    applies instead, and wide enough slides lose part of the reuse between
+    rows. Give ``cache_bytes`` for other access orders; it is then used as
+    given.
     """
 
     backend = "tifffile"
 
-    def __init__(self, path: str | os.PathLike[str], cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, path: str | os.PathLike[str], cache_bytes: int | None = None):
         super().__init__(path)
         try:
             self._tif = tifffile.TiffFile(self.path)
@@ -189,8 +198,19 @@ class TiffSlide(Slide):
             self._tif.close()
             raise
         self._fd = os.open(self.path, os.O_RDONLY)
-        for lv in self._levels:
-            lv.jpeg_args = self._direct_jpeg_args(lv)
+        try:
+            for lv in self._levels:
+                lv.jpeg_args = self._direct_jpeg_args(lv)
+        except OSError as exc:
+            os.close(self._fd)
+            self._tif.close()
+            raise SlideError(self.path, f"cannot read tile data: {exc}") from exc
+        if cache_bytes is None:
+            band = max(
+                (-(-CACHE_BAND_PX // lv.tile_h) + 1) * lv.tiles_across * lv.tile_h * lv.tile_w * 3
+                for lv in self._levels
+            )
+            cache_bytes = min(DEFAULT_CACHE_BYTES, band)
         self._cache = _TileCache(cache_bytes)
 
     # -- opening ------------------------------------------------------------
@@ -471,20 +491,9 @@ class TiffSlide(Slide):
             _fill(out[iy0 - y0:iy1 - y0, : ix0 - x0], bg)
         if ix1 < x0 + w:
             _fill(out[iy0 - y0:iy1 - y0, ix1 - x0:], bg)
-        pinned: list[tuple[int, int]] = []
-        try:
-            self._copy_tiles(level, x0, y0, ix0, iy0, ix1, iy1, out, pinned)
-        finally:
-            self._cache.unpin(pinned)
-
-    def _copy_tiles(self, level: int, x0: int, y0: int, ix0: int, iy0: int, ix1: int, iy1: int,
-                    out: np.ndarray, pinned: list[tuple[int, int]]) -> None:
-        """Copy the level pixels [ix0, ix1) x [iy0, iy1) into ``out`` (origin x0, y0), tile by tile.
-
-        Each stored tile's key is appended to ``pinned`` as it is pinned.
-        """
         lv = self._levels[level]
         tw, th = lv.tile_w, lv.tile_h
+        cache = self._cache
         for ty in range(iy0 // th, (iy1 - 1) // th + 1):
             ty0 = ty * th
             sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
@@ -493,8 +502,10 @@ class TiffSlide(Slide):
                 tx0 = tx * tw
                 sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
                 key, tile = self._get_tile(level, tx, ty)
-                pinned.append(key)
-                dst_rows[:, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
+                try:
+                    dst_rows[:, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
+                finally:
+                    cache.unpin(key)
 
     def close(self) -> None:
         if not self._closed:

@@ -1,0 +1,145 @@
+"""The tifffile backend's decoded-tile cache, direct JPEG decoding and region assembly."""
+
+import threading
+
+import numpy as np
+import pytest
+import tifffile
+from conftest import smooth_rgb, write_pyramid_tiff
+
+from wsi_pipeline import open_slide
+from wsi_pipeline.slide.tiff_backend import TiffSlide, _TileCache
+from wsi_pipeline.tiling import TileGrid, read_tile
+
+TILE_BYTES = 256 * 256 * 3
+
+
+def _level_pixels(path, level):
+    with tifffile.TiffFile(path) as tif:
+        return tif.series[0].levels[level].asarray()
+
+
+@pytest.mark.parametrize("photometric", ["ycbcr", "rgb"])
+def test_direct_jpeg_decode_matches_tifffile(tmp_path, photometric):
+    path = str(tmp_path / "t.tif")
+    write_pyramid_tiff(path, smooth_rgb(700, 900, seed=2), levels=2, photometric=photometric)
+    with TiffSlide(path) as s:
+        assert all(lv.jpeg_args is not None for lv in s._levels)
+        for level in range(2):
+            ref = _level_pixels(path, level)
+            h, w = ref.shape[:2]
+            np.testing.assert_array_equal(s.read_region((0, 0), level, (w, h)), ref)
+
+
+def test_small_cache_evicts_reuses_slots_and_stays_exact(pyramid_tiff):
+    ref = _level_pixels(pyramid_tiff, 0)
+    limit = 5 * TILE_BYTES  # far fewer tiles than one grid row touches
+    with TiffSlide(pyramid_tiff, cache_bytes=limit) as s:
+        grid = TileGrid(s, 512, 64)
+        for t in grid:
+            got = read_tile(s, t)
+            x, y = t.x0_level0, t.y0_level0
+            want = np.full((512, 512, 3), 255, np.uint8)
+            part = ref[y:y + 512, x:x + 512]
+            want[:part.shape[0], :part.shape[1]] = part
+            np.testing.assert_array_equal(got, want, err_msg=f"tile {t.index}")
+        assert s._cache.allocated <= limit
+        assert len(s._cache._tiles) <= 5
+
+
+def test_threads_with_a_tiny_cache_read_exact_pixels(pyramid_tiff):
+    """Pinned tiles are not overwritten while another thread copies from them."""
+    ref = _level_pixels(pyramid_tiff, 0)
+    rng = np.random.default_rng(3)
+    spots = [(int(x), int(y)) for x, y in zip(rng.integers(0, 3600, 120), rng.integers(0, 2500, 120),
+                                               strict=True)]
+    errors = []
+    with TiffSlide(pyramid_tiff, cache_bytes=4 * TILE_BYTES) as s:
+        def work(part):
+            for x, y in part:
+                got = s.read_region((x, y), 0, (400, 400))
+                if not np.array_equal(got, ref[y:y + 400, x:x + 400]):
+                    errors.append((x, y))
+
+        threads = [threading.Thread(target=work, args=(spots[k::4],)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # Over the bound by at most one slot per thread decoding at once.
+        assert s._cache.allocated <= (4 + 4) * TILE_BYTES
+        assert not s._cache._pins and not s._cache.inflight
+    assert errors == []
+
+
+def test_cache_never_hands_out_a_pinned_slot():
+    cache = _TileCache(2 * TILE_BYTES)
+    a = cache.slot((256, 256))
+    a[...] = 1
+    with cache.lock:
+        cache.put((0, 0), a)  # pinned by its decoder
+    b = cache.slot((256, 256))
+    with cache.lock:
+        cache.put((0, 1), b)
+    cache.unpin((0, 1))
+    c = cache.slot((256, 256))  # the limit is reached: evicts (0, 1), not the pinned (0, 0)
+    assert np.shares_memory(c, b) and not np.shares_memory(c, a)
+    with cache.lock:
+        assert cache.get((0, 0)) is a and cache.get((0, 1)) is None
+    cache.unpin((0, 0))
+    cache.unpin((0, 0))
+    with cache.lock:
+        cache.put((0, 2), c)
+    cache.unpin((0, 2))
+    d = cache.slot((256, 256))  # now (0, 0) is the oldest unpinned tile
+    assert np.shares_memory(d, a)
+    assert cache.allocated == 2 * TILE_BYTES
+
+
+def test_read_region_into_fills_the_buffer(pyramid_tiff):
+    with open_slide(pyramid_tiff, "tifffile") as s:
+        out = np.zeros((16, 300, 200, 3), np.uint8)
+        got = s.read_region_into((3950, 2900), 0, (200, 300), out[3])
+        assert got is out[3] or np.shares_memory(got, out)
+        np.testing.assert_array_equal(out[3], s.read_region((3950, 2900), 0, (200, 300)))
+        assert (out[2] == 0).all() and (out[4] == 0).all()
+        with pytest.raises(ValueError, match=r"pyramid\.tif.*expected \(300, 200, 3\) uint8"):
+            s.read_region_into((0, 0), 0, (200, 300), np.zeros((200, 300, 3), np.uint8))
+
+
+def test_coloured_background_fills_only_outside(pyramid_tiff):
+    ref = _level_pixels(pyramid_tiff, 0)
+    with open_slide(pyramid_tiff, "tifffile") as s:
+        s.background_rgb = (10, 20, 30)
+        got = s.read_region((-50, 2900), 0, (200, 150))
+    np.testing.assert_array_equal(got[:100, 50:], ref[2900:3000, :150])
+    assert (got[:, :50] == (10, 20, 30)).all() and (got[100:] == (10, 20, 30)).all()
+
+
+def test_read_tile_into_buffer_matches_read_region(pyramid_tiff):
+    with open_slide(pyramid_tiff, "tifffile") as s:
+        grid = TileGrid(s, 512, 64)
+        out = np.empty((512, 512, 3), np.uint8)
+        for t in list(grid)[::7]:
+            assert read_tile(s, t, out) is out
+            np.testing.assert_array_equal(out, s.read_region((t.x0_level0, t.y0_level0), 0, (512, 512)))
+
+
+def test_default_cache_is_a_band_of_rows_and_a_grid_decodes_each_tile_once(pyramid_tiff):
+    with TiffSlide(pyramid_tiff) as s:
+        across = s.tile_grid_shape(0)[2]  # 17 tiles of 256 px across 4100 px
+        assert s._cache.limit == (1536 // 256 + 1) * across * TILE_BYTES
+        decoded = []
+        decode = s._decode_tile
+
+        def counting(level, tx, ty, out=None):
+            decoded.append((level, tx, ty))
+            return decode(level, tx, ty, out)
+
+        s._decode_tile = counting
+        for t in TileGrid(s, 512, 64):
+            read_tile(s, t)
+        assert len(decoded) == len(set(decoded)) == 17 * 12  # every stored tile, once
+        assert s._cache.allocated <= s._cache.limit
+    with TiffSlide(pyramid_tiff, cache_bytes=10 * TILE_BYTES) as s:
+        assert s._cache.limit == 10 * TILE_BYTES
