@@ -143,3 +143,24 @@ def test_default_cache_is_a_band_of_rows_and_a_grid_decodes_each_tile_once(pyram
         assert s._cache.allocated <= s._cache.limit
     with TiffSlide(pyramid_tiff, cache_bytes=10 * TILE_BYTES) as s:
         assert s._cache.limit == 10 * TILE_BYTES
+
+
+def test_loader_with_many_batches_in_flight_still_decodes_each_tile_once(pyramid_tiff):
+    from wsi_pipeline.tiling import TileLoader
+
+    with TiffSlide(pyramid_tiff) as s:
+        default_limit = s._cache.limit
+        decoded = []
+        decode = s._decode_tile
+
+        def counting(level, tx, ty, out=None):
+            decoded.append((level, tx, ty))
+            return decode(level, tx, ty, out)
+
+        s._decode_tile = counting
+        grid = TileGrid(s, 512, 64)
+        with TileLoader(s, list(grid), batch_size=8, workers=4, prefetch=4) as loader:
+            assert s._cache.limit > default_limit  # the loader asked for the rows it keeps in flight
+            n = sum(len(b) for b in loader)
+        assert n == len(grid)
+        assert len(decoded) == len(set(decoded)) == 17 * 12

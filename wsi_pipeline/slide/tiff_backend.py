@@ -38,6 +38,8 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # this many level pixels tall across the widest level (plus one row): all that
 # a grid read in row order reuses (a patch row and the next one's overlap).
 CACHE_BAND_PX = 1536
+# Upper bound of what :meth:`TiffSlide.reserve_cache_band` may set.
+MAX_RESERVED_CACHE_BYTES = 1024 * 1024 * 1024
 
 
 @dataclass
@@ -289,6 +291,20 @@ class TiffSlide(Slide):
         return checked_mpp(self.path, *mpp) if mpp else None
 
     # -- stored tiles -------------------------------------------------------
+    def reserve_cache_band(self, level: int, height_px: int) -> int:
+        """Let the cache hold a band ``height_px`` pixels tall across ``level`` (at most 1 GiB).
+
+        A reader with many patches in flight (a loader with many workers)
+        spans more grid rows than the default band; with a band too small
+        for them, stored tiles would be decoded twice. The cache only grows
+        here, never shrinks; returns its limit in bytes.
+        """
+        lv = self._levels[level]
+        band = (-(-int(height_px) // lv.tile_h) + 1) * lv.tiles_across * lv.tile_h * lv.tile_w * 3
+        with self._cache.lock:
+            self._cache.limit = max(self._cache.limit, min(MAX_RESERVED_CACHE_BYTES, band))
+            return self._cache.limit
+
     def tile_grid_shape(self, level: int) -> tuple[int, int, int, int]:
         """(tile_width, tile_height, tiles_across, tiles_down) of a level's stored tiles."""
         lv = self._levels[level]

@@ -96,6 +96,18 @@ class TileLoader:
         self._stop = threading.Event()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._reserve_cache(n_buffers * self.batch_size + self.workers)
+
+    def _reserve_cache(self, tiles_in_flight: int) -> None:
+        """Ask the slide's tile cache (where it has one) to hold the grid rows in flight."""
+        reserve = getattr(self.slide, "reserve_cache_band", None)
+        if reserve is None or not self.tiles:
+            return
+        t = self.tiles[0]
+        cols = len({tile.col for tile in self.tiles[: 4 * tiles_in_flight]}) or 1
+        rows = -(-tiles_in_flight // cols) + 2  # the rows in flight, the next one's overlap
+        level_ds = self.slide.level_downsamples[t.level]
+        reserve(t.level, int(rows * t.extent_level0 / level_ds))
 
     @property
     def n_batches(self) -> int:
