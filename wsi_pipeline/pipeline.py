@@ -54,13 +54,12 @@ from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
 from .stitch import (
     BlendGeometry,
     HeatmapBlender,
-    global_nms,
-    merge_boxes,
     owned_by_tile,
     tile_weights,
     touches_inner_edge,
 )
 from .stitch.sinks import ArraySink, HeatmapStats, ReducedCopy, fan_out
+from .stitch.streaming import StreamingMerger
 from .tiling import TileGrid, TileLoader, tissue_mask
 from .tiling.grid import Tile, read_tile
 
@@ -365,6 +364,9 @@ class Pipeline:
                 if report is not None:
                     report(len(br.tiles))
         timer.seconds["tile_reads_worker_s"] += read_s[0]
+        clear = getattr(slide, "clear_cache", None)
+        if clear is not None:  # the decoded tiles are not needed for what follows
+            clear()
 
     def _infer_array(self, slide: Slide, tiles: list[Tile], stitcher: _Stitcher, report: Progress | None) -> None:
         size = self.card.input.size_hw[0]
@@ -468,6 +470,8 @@ class _Stitcher:
         self.grid, self.card, self.cfg, self.slide = grid, card, cfg, slide
         self.tissue_method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
         self._next = 0  # next grid index expected
+        self._row = -1  # grid row of the last tile added
+        self.merger = StreamingMerger(cfg.merge, cfg.nms_iou, cfg.nms_metric) if cfg.merge != "ownership" else None
         self._boxes: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
@@ -539,38 +543,41 @@ class _Stitcher:
         if self.cfg.merge == "ownership" and len(boxes):
             keep &= owned_by_tile(boxes, tile.row, tile.col, self.grid.n_rows, self.grid.n_cols,
                                   self.grid.tile_size, self.grid.overlap)
+        if self.merger is not None and tile.row != self._row:
+            # No box of this row or below reaches above its top edge: finish what lies above.
+            self.merger.flush(float(tile.y0_level0))
+        self._row = tile.row
         if not keep.any():
             return
         b = boxes[keep] * np.float32(tile.downsample)
         b[:, [0, 2]] += tile.x0_level0
         b[:, [1, 3]] += tile.y0_level0
-        self._boxes.append(b)
-        self._scores.append(scores[keep])
-        self._labels.append(labels[keep])
+        # Edge tiles are padded past the slide; boxes centred there are the padding's edge, not objects.
+        w0, h0 = self.slide.dimensions
+        cx, cy = (b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2
+        inside = (cx >= 0) & (cx < w0) & (cy >= 0) & (cy < h0)
+        b = b[inside]
+        b[:, [0, 2]] = b[:, [0, 2]].clip(0, w0)
+        b[:, [1, 3]] = b[:, [1, 3]].clip(0, h0)
+        if self.merger is not None:
+            self.merger.add(b, scores[keep][inside], labels[keep][inside])
+        else:
+            self._boxes.append(b)
+            self._scores.append(scores[keep][inside])
+            self._labels.append(labels[keep][inside])
 
     def finish(self) -> np.ndarray:
         """Skip the tiles after the last one read; merge the boxes; return the detections."""
         self._skip_to(len(self.grid))
         if self.blender is not None:
             self.blender.close()
-        if not self._boxes:
+        if self.merger is not None:
+            boxes, scores, labels = self.merger.finish()
+        elif self._boxes:
+            boxes, scores, labels = (np.concatenate(self._boxes), np.concatenate(self._scores),
+                                     np.concatenate(self._labels))
+        else:
             return np.zeros(0, DETECTION_DTYPE)
-        boxes = np.concatenate(self._boxes)
-        scores = np.concatenate(self._scores)
-        labels = np.concatenate(self._labels).astype(np.int64)
-        # Edge tiles are padded past the slide; boxes centred there are the padding's edge, not objects.
-        w0, h0 = self.slide.dimensions
-        cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
-        inside = (cx >= 0) & (cx < w0) & (cy >= 0) & (cy < h0)
-        boxes, scores, labels = boxes[inside], scores[inside], labels[inside]
-        boxes[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w0)
-        boxes[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h0)
-        cfg = self.cfg
-        if cfg.merge == "nms":
-            keep = global_nms(boxes, scores, labels, cfg.nms_iou, cfg.nms_metric)
-            boxes, scores, labels = boxes[keep], scores[keep], labels[keep]
-        elif cfg.merge in ("nmm", "wbf"):
-            boxes, scores, labels = merge_boxes(boxes, scores, labels, cfg.nms_iou, cfg.nms_metric, cfg.merge)
         order = np.lexsort((boxes[:, 0], boxes[:, 1]))  # reading order: top to bottom, left to right
         return make_detections(boxes[order], scores[order], labels[order])
 

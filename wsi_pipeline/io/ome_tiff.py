@@ -29,6 +29,7 @@ moved into place with ``os.replace``, so a reader never sees half a file.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -44,6 +45,24 @@ from wsi_pipeline.errors import ConfigError, WSIPipelineError
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
 # Output rows of a reduced level computed at a time when building the pyramid.
 _BAND_ROWS = 64
+# Spool pages this process may keep mapped before handing them back to the page cache.
+_RESIDENT_BYTES = 32 * 1024 * 1024
+
+
+def _drop_pages(array: np.ndarray) -> None:
+    """Write a memmap's dirty pages to its file and unmap them from this process.
+
+    The spool is a shared file mapping: pages touched while rows arrive (and
+    read back while the file is written) would otherwise count towards the
+    process's resident memory until the end, growing with the heatmap.
+    MADV_DONTNEED on a shared mapping keeps the data (it is in the page cache
+    and the file); the next access maps it again.
+    """
+    mm = getattr(array, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    array.flush()
+    mm.madvise(mmap.MADV_DONTNEED)
 
 
 def heatmap_physical_size_um(mpp_x: float, mpp_y: float, downsample: float, stride: int) -> tuple[float, float]:
@@ -150,6 +169,7 @@ class OmeTiffHeatmapWriter:
             self._spool / "level0.npy", mode="w+", dtype=self.dtype, shape=(self.channels, self.height, self.width)
         )
         self._next_row = 0
+        self._unflushed = 0
         self._finished = False
 
     # -- streaming -------------------------------------------------------
@@ -174,6 +194,10 @@ class OmeTiffHeatmapWriter:
             msg = f"{self.path}: rows {y0_out}..{y1} pass the heatmap height {self.height}"
             raise WSIPipelineError(msg)
         self._level0[:, y0_out:y1] = self._quantise(rows)
+        self._unflushed += self._level0[:, y0_out:y1].nbytes
+        if self._unflushed >= _RESIDENT_BYTES:
+            _drop_pages(self._level0)
+            self._unflushed = 0
         self._next_row = y1
 
     def _quantise(self, values: np.ndarray) -> np.ndarray:
@@ -240,7 +264,11 @@ class OmeTiffHeatmapWriter:
                     band = np.pad(band, ((0, need_h - band.shape[0]), (0, need_w - src_w)), mode="edge")
                 mean = band.reshape(y1 - y, 2, w, 2).mean(axis=(1, 3))
                 dst[c, y:y1] = mean if self.dtype.kind == "f" else np.rint(mean)
-        dst.flush()
+                if (y // _BAND_ROWS) % 64 == 63:
+                    _drop_pages(src)
+                    _drop_pages(dst)
+        _drop_pages(src)
+        _drop_pages(dst)
         return dst
 
     def _tiles(self, data: np.ndarray) -> Iterator[np.ndarray]:
@@ -248,6 +276,8 @@ class OmeTiffHeatmapWriter:
         _, h, w = data.shape
         for c in range(data.shape[0]):
             for y in range(0, h, t):
+                if y and (y // t) % max(1, _RESIDENT_BYTES // max(1, t * w * data.itemsize)) == 0:
+                    _drop_pages(data)
                 for x in range(0, w, t):
                     block = np.asarray(data[c, y : y + t, x : x + t])
                     if block.shape != (t, t):

@@ -291,6 +291,10 @@ class TiffSlide(Slide):
         return checked_mpp(self.path, *mpp) if mpp else None
 
     # -- stored tiles -------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Free the decoded tiles (e.g. once a grid read is over); reads after it decode again."""
+        self._cache.clear()
+
     def reserve_cache_band(self, level: int, height_px: int) -> int:
         """Let the cache hold a band ``height_px`` pixels tall across ``level`` (at most 1 GiB).
 
