@@ -60,7 +60,11 @@ def start_local_cluster(n_workers: int, gpus: int | None = None):
     # pipeline (OpenCV, ONNX Runtime, torch), so give each worker its share of the cores.
     threads = str(max(1, (os.cpu_count() or 1) // n))
     env = {k: threads for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
-    common = {"dashboard_address": None, "silence_logs": logging.ERROR}
+    # A worker's statistical profiler samples every thread's stack every 10 ms: a tax on a task
+    # that is one long GIL-bound pipeline. No memory limit: a slide's memory is bounded by design,
+    # and dask pausing or restarting a worker midway would only lose the slide.
+    env["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "False"
+    common = {"dashboard_address": None, "silence_logs": logging.ERROR, "memory_limit": 0}
     if n_gpus <= 0:
         return LocalCluster(n_workers=n, threads_per_worker=1, processes=True, host="127.0.0.1", env=env, **common)
     try:
@@ -73,7 +77,7 @@ def start_local_cluster(n_workers: int, gpus: int | None = None):
     # dask-cuda's layout from plain dask: one Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES.
     from dask.distributed import Nanny, Scheduler, SpecCluster
 
-    workers = {f"gpu-{i}": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1",
+    workers = {f"gpu-{i}": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "memory_limit": 0,
                                                        "env": {**env, "CUDA_VISIBLE_DEVICES": str(i)}}}
                for i in range(n)}
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
