@@ -102,6 +102,12 @@ class Slide(abc.ABC):
         >>> s.read_region((15, 5), 0, (10, 10)).shape
         (10, 10, 3)
         """
+        w, h = self._check_region(level, size)
+        x0, y0 = int(location[0]), int(location[1])
+        return self._read_level(x0, y0, level, w, h)
+
+    def _check_region(self, level: int, size: tuple[int, int]) -> tuple[int, int]:
+        """(width, height) of a region request, after checking the slide is open and the level exists."""
         self._check_open()
         if not 0 <= level < self.level_count:
             raise ValueError(
@@ -110,8 +116,7 @@ class Slide(abc.ABC):
         w, h = int(size[0]), int(size[1])
         if w <= 0 or h <= 0:
             raise ValueError(f"{self.path}: region size must be positive, got {size}")
-        x0, y0 = int(location[0]), int(location[1])
-        return self._read_level(x0, y0, level, w, h)
+        return w, h
 
     @abc.abstractmethod
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:

@@ -464,14 +464,7 @@ class TiffSlide(Slide):
         Saves the copy from a new array when the caller has a buffer (a
         batch slot of the tile loader).
         """
-        self._check_open()
-        if not 0 <= level < self.level_count:
-            raise ValueError(
-                f"{self.path}: level {level} does not exist (slide has {self.level_count} levels)"
-            )
-        w, h = int(size[0]), int(size[1])
-        if w <= 0 or h <= 0:
-            raise ValueError(f"{self.path}: region size must be positive, got {size}")
+        w, h = self._check_region(level, size)
         if out.shape != (h, w, 3) or out.dtype != np.uint8:
             raise ValueError(
                 f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8"
