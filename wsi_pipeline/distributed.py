@@ -27,6 +27,7 @@ from typing import Any
 from .batch import SlideOutcome, process_slide
 from .config import RunConfig
 from .errors import UsageError
+from .pipeline import default_reader_workers
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -145,7 +146,7 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
         if cluster is not None and config.workers is None:
             # Worker processes on this host share its cores: split the tile readers between them.
             n = max(1, len(cluster.workers))
-            config = config.replace(workers=max(2, (os.cpu_count() or 2) // n - 1))
+            config = config.replace(workers=default_reader_workers((os.cpu_count() or 2) // n))
         doc = config.as_dict()
         futures = []
         where: dict[str, tuple[Path, str]] = {}

@@ -156,6 +156,12 @@ def default_batch_size(card: ModelCard, backend: str) -> int:
     return max(1, min(MAX_GPU_BATCH, n))
 
 
+def default_reader_workers(cores: int) -> int:
+    """Tile reader threads for ``cores`` CPU cores: all but two (left to the executor and the
+    consumer), between 2 and 12 (the readers share the GIL with the executor's threads)."""
+    return max(2, min(12, cores - 2))
+
+
 def package_versions() -> dict[str, str]:
     """Versions of the packages that decide a run's result."""
     out = {"python": platform.python_version()}
@@ -195,8 +201,7 @@ class Pipeline:
         self.executor, self.backend_name = self._make_executor(requested)
         self.batch_size = config.batch_size or min(default_batch_size(self.card, self.backend_name),
                                                    self.executor.max_batch)
-        # Readers: decoding is the CPU's share of the work; leave a core for the executor.
-        self.reader_workers = config.workers or max(2, min(12, (os.cpu_count() or 2) - 2))
+        self.reader_workers = config.workers or default_reader_workers(os.cpu_count() or 2)
         self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
                                    workers=self.executor.streams, max_wait_s=max_wait_s)
         self._closed = False
