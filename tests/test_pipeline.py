@@ -202,3 +202,14 @@ def test_corrupt_tile_fails_the_run_and_leaves_no_outputs(tmp_path):
 def test_tile_size_must_match_the_model():
     with pytest.raises(Exception, match="takes 512 px tiles"):
         Pipeline.from_card(backend="ort", tile=256)
+
+
+def test_detections_convert_to_a_dataframe(pipe, slide_path):
+    pd = pytest.importorskip("pandas")
+    result = pipe.run(slide_path)
+    df = result.to_dataframe()
+    assert isinstance(df, pd.DataFrame) and len(df) == len(result.detections)
+    assert list(df.columns) == ["x0", "y0", "x1", "y1", "score", "label", "class"]
+    assert set(df["class"]) == {"nucleus"}
+    assert (df["x1"] > df["x0"]).all() and df["score"].between(0, 1).all()
+    np.testing.assert_array_equal(pd.DataFrame(result.detections)["x0"].to_numpy(), result.detections["x0"])
