@@ -9,6 +9,7 @@ A slide's detections are a numpy structured array with fields
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -107,13 +108,27 @@ def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Seque
 
 
 def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
-    """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels), atomically."""
+    """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels), atomically.
+
+    Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs.
+    """
+    labels = np.unique(dets["label"]).tolist() if len(dets) else []
+    names = {lab: _csv_field(_class(classes, int(lab))["name"]) for lab in labels}
     with atomic_write(path, newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CSV_COLUMNS)
-        for d in dets:
-            w.writerow([f"{d['x0']:.2f}", f"{d['y0']:.2f}", f"{d['x1']:.2f}", f"{d['y1']:.2f}",
-                        f"{d['score']:.5f}", int(d["label"]), _class(classes, int(d["label"]))["name"]])
+        f.write(",".join(CSV_COLUMNS) + "\r\n")
+        for start in range(0, len(dets), 65536):
+            d = dets[start:start + 65536]
+            cols = [d[k].astype(np.float64).tolist() for k in ("x0", "y0", "x1", "y1", "score")]
+            rows = [f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
+                    for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)]
+            f.write("".join(rows))
+
+
+def _csv_field(text: str) -> str:
+    """``text`` as one CSV field (quoted when it holds a comma, quote or line break)."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="").writerow([text])
+    return buf.getvalue()
 
 
 def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = None) -> np.ndarray:

@@ -1,0 +1,68 @@
+"""Detection files: QuPath GeoJSON and CSV written from the structured array, and read back."""
+
+import csv
+import json
+
+import numpy as np
+
+from wsi_pipeline.io.detections import (
+    make_detections,
+    read_geojson,
+    to_geojson,
+    write_csv,
+    write_geojson,
+)
+
+CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": 'scratch, "long"', "color": [0, 0, 255]}]
+
+
+def _dets(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0, 5e4, (n, 2))
+    wh = rng.uniform(2, 40, (n, 2))
+    return make_detections(np.c_[xy, xy + wh], rng.random(n), rng.integers(0, 2, n))
+
+
+def _reference_feature(d):
+    """The QuPath feature of one detection, written out by hand."""
+    x0, y0, x1, y1 = (round(float(d[k]), 2) for k in ("x0", "y0", "x1", "y1"))
+    c = CLASSES[int(d["label"])]
+    color = [255, 128, 0] if c["color"] == "#ff8000" else [0, 0, 255]
+    return {"type": "Feature",
+            "geometry": {"type": "Polygon", "coordinates": [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]},
+            "properties": {"objectType": "detection", "classification": {"name": c["name"], "color": color},
+                           "measurements": {"score": round(float(d["score"]), 6)}}}
+
+
+def test_geojson_equals_the_reference_and_reads_back(tmp_path):
+    dets = _dets()
+    path = tmp_path / "d.geojson"
+    write_geojson(path, dets, CLASSES)
+    doc = json.loads(path.read_text())
+    assert doc == to_geojson(dets, CLASSES)
+    assert doc["type"] == "FeatureCollection"
+    assert doc["features"] == [_reference_feature(d) for d in dets]
+    back = read_geojson(path, CLASSES)
+    np.testing.assert_array_equal(back["label"], dets["label"])
+    for k in ("x0", "y0", "x1", "y1"):
+        np.testing.assert_allclose(back[k], dets[k], atol=0.006)
+
+
+def test_empty_detections_make_valid_files(tmp_path):
+    empty = make_detections(np.zeros((0, 4)), np.zeros(0), np.zeros(0))
+    write_geojson(tmp_path / "e.geojson", empty, CLASSES)
+    assert json.loads((tmp_path / "e.geojson").read_text()) == {"type": "FeatureCollection", "features": []}
+    write_csv(tmp_path / "e.csv", empty, CLASSES)
+    assert (tmp_path / "e.csv").read_text().splitlines() == ["x0,y0,x1,y1,score,label,class"]
+
+
+def test_csv_rows_and_quoting(tmp_path):
+    dets = _dets(50)
+    write_csv(tmp_path / "d.csv", dets, CLASSES)
+    with open(tmp_path / "d.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["x0", "y0", "x1", "y1", "score", "label", "class"]
+    assert len(rows) == 51
+    for row, d in zip(rows[1:], dets, strict=True):
+        assert float(row[0]) == round(float(d["x0"]), 2) and float(row[4]) == round(float(d["score"]), 5)
+        assert row[6] == CLASSES[int(d["label"])]["name"]  # 'scratch, "long"' survives quoting
