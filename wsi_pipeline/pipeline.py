@@ -68,9 +68,10 @@ log = logging.getLogger("wsi_pipeline")
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "engines" / "nuclei_pathology.card.json"
 CPU_BATCH_SIZE = 8
 MAX_GPU_BATCH = 64
-# Bytes of device memory one 512 x 512 tile needs in flight: input (uint8 and
-# normalised fp16) plus the activations of a small detector, measured on the
-# shipped models with torch.cuda.max_memory_allocated (docs/gpu.md).
+# Device memory one tile pixel needs in flight, an upper estimate for small
+# detectors like the shipped ones: uint8 input (3 B), its normalised fp16 copy
+# (6 B) and a generous allowance for activations. Only a quarter of the free
+# memory is budgeted with it, so an underestimate still fits.
 GPU_BYTES_PER_TILE_PIXEL = 96
 
 OUTPUT_FILES = ("detections.geojson", "detections.csv", "heatmap.ome.tif", "overlay.png", "summary.json")
