@@ -156,9 +156,9 @@ def test_array_input_finds_the_defects():
             truths.append(scene.objects_in(0, 0, 2048, 2048))
     c = detection_counts([detection_boxes(d) for d in preds], [d["score"] for d in preds],
                          [d["label"] for d in preds], [t[0] for t in truths], [t[1] for t in truths])
-    # The industrial model's tile-level figures are P 0.91 / R 0.84 on scratches.
+    # Measured P 0.96 / R 1.0 here; the model's tile-level figures on scratches are P 0.91 / R 0.84.
     assert c.tp + c.fn == 24
-    assert c.precision >= 0.8 and c.recall >= 0.75, c
+    assert c.precision >= 0.9 and c.recall >= 0.9, c
 
 
 def test_threads_share_batches_and_get_their_own_results():
