@@ -125,18 +125,24 @@ def test_read_tile_into_buffer_matches_read_region(pyramid_tiff):
             np.testing.assert_array_equal(out, s.read_region((t.x0_level0, t.y0_level0), 0, (512, 512)))
 
 
+def _count_decodes(slide: TiffSlide) -> list[tuple[int, int, int]]:
+    """Record every stored-tile decode of ``slide`` as (level, tx, ty) in the returned list."""
+    decoded = []
+    decode = slide._decode_tile
+
+    def counting(level, tx, ty, out=None):
+        decoded.append((level, tx, ty))
+        return decode(level, tx, ty, out)
+
+    slide._decode_tile = counting
+    return decoded
+
+
 def test_default_cache_is_a_band_of_rows_and_a_grid_decodes_each_tile_once(pyramid_tiff):
     with TiffSlide(pyramid_tiff) as s:
         across = s.tile_grid_shape(0)[2]  # 17 tiles of 256 px across 4100 px
         assert s._cache.limit == (1536 // 256 + 1) * across * TILE_BYTES
-        decoded = []
-        decode = s._decode_tile
-
-        def counting(level, tx, ty, out=None):
-            decoded.append((level, tx, ty))
-            return decode(level, tx, ty, out)
-
-        s._decode_tile = counting
+        decoded = _count_decodes(s)
         for t in TileGrid(s, 512, 64):
             read_tile(s, t)
         assert len(decoded) == len(set(decoded)) == 17 * 12  # every stored tile, once
@@ -150,14 +156,7 @@ def test_loader_with_many_batches_in_flight_still_decodes_each_tile_once(pyramid
 
     with TiffSlide(pyramid_tiff) as s:
         default_limit = s._cache.limit
-        decoded = []
-        decode = s._decode_tile
-
-        def counting(level, tx, ty, out=None):
-            decoded.append((level, tx, ty))
-            return decode(level, tx, ty, out)
-
-        s._decode_tile = counting
+        decoded = _count_decodes(s)
         grid = TileGrid(s, 512, 64)
         with TileLoader(s, list(grid), batch_size=8, workers=4, prefetch=4) as loader:
             assert s._cache.limit > default_limit  # the loader asked for the rows it keeps in flight

@@ -160,17 +160,18 @@ def run_key(config: RunConfig, card: ModelCard) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def is_done(folder: Path, key: str) -> bool:
-    """Whether ``folder`` holds a finished slide of run key ``key``."""
+def done_summary(folder: Path, key: str) -> dict[str, Any] | None:
+    """The summary of a finished slide of run key ``key`` in ``folder``, or None when it is not one."""
     from .pipeline import OUTPUT_FILES
 
     try:
         with open(folder / "summary.json", encoding="utf-8") as f:
             summary = json.load(f)
     except (OSError, json.JSONDecodeError):
-        return False
+        return None
     required = [n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or summary.get("heatmap_scores") is not None]
-    return summary.get("run_key") == key and all((folder / n).is_file() for n in required)
+    done = summary.get("run_key") == key and all((folder / n).is_file() for n in required)
+    return summary if done else None
 
 
 # -- manifest -------------------------------------------------------------------
@@ -304,10 +305,9 @@ def plan(slides: list[Path], out_dir: Path, key: str, force: bool) -> tuple[list
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
     for path, name in zip(slides, output_names(slides), strict=True):
-        if not force and is_done(out_dir / name, key):
-            with open(out_dir / name / "summary.json", encoding="utf-8") as f:
-                counts = json.load(f).get("counts", {})
-            done.append(SlideOutcome(name, str(path), "skipped", counts=counts))
+        summary = None if force else done_summary(out_dir / name, key)
+        if summary is not None:
+            done.append(SlideOutcome(name, str(path), "skipped", counts=summary.get("counts", {})))
         else:
             todo.append((path, name))
     return todo, done

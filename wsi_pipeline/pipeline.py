@@ -46,7 +46,14 @@ from .inference.decoders import TileDetections
 from .inference.executor import Executor
 from .inference.service import TileService
 from .io.atomic import write_json
-from .io.detections import DETECTION_DTYPE, make_detections, write_csv, write_geojson
+from .io.detections import (
+    DETECTION_DTYPE,
+    detection_boxes,
+    make_detections,
+    parse_color,
+    write_csv,
+    write_geojson,
+)
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 from .io.overlay import render_overlay, write_png
 from .slide import Slide, as_slide
@@ -118,8 +125,7 @@ class Result:
 
     def boxes(self) -> np.ndarray:
         """N x 4 float32 (x0, y0, x1, y1) level-0 pixels."""
-        d = self.detections
-        return np.stack([d["x0"], d["y0"], d["x1"], d["y1"]], axis=1) if len(d) else np.zeros((0, 4), np.float32)
+        return detection_boxes(self.detections)
 
 
 def resolve_backend(name: str) -> str:
@@ -233,9 +239,8 @@ class Pipeline:
     def _make_executor(self, requested: str) -> tuple[Executor, str]:
         name = resolve_backend(requested)
         cfg = self.config
-        candidates = [name] if requested != "auto" else \
-            [b for b in ("tensorrt", "torch", "ort") if ["tensorrt", "torch", "ort"].index(b) >=
-             ["tensorrt", "torch", "ort"].index(name)]
+        order = ("tensorrt", "torch", "ort")  # auto: fall back down this list
+        candidates = order[order.index(name):] if requested == "auto" else (name,)
         last: Exception | None = None
         for cand in candidates:
             opts: dict[str, Any] = {}
@@ -320,7 +325,7 @@ class Pipeline:
             tiles = grid.select(fractions, cfg.min_tissue)
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
 
-        stitcher = _Stitcher(grid, card, cfg, mask, slide, out, keep_heatmap)
+        stitcher = _Stitcher(grid, card, cfg, mask, method, slide, out, keep_heatmap)
         bar = None
         if progress is True:
             from tqdm.auto import tqdm
@@ -338,9 +343,10 @@ class Pipeline:
             with timer("stitch"):
                 dets = stitcher.finish()
             with timer("write"):
+                t_write = time.perf_counter()
                 heatmap = stitcher.close_heatmap()
-                result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, out,
-                                      extra_summary)
+                result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, t_write,
+                                      out, extra_summary)
         except BaseException:
             stitcher.abort()
             raise
@@ -399,10 +405,10 @@ class Pipeline:
             report(len(part))
 
     def _result(self, slide: Slide, grid: TileGrid, mask, tiles: list[Tile], stitcher: _Stitcher,
-                dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float, out: Path | None,
-                extra_summary: dict[str, Any]) -> Result:
-        t_write = time.perf_counter()
+                dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float, t_write: float,
+                out: Path | None, extra_summary: dict[str, Any]) -> Result:
         cfg, card = self.config, self.card
+        classes = [{"name": c.name, "color": c.color} for c in card.classes]
         names = card.class_names
         counts = {n: int((dets["label"] == i).sum()) for i, n in enumerate(names)}
         mpp = slide.mpp
@@ -413,7 +419,7 @@ class Pipeline:
             "mpp": list(mpp) if mpp else None,
             "status": "done",
             "counts": counts,
-            "classes": [{"name": c.name, "color": c.color} for c in card.classes],
+            "classes": classes,
             "heatmap": None if card.heatmap is None else {
                 "classes": list(card.heatmap.classes), "stride": card.heatmap.stride,
                 "scale_level0": stitcher.heatmap_scale_level0},
@@ -440,8 +446,8 @@ class Pipeline:
             **extra_summary,
         }
         if out is not None:
-            write_geojson(out / "detections.geojson", dets, [{"name": c.name, "color": c.color} for c in card.classes])
-            write_csv(out / "detections.csv", dets, [{"name": c.name, "color": c.color} for c in card.classes])
+            write_geojson(out / "detections.geojson", dets, classes)
+            write_csv(out / "detections.csv", dets, classes)
             stitcher.write_overlay(out / "overlay.png", dets)
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
@@ -471,10 +477,10 @@ def _round(v: float | None) -> float | None:
 class _Stitcher:
     """Collects one run's tile results in grid order: boxes to level 0, heatmaps to the blender."""
 
-    def __init__(self, grid: TileGrid, card: ModelCard, cfg: RunConfig, mask, slide: Slide,
+    def __init__(self, grid: TileGrid, card: ModelCard, cfg: RunConfig, mask, tissue_method: str, slide: Slide,
                  out: Path | None, keep_heatmap: bool):
         self.grid, self.card, self.cfg, self.slide = grid, card, cfg, slide
-        self.tissue_method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
+        self.tissue_method = tissue_method
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.merger = StreamingMerger(cfg.merge, cfg.nms_iou, cfg.nms_metric) if cfg.merge != "ownership" else None
@@ -487,7 +493,6 @@ class _Stitcher:
         self.reduced: ReducedCopy | None = None
         self.stats: HeatmapStats | None = None
         self.heatmap_scale_level0 = grid.downsample
-        self.out = out
         thumb_side = cfg.overlay_size
         w0, h0 = slide.dimensions
         self.thumb_downsample = max(w0 / thumb_side, h0 / thumb_side, 1.0)
@@ -614,15 +619,10 @@ class _Stitcher:
             shown = [i for i, n in enumerate(self.card.heatmap.classes) if n.lower() not in ("tissue", "background")]
             heat = heat[shown] if shown else heat
         scale = self.heatmap_scale_level0 * (self.reduced.factor if self.reduced is not None else 1)
-        boxes = np.stack([dets["x0"], dets["y0"], dets["x1"], dets["y1"]], axis=1) if len(dets) else None
-        colors = [_hex_rgb(c.color) for c in self.card.classes]
+        boxes = detection_boxes(dets) if len(dets) else None
+        colors = [parse_color(c.color) for c in self.card.classes]
         img = render_overlay(thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors)
         write_png(path, img)
-
-
-def _hex_rgb(color: str) -> tuple[int, int, int]:
-    v = int(color.lstrip("#"), 16)
-    return ((v >> 16) & 255, (v >> 8) & 255, v & 255)
 
 
 __all__ = ["DEFAULT_MODEL", "OUTPUT_FILES", "Pipeline", "Result", "default_batch_size", "package_versions",

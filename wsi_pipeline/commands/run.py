@@ -59,12 +59,14 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     try:
         config = load_config(args.config) if args.config else RunConfig()
         given = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k, None) is not None}
+        values = config.as_dict()
+        # --mpp and --level exclude each other (argparse checks); either replaces the file's choice.
         if "mpp" in given:
-            given["level"] = None
-            config.level = None
+            values["level"] = None
         if "level" in given:
-            config.mpp = None
-        return config.replace(**given) if given else config
+            values["mpp"] = None
+        values.update(given)
+        return RunConfig.from_mapping(values, "options")
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc
 

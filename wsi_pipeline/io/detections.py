@@ -47,11 +47,17 @@ def _class(classes: Sequence[dict], label: int) -> dict:
     return {"name": f"class_{label}", "color": [255, 0, 0]}
 
 
-def _rgb(color) -> list[int]:
+def parse_color(color: str | Sequence[int]) -> tuple[int, int, int]:
+    """``"#rrggbb"`` or ``[r, g, b]`` (0-255) -> an (r, g, b) tuple of ints.
+
+    >>> parse_color("#7b2cbf"), parse_color([1, 2, 3, 255])
+    ((123, 44, 191), (1, 2, 3))
+    """
     if isinstance(color, str):
         v = int(color.lstrip("#"), 16)
-        return [(v >> 16) & 255, (v >> 8) & 255, v & 255]
-    return [int(c) for c in color][:3]
+        return ((v >> 16) & 255, (v >> 8) & 255, v & 255)
+    r, g, b = (int(c) for c in list(color)[:3])
+    return (r, g, b)
 
 
 def to_geojson(dets: np.ndarray, classes: Sequence[dict]) -> dict:
@@ -84,17 +90,18 @@ def _num(v: np.ndarray, decimals: int) -> list[str]:
 def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int = 65536):
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
-    n_classes = max([len(classes)] + [int(v) + 1 for v in np.unique(dets["label"])] if len(dets) else [len(classes)])
-    cls_json = [json.dumps({"name": _class(classes, i)["name"], "color": _rgb(_class(classes, i).get("color", [255, 0, 0]))},
-                           separators=(",", ":")) for i in range(max(n_classes, 0))]
+    labels_present = np.unique(dets["label"]).tolist() if len(dets) else []
+    cls_json = {lab: json.dumps({"name": _class(classes, lab)["name"],
+                                 "color": list(parse_color(_class(classes, lab).get("color", [255, 0, 0])))},
+                                separators=(",", ":"))
+                for lab in labels_present}
     yield '{"type":"FeatureCollection","features":['
     for start in range(0, len(dets), chunk):
         d = dets[start:start + chunk]
         x0, y0, x1, y1 = (_num(d[k], 2) for k in ("x0", "y0", "x1", "y1"))
         sc = _num(d["score"], 6)
         labels = d["label"].tolist()
-        rows = [_FEATURE % (a, b, c, b, c, e, a, e, a, b, cls_json[lab] if lab >= 0 else json.dumps(
-                    {"name": f"class_{lab}", "color": [255, 0, 0]}), s_)
+        rows = [_FEATURE % (a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
                 for a, b, c, e, s_, lab in zip(x0, y0, x1, y1, sc, labels, strict=True)]
         yield ("," if start else "") + ",".join(rows)
     yield "]}"

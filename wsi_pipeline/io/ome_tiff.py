@@ -274,9 +274,10 @@ class OmeTiffHeatmapWriter:
     def _tiles(self, data: np.ndarray) -> Iterator[np.ndarray]:
         t = self.tile
         _, h, w = data.shape
+        rows_per_drop = max(1, _RESIDENT_BYTES // (t * w * data.itemsize))
         for c in range(data.shape[0]):
-            for y in range(0, h, t):
-                if y and (y // t) % max(1, _RESIDENT_BYTES // max(1, t * w * data.itemsize)) == 0:
+            for k, y in enumerate(range(0, h, t)):
+                if k and k % rows_per_drop == 0:
                     _drop_pages(data)
                 for x in range(0, w, t):
                     block = np.asarray(data[c, y : y + t, x : x + t])

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import WSIPipelineError
-from ..io.detections import DETECTION_DTYPE, read_geojson
+from ..io.detections import DETECTION_DTYPE, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
 
@@ -27,15 +27,6 @@ RGB = tuple[int, int, int]
 # Colours for classes a run names without one (matplotlib's tab10, as 0-255 RGB).
 PALETTE: tuple[RGB, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
                             (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
-
-
-def parse_color(color: Any) -> RGB:
-    """``"#rrggbb"`` or ``[r, g, b]`` (0-255) -> an (r, g, b) tuple of ints."""
-    if isinstance(color, str):
-        v = int(color.lstrip("#"), 16)
-        return ((v >> 16) & 255, (v >> 8) & 255, v & 255)
-    r, g, b = (int(c) for c in list(color)[:3])
-    return (r, g, b)
 
 
 def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | None] | None:
