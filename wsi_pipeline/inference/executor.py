@@ -39,6 +39,7 @@ from .decoders import TileDetections, decode, decode_names, decoder_params
 DEFAULT_CUDA_STREAMS = 4
 DEFAULT_CPU_WORKERS = 2
 _POLL_S = 0.1
+_COUNT = "\0rows kept"  # the compacted row count per tile, beside the model outputs
 
 
 class BatchInferenceError(WSIPipelineError):
@@ -69,101 +70,83 @@ def _is_cuda_backend(backend: Any) -> bool:
 # -- device-side output reduction -------------------------------------------------
 
 class _DeviceDecoder:
-    """Turns a batch's device outputs into small device tensors, then host TileDetections.
+    """Shrinks a batch's device outputs before the copy back; the CPU decoder does the rest.
 
-    ``centernet`` and ``boxes_scores_labels``: the threshold, validity mask,
-    stable descending sort by score and per-tile counts are computed on the
-    device; the host only slices ``[:count]``. The result is the CPU
-    decoder's, row for row. ``yolo`` (class-aware NMS): the raw outputs are
-    copied back and decoded on the host by the CPU decoder.
+    The card's decoder (:func:`~.decoders.decode`) is the only definition of
+    what a detection is. On the device, ``centernet`` and
+    ``boxes_scores_labels`` outputs are only compacted: rows below the score
+    threshold (and, with ``num_detections``, rows past the count) are moved
+    behind the others by a stable descending sort on the score and their
+    scores set to -inf, which every decoder drops. The host then slices the
+    rows up to the batch's largest count and runs the decoder on them, so
+    thresholds, box formats, label offsets, per-tile NMS and
+    ``max_detections`` are applied by exactly the code the CPU path runs
+    (row order is kept: the decoder's own stable sort leaves sorted rows as
+    they are). ``yolo`` outputs are copied back whole. The heatmap's
+    activation is applied on the device (the host decoder is told so).
     """
 
     def __init__(self, card: ModelCard):
         self.card = card
         self.kind = card.decoder.type
         self.p = decoder_params(card)
+        self.compacts = self.kind in ("centernet", "boxes_scores_labels")
+        self.host_card = _card_without_activation(card) if card.heatmap is not None else card
 
     def reduce(self, outs: dict[str, Any], n: int) -> dict[str, Any]:
+        """Device tensors to copy back: ``{name: tensor [n, ...]}``, ``count`` when compacting."""
         import torch
 
         card, p = self.card, self.p
         red: dict[str, torch.Tensor] = {}
-        if self.kind in ("centernet", "boxes_scores_labels"):
-            boxes = outs[p["boxes"]][:n].float()
-            scores = outs[p["scores"]][:n].float()
-            labels = outs[p["labels"]][:n].long()
+        if self.compacts:
+            boxes, scores, labels = outs[p["boxes"]][:n], outs[p["scores"]][:n].float(), outs[p["labels"]][:n]
             if boxes.dim() == 2:
                 boxes, scores, labels = boxes[None], scores[None], labels[None]
-            valid = scores >= float(p["score_threshold"])
-            if self.kind == "boxes_scores_labels":
-                labels = labels + int(p["label_offset"])
-                boxes = _to_xyxy_t(boxes, p["box_format"])
-                if p["normalized"]:
-                    h, w = card.input.size_hw
-                    boxes = boxes * boxes.new_tensor([w, h, w, h])
-                valid = valid & (labels >= 0) & torch.isfinite(boxes).all(dim=2)
-                if p["num_detections"] is not None:
-                    counts = outs[p["num_detections"]][:n].reshape(-1).long()
-                    cols = torch.arange(scores.shape[1], device=scores.device)
-                    valid = valid & (cols[None, :] < counts[:, None])
-            key = torch.where(valid, scores, torch.full_like(scores, -float("inf")))
-            _, order = torch.sort(key, dim=1, descending=True, stable=True)
-            count = valid.sum(dim=1)
-            if self.kind == "centernet" and p["max_detections"] is not None:
-                count = count.clamp(max=int(p["max_detections"]))
-            red["boxes"] = torch.gather(boxes, 1, order[:, :, None].expand(-1, -1, 4)).contiguous()
-            red["scores"] = torch.gather(scores, 1, order).contiguous()
-            red["labels"] = torch.gather(labels, 1, order).to(torch.int32).contiguous()
-            red["count"] = count.to(torch.int32)
+            keep = scores >= float(p["score_threshold"])
+            if self.kind == "boxes_scores_labels" and p["num_detections"] is not None:
+                counts = outs[p["num_detections"]][:n].reshape(-1).long()
+                cols = torch.arange(scores.shape[1], device=scores.device)
+                keep = keep & (cols[None, :] < counts[:, None])
+            key = torch.where(keep, scores, torch.full_like(scores, -float("inf")))
+            key, order = torch.sort(key, dim=1, descending=True, stable=True)
+            red[p["boxes"]] = torch.gather(boxes, 1, order[:, :, None].expand(-1, -1, boxes.shape[2])).contiguous()
+            red[p["scores"]] = key.contiguous()
+            red[p["labels"]] = torch.gather(labels, 1, order).contiguous()
+            red[_COUNT] = keep.sum(dim=1).to(torch.int32)
         else:
             for name in decode_names(card):
                 if card.heatmap is None or name != card.heatmap.output:
-                    red["raw:" + name] = outs[name][:n].contiguous()
+                    red[name] = outs[name][:n].contiguous()
         if card.heatmap is not None:
             hm = outs[card.heatmap.output][:n].float()
             if card.heatmap.activation == "sigmoid":
                 hm = torch.sigmoid(hm)
             elif card.heatmap.activation == "softmax":
                 hm = torch.softmax(hm, dim=1)
-            red["heatmap"] = hm.contiguous()
+            red[card.heatmap.output] = hm.contiguous()
         return red
 
     def finish(self, host: dict[str, np.ndarray], n: int) -> list[TileDetections]:
-        """Host arrays (views of reused pinned buffers: everything is copied) -> detections."""
-        heat = host.get("heatmap")
-        if self.kind in ("centernet", "boxes_scores_labels"):
-            result = []
-            for i in range(n):
-                c = int(host["count"][i])
-                result.append(TileDetections(
-                    host["boxes"][i, :c].copy(), host["scores"][i, :c].copy(),
-                    host["labels"][i, :c].astype(np.int64),
-                    None if heat is None else heat[i].copy()))
-            return result
-        raw = {k[4:]: v.copy() for k, v in host.items() if k.startswith("raw:")}
-        if heat is not None:
-            raw[self.card.heatmap.output] = heat.copy()  # activation already applied
-            card = _card_without_activation(self.card)
-        else:
-            card = self.card
-        return decode(raw, card)
+        """Host arrays (views of reused pinned buffers: the decoder copies what it keeps) -> detections."""
+        outputs = dict(host)
+        if self.compacts:
+            k = max(1, int(outputs.pop(_COUNT)[:n].max(initial=0)))
+            for name in (self.p["boxes"], self.p["scores"], self.p["labels"]):
+                outputs[name] = outputs[name][:, :k]
+            if self.kind == "boxes_scores_labels" and self.p["num_detections"] is not None:
+                outputs[self.p["num_detections"]] = np.full(n, k, np.int64)
+        dets = decode(outputs, self.host_card)
+        if self.card.heatmap is not None:
+            for d in dets:  # the decoder slices the reused buffer: keep a copy
+                d.heatmap = d.heatmap.copy() if d.heatmap is not None else None
+        return dets
 
 
 def _card_without_activation(card: ModelCard) -> ModelCard:
     import dataclasses
 
     return dataclasses.replace(card, heatmap=dataclasses.replace(card.heatmap, activation="none"))
-
-
-def _to_xyxy_t(boxes, box_format: str):
-    import torch
-
-    if box_format == "xyxy":
-        return boxes
-    if box_format == "xywh":
-        return torch.cat([boxes[..., :2], boxes[..., :2] + boxes[..., 2:]], dim=-1)
-    half = boxes[..., 2:] / 2
-    return torch.cat([boxes[..., :2] - half, boxes[..., :2] + half], dim=-1)
 
 
 # -- page-locking the loader's buffers ---------------------------------------------
