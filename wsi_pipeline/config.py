@@ -30,6 +30,7 @@ BACKEND_CHOICES = ("auto", "ort", "torch", "tensorrt")
 TISSUE_CHOICES = ("auto", "otsu", "all", "file")
 MERGE_CHOICES = ("nms", "nmm", "wbf", "ownership")
 BLEND_CHOICES = ("gaussian", "hann", "linear", "constant")
+DECODE_CHOICES = ("auto", "cpu", "gpu")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class RunConfig:
     min_tissue: float = 0.05
     batch_size: int | None = None
     workers: int | None = None  # tile reader threads; default from the CPU count
+    decode: str = "auto"  # stored tiles: auto = on the GPU where the backend and the slide allow
     streams: int | None = None
     score_threshold: float | None = None
     nms_iou: float = 0.5
@@ -74,6 +76,8 @@ class RunConfig:
             raise bad("merge", f"one of {', '.join(MERGE_CHOICES)}", self.merge)
         if self.blend not in BLEND_CHOICES:
             raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
+        if self.decode not in DECODE_CHOICES:
+            raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
         if self.nms_metric not in ("iou", "ios"):
             raise bad("nms_metric", "iou or ios", self.nms_metric)
         if self.tile is not None and self.tile < 16:

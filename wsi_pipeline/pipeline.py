@@ -80,6 +80,9 @@ MAX_GPU_BATCH = 64
 # (6 B) and a generous allowance for activations. Only a quarter of the free
 # memory is budgeted with it, so an underestimate still fits.
 GPU_BYTES_PER_TILE_PIXEL = 96
+# A GPU-decoded loader batch holds this many executor batches: the stored tiles that
+# neighbouring patches share are decoded once per loader batch, so larger is cheaper.
+GPU_DECODE_BATCHES = 4
 
 OUTPUT_FILES = ("detections.geojson", "detections.csv", "heatmap.ome.tif", "overlay.png", "summary.json")
 
@@ -326,6 +329,7 @@ class Pipeline:
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
 
         stitcher = _Stitcher(grid, card, cfg, mask, method, slide, out, keep_heatmap)
+        run_info: dict[str, Any] = {"tile_decode": {"where": "cpu", "why": "an array in memory"}}
         bar = None
         if progress is True:
             from tqdm.auto import tqdm
@@ -339,14 +343,14 @@ class Pipeline:
                 if is_array:
                     self._infer_array(slide, tiles, stitcher, report)
                 else:
-                    self._infer_slide(slide, tiles, stitcher, report, timer)
+                    self._infer_slide(slide, tiles, stitcher, report, timer, run_info)
             with timer("stitch"):
                 dets = stitcher.finish()
             with timer("write"):
                 t_write = time.perf_counter()
                 heatmap = stitcher.close_heatmap()
                 result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, t_write,
-                                      out, extra_summary)
+                                      out, {**run_info, **extra_summary})
         except BaseException:
             stitcher.abort()
             raise
@@ -355,26 +359,54 @@ class Pipeline:
                 bar.close()
         return result
 
+    def _tile_decode(self, slide: Slide, tiles: list[Tile]) -> tuple[str, str]:
+        """Where this run decodes its stored tiles (``"gpu"`` or ``"cpu"``) and why."""
+        want = self.config.decode
+        if want == "cpu":
+            return "cpu", "decode = cpu"
+        if not self.executor.is_cuda:
+            reason = f"the {self.backend_name} backend runs on the CPU"
+        else:
+            from .inference.gpu_decode import gpu_decode_refusal
+
+            reason = gpu_decode_refusal(slide, tiles)
+            if reason is None:
+                return "gpu", "JPEG tiles decoded by nvJPEG"
+        if want == "gpu":
+            raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
+        return "cpu", reason
+
     def _infer_slide(self, slide: Slide, tiles: list[Tile], stitcher: _Stitcher, report: Progress | None,
-                     timer: StageTimer) -> None:
+                     timer: StageTimer, run_info: dict[str, Any]) -> None:
+        where, why = self._tile_decode(slide, tiles)
+        log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
         read_s = [0.0]
-        lock = threading.Lock()
+        if where == "gpu":
+            from .inference.gpu_decode import GpuTileLoader
 
-        def timed_read(s: Slide, t: Tile, buf: np.ndarray) -> None:
-            t0 = time.perf_counter()
-            read_tile(s, t, buf)
-            with lock:
-                read_s[0] += time.perf_counter() - t0
+            loader: Any = GpuTileLoader(slide, tiles, batch_size=self.batch_size * GPU_DECODE_BATCHES,
+                                        device=str(self.executor.backend.device),
+                                        prefetch=self.executor.streams + 1, decode_threads=2)
+        else:
+            lock = threading.Lock()
 
-        loader = TileLoader(slide, tiles, batch_size=self.batch_size, workers=self.reader_workers,
-                            prefetch=max(2, self.executor.streams), auto_release=False,
-                            max_held=self.executor.streams + 1, read=timed_read)
+            def timed_read(s: Slide, t: Tile, buf: np.ndarray) -> None:
+                t0 = time.perf_counter()
+                read_tile(s, t, buf)
+                with lock:
+                    read_s[0] += time.perf_counter() - t0
+
+            loader = TileLoader(slide, tiles, batch_size=self.batch_size, workers=self.reader_workers,
+                                prefetch=max(2, self.executor.streams), auto_release=False,
+                                max_held=self.executor.streams + 1, read=timed_read)
         with loader:
             for br in self.executor.run(loader, ordered=True):
-                for tile, det in zip(br.tiles, br.detections, strict=True):
-                    stitcher.add(tile, det)
+                stitcher.add_batch(br.tiles, br.detections)
                 if report is not None:
                     report(len(br.tiles))
+        run_info["tile_decode"] = {"where": where, "why": why}
+        if where == "gpu":
+            run_info["tile_decode"]["cpu_fallback_batches"] = loader.decoder.cpu_fallback_batches
         timer.seconds["tile_reads_worker_s"] += read_s[0]
         clear = getattr(slide, "clear_cache", None)
         if clear is not None:  # the decoded tiles are not needed for what follows
@@ -399,8 +431,7 @@ class Pipeline:
     @staticmethod
     def _drain_one(pending: list, stitcher: _Stitcher, report: Progress | None) -> None:
         part, fut = pending.pop(0)
-        for tile, det in zip(part, fut.result(), strict=True):
-            stitcher.add(tile, det)
+        stitcher.add_batch(part, fut.result())
         if report is not None:
             report(len(part))
 
@@ -534,35 +565,60 @@ class _Stitcher:
 
     def add(self, tile: Tile, det: TileDetections) -> None:
         """One tile's detections (tile pixels); tiles must come in grid order."""
-        if tile.index < self._next:
-            raise WSIPipelineError(f"tile {tile.index} arrived out of grid order (expected >= {self._next})")
-        self._skip_to(tile.index)
-        if self.blender is not None:
-            if det.heatmap is None:
-                raise WSIPipelineError(f"{self.card.card_path}: the card names a heatmap, the model gave none")
-            self.blender.add(tile.row, tile.col, det.heatmap)
-        self._next = tile.index + 1
-        boxes = np.asarray(det.boxes, np.float32).reshape(-1, 4)
-        scores = np.asarray(det.scores, np.float32).reshape(-1)
-        labels = np.asarray(det.labels).reshape(-1)
-        keep = np.ones(len(boxes), bool)
-        if self.cfg.score_threshold is not None:
-            keep &= scores >= self.cfg.score_threshold
-        if self.cfg.drop_edge_boxes and self.cfg.merge != "ownership" and len(boxes):
-            keep &= ~touches_inner_edge(boxes, tile.row, tile.col, self.grid.n_rows, self.grid.n_cols,
-                                        self.grid.tile_size, self.grid.overlap)
-        if self.cfg.merge == "ownership" and len(boxes):
-            keep &= owned_by_tile(boxes, tile.row, tile.col, self.grid.n_rows, self.grid.n_cols,
-                                  self.grid.tile_size, self.grid.overlap)
-        if self.merger is not None and tile.row != self._row:
+        self.add_batch([tile], [det])
+
+    def add_batch(self, tiles: list[Tile], dets: list[TileDetections]) -> None:
+        """A batch's detections (tile pixels), tiles in grid order: heatmaps per tile, boxes per grid row."""
+        start = 0
+        while start < len(tiles):
+            stop = start + 1
+            while stop < len(tiles) and tiles[stop].row == tiles[start].row:
+                stop += 1
+            self._add_row_run(tiles[start:stop], dets[start:stop])
+            start = stop
+
+    def _add_row_run(self, tiles: list[Tile], dets: list[TileDetections]) -> None:
+        """Tiles of one grid row, in order: blend their heatmaps, then map and merge their boxes at once."""
+        for tile, det in zip(tiles, dets, strict=True):
+            if tile.index < self._next:
+                raise WSIPipelineError(f"tile {tile.index} arrived out of grid order (expected >= {self._next})")
+            self._skip_to(tile.index)
+            if self.blender is not None:
+                if det.heatmap is None:
+                    raise WSIPipelineError(f"{self.card.card_path}: the card names a heatmap, the model gave none")
+                self.blender.add(tile.row, tile.col, det.heatmap)
+            self._next = tile.index + 1
+        row = tiles[0].row
+        if self.merger is not None and row != self._row:
             # No box of this row or below reaches above its top edge: finish what lies above.
-            self.merger.flush(float(tile.y0_level0))
-        self._row = tile.row
+            self.merger.flush(float(tiles[0].y0_level0))
+        self._row = row
+        counts = np.array([len(d.boxes) for d in dets], np.int64)
+        if not counts.any():
+            return
+        boxes = np.concatenate([np.asarray(d.boxes, np.float32).reshape(-1, 4) for d in dets])
+        scores = np.concatenate([np.asarray(d.scores, np.float32).reshape(-1) for d in dets])
+        labels = np.concatenate([np.asarray(d.labels).reshape(-1) for d in dets])
+        owner = np.repeat(np.arange(len(tiles)), counts)  # each box's tile in ``tiles``
+        cols = np.array([t.col for t in tiles])[owner]
+        grid, cfg = self.grid, self.cfg
+        keep = np.ones(len(boxes), bool)
+        if cfg.score_threshold is not None:
+            keep &= scores >= cfg.score_threshold
+        if cfg.drop_edge_boxes and cfg.merge != "ownership":
+            keep &= ~touches_inner_edge(boxes, np.full(len(boxes), row), cols, grid.n_rows, grid.n_cols,
+                                        grid.tile_size, grid.overlap)
+        if cfg.merge == "ownership":
+            for i, tile in enumerate(tiles):
+                part = owner == i
+                keep[part] &= owned_by_tile(boxes[part], tile.row, tile.col, grid.n_rows, grid.n_cols,
+                                            grid.tile_size, grid.overlap)
         if not keep.any():
             return
-        b = boxes[keep] * np.float32(tile.downsample)
-        b[:, [0, 2]] += tile.x0_level0
-        b[:, [1, 3]] += tile.y0_level0
+        owner = owner[keep]
+        b = boxes[keep] * np.array([t.downsample for t in tiles], np.float32)[owner, None]
+        b[:, [0, 2]] += np.array([t.x0_level0 for t in tiles], np.float32)[owner, None]
+        b[:, [1, 3]] += np.array([t.y0_level0 for t in tiles], np.float32)[owner, None]
         # Edge tiles are padded past the slide; boxes centred there are the padding's edge, not objects.
         w0, h0 = self.slide.dimensions
         cx, cy = (b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2
@@ -570,12 +626,13 @@ class _Stitcher:
         b = b[inside]
         b[:, [0, 2]] = b[:, [0, 2]].clip(0, w0)
         b[:, [1, 3]] = b[:, [1, 3]].clip(0, h0)
+        s, lab = scores[keep][inside], labels[keep][inside]
         if self.merger is not None:
-            self.merger.add(b, scores[keep][inside], labels[keep][inside])
+            self.merger.add(b, s, lab)
         else:
             self._boxes.append(b)
-            self._scores.append(scores[keep][inside])
-            self._labels.append(labels[keep][inside])
+            self._scores.append(s)
+            self._labels.append(lab)
 
     def finish(self) -> np.ndarray:
         """Skip the tiles after the last one read; merge the boxes; return the detections."""

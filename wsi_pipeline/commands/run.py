@@ -13,12 +13,12 @@ import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
-from ..config import BACKEND_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
+from ..config import BACKEND_CHOICES, DECODE_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
 from ..errors import ConfigError, ModelError, UsageError
 
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
-                "batch_size", "workers", "streams", "score_threshold", "nms_iou", "merge", "blend",
+                "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
                 "overlay_size", "dask")
 
 
@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
     p.add_argument("--workers", type=int, help="tile reader threads (default: CPU cores - 2, 2 to 12)")
+    p.add_argument("--decode", choices=DECODE_CHOICES,
+                   help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
+                        "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)")
     p.add_argument("--streams", type=int, help="concurrent inference streams / sessions")
     p.add_argument("--score-threshold", type=float, help="drop detections below this score")
     p.add_argument("--nms-iou", type=float, help="overlap threshold of the box merge (default 0.5)")

@@ -74,6 +74,33 @@ class DeviceBatch:
         return len(self.tiles)
 
 
+def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
+    """Why ``tiles`` of ``slide`` cannot be assembled on the GPU, or None when they can.
+
+    GPU decoding needs the stored JPEG streams of a tiled TIFF (the tifffile
+    reader), a grid that reads one level as it is (no resizing), and 3-sample
+    interleaved YCbCr JPEG tiles: a standalone decoder takes 3-component
+    JPEG for YCbCr, so tiles stored as RGB JPEG (Aperio's usual choice) stay
+    on the CPU, whose decoder is told the colour space.
+    """
+    if not hasattr(slide, "raw_tile_jpeg") or not hasattr(slide, "stored_tile_format"):
+        return f"the {getattr(slide, 'backend', type(slide).__name__)} reader gives no stored tiles"
+    if not tiles:
+        return "no tiles to read"
+    levels = {t.level for t in tiles}
+    if len(levels) != 1 or any(t.read_size != t.size for t in tiles):
+        return "the grid resizes what it reads"
+    level = levels.pop()
+    fmt = slide.stored_tile_format(level)
+    if fmt["compression"] != "JPEG":
+        return f"level {level} is stored as {fmt['compression']}, not JPEG"
+    if fmt["samples_per_pixel"] != 3 or fmt["planar"] != 1 or fmt["extra_samples"]:
+        return f"level {level} has {fmt['samples_per_pixel']} samples per pixel (expected 3, interleaved)"
+    if fmt["photometric"] != "YCBCR":
+        return f"level {level} holds {fmt['photometric']} JPEG (expected YCbCr)"
+    return None
+
+
 JPEG_DECODERS = ("threads", "nvjpeg")
 _POOL_LOCK = threading.Lock()
 
@@ -98,6 +125,7 @@ class GpuTileDecoder:
             raise ConfigError(f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "
                               f"reader, found the {getattr(slide, 'backend', type(slide).__name__)} reader")
         self.slide = slide
+        self.cpu_fallback_batches = 0  # batches nvJPEG refused, decoded by libjpeg-turbo instead
         self.device = torch.device(device)
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
 
@@ -129,8 +157,11 @@ class GpuTileDecoder:
             try:
                 decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB,
                                                      device=self.device)
-            except RuntimeError as exc:
-                raise self._fail(level, slots[0][1], slots[0][2], exc) from exc
+            except RuntimeError:
+                # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
+                # batch instead and reports the tile that really cannot be decoded.
+                self.cpu_fallback_batches += 1
+                return self._decode_threads(level, slots, m, th, tw)
             for d in decoded:
                 if d.shape != (3, th, tw):
                     raise TileReadError(self.slide.path, f"stored tile decoded to {list(d.shape)}, "

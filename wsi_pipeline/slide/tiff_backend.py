@@ -24,6 +24,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import imagecodecs
 import numpy as np
@@ -313,6 +314,13 @@ class TiffSlide(Slide):
         """(tile_width, tile_height, tiles_across, tiles_down) of a level's stored tiles."""
         lv = self._levels[level]
         return lv.tile_w, lv.tile_h, lv.tiles_across, lv.tiles_down
+
+    def stored_tile_format(self, level: int) -> dict[str, Any]:
+        """How ``level``'s tiles are stored: compression, photometric, samples per pixel, planar config."""
+        page = self._levels[level].page
+        return {"compression": page.compression.name, "photometric": page.photometric.name,
+                "samples_per_pixel": int(page.samplesperpixel), "planar": int(page.planarconfig),
+                "extra_samples": len(page.extrasamples or ())}
 
     @property
     def jpeg_tables(self) -> bytes | None:

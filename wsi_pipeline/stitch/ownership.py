@@ -76,8 +76,8 @@ def owned_by_tile(
 
 def touches_inner_edge(
     boxes_tile_px: np.ndarray,
-    row: int,
-    col: int,
+    row: int | np.ndarray,
+    col: int | np.ndarray,
     n_rows: int,
     n_cols: int,
     tile_size_px: int = 512,
@@ -94,20 +94,21 @@ def touches_inner_edge(
 
     Args:
         boxes_tile_px: N x 4 float (x0, y0, x1, y1) in the tile's pixels.
+        row, col: the tile's grid position, or N ints: each box's own tile
+            (boxes of several tiles at once).
 
     Returns:
         N bool.
     """
-    tile_core_px(row, col, n_rows, n_cols, tile_size_px, overlap_px)  # checks the arguments
     b = np.asarray(boxes_tile_px, dtype=np.float64).reshape(-1, 4)
+    row, col = np.asarray(row), np.asarray(col)
+    if row.ndim == 0 and col.ndim == 0:
+        tile_core_px(int(row), int(col), n_rows, n_cols, tile_size_px, overlap_px)  # checks the arguments
+    elif row.shape != (len(b),) or col.shape != (len(b),):
+        raise ValueError(f"row, col: expected ints or {len(b)} values each, found shapes {row.shape}, {col.shape}")
     far = tile_size_px - margin_px
-    cut = np.zeros(len(b), dtype=bool)
-    if col > 0:
-        cut |= b[:, 0] <= margin_px
-    if row > 0:
-        cut |= b[:, 1] <= margin_px
-    if col < n_cols - 1:
-        cut |= b[:, 2] >= far
-    if row < n_rows - 1:
-        cut |= b[:, 3] >= far
+    cut = (col > 0) & (b[:, 0] <= margin_px)
+    cut |= (row > 0) & (b[:, 1] <= margin_px)
+    cut |= (col < n_cols - 1) & (b[:, 2] >= far)
+    cut |= (row < n_rows - 1) & (b[:, 3] >= far)
     return cut

@@ -54,14 +54,16 @@ class HeatmapStats:
             sel = self.tissue.mask[np.clip(ys, 0, mh - 1)][:, self._cols] & inside
         else:
             sel = np.ones(rows.shape[1:], bool)
-        n = int(sel.sum())
+        n = int(np.count_nonzero(sel))
         self.tissue_px += n
         if n == 0:
             return
-        vals = rows[:, sel]  # C x n
-        self.above += (vals > self.threshold).sum(axis=1)
-        self.sum += vals.sum(axis=1, dtype=np.float64)
-        self.max = np.maximum(self.max, vals.max(axis=1))
+        # Masked reductions over the band (no gathered copy of the selected pixels).
+        flat = rows.reshape(rows.shape[0], -1)
+        where = sel.reshape(1, -1)
+        self.above += np.count_nonzero((flat > self.threshold) & where, axis=1)
+        self.sum += np.sum(flat, axis=1, where=where, dtype=np.float64)
+        self.max = np.maximum(self.max, np.max(flat, axis=1, where=where, initial=0.0))
 
     def summary(self, class_names: Sequence[str], mm2_per_px: float | None) -> dict:
         out = {}
