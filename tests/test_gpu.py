@@ -204,6 +204,8 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
         assert gpu.backend_name in ("torch", "tensorrt")
         assert gpu.batch_size >= 8  # from the device's memory
         res = gpu.run(pathology_slide, out_dir=tmp_path / "out")
+    assert res.summary["tile_decode"]["where"] == "gpu", res.summary["tile_decode"]
+    assert ref.summary["tile_decode"]["where"] == "cpu"
     truth = load_truth(str(pathology_slide).replace(".tiff", ".truth.geojson"))
     for dets in (ref.detections, res.detections):
         c = detection_counts([detection_boxes(dets)], [dets["score"]], [np.zeros(len(dets), int)],
@@ -214,6 +216,28 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
     tumour_gpu = res.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
     assert tumour_gpu == pytest.approx(tumour_cpu, abs=0.01)
     assert res.summary["peak_gpu_memory_mb"] > 0
+
+
+def test_gpu_decoded_run_equals_cpu_decoded_run(pathology_slide):
+    """The same backend fed by nvJPEG on the device and by the CPU reader: the same answers."""
+    from wsi_pipeline import Pipeline
+    from wsi_pipeline.io.detections import detection_boxes
+
+    runs = {}
+    for where in ("gpu", "cpu"):
+        with Pipeline.from_card(backend="torch", decode=where) as pipe:
+            runs[where] = pipe.run(pathology_slide)
+        assert runs[where].summary["tile_decode"]["where"] == where
+    g, c = runs["gpu"], runs["cpu"]
+    assert abs(len(g.detections) - len(c.detections)) <= 0.005 * len(c.detections)
+    gb, cb = detection_boxes(g.detections), detection_boxes(c.detections)
+    # Every CPU-path box has a GPU-path box within the fp16 box tolerance, nearly always.
+    from torchvision.ops import box_iou
+
+    best = box_iou(torch.from_numpy(cb).cuda(), torch.from_numpy(gb).cuda()).max(dim=1).values.cpu().numpy()
+    assert (best >= 0.8).mean() >= 0.99
+    diff = np.abs(g.heatmap - c.heatmap)
+    assert diff.mean() < 2e-3 and np.percentile(diff, 99.9) < 0.05
 
 
 def test_dask_gpu_worker_matches_local_run(pathology_slide, tmp_path):

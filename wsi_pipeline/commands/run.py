@@ -13,7 +13,14 @@ import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
-from ..config import BACKEND_CHOICES, DECODE_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
+from ..config import (
+    BACKEND_CHOICES,
+    DECODE_CHOICES,
+    MERGE_CHOICES,
+    TISSUE_CHOICES,
+    RunConfig,
+    load_config,
+)
 from ..errors import ConfigError, ModelError, UsageError
 
 # CLI flag -> RunConfig field, for the flags that mirror the config file.

@@ -1,0 +1,276 @@
+"""The product path on one GPU, its ceilings and a peer, measured in one run.
+
+Run on a CUDA machine::
+
+    python benchmarks/bench_product_gpu.py [--slide-px 32768] [--batch-slides 6] [--json out.json]
+
+On a synthetic JPEG-tiled slide (``wsi-pipeline synth``, seed 7) and the
+shipped pathology model with the torch backend, it prints:
+
+- ceilings: the model alone on device data; decoding the slide's stored
+  tiles with nvJPEG (batches of 1,024) and with libjpeg-turbo threads;
+- the product: ``Pipeline.run(slide)`` without outputs, with the tiles
+  decoded on the GPU (the default with a CUDA backend) and on the CPU (for
+  1, 2, 4, 8 and 12 reader threads), then with every output written;
+- where the time goes: the GPU loader alone, loader + executor without the
+  stitcher, the whole run, and a ``torch.profiler`` summary of one run;
+- a batch: ``wsi-pipeline run`` over ``--batch-slides`` copies of the slide
+  (hard links under distinct names), every output written, in its own
+  process: tiles/s over the batch and its peak host and GPU memory;
+- MONAI's ``sliding_window_inference`` on the same slide and model (the
+  level read whole by tifffile, moved to the GPU, Gaussian blend, heatmap
+  output, every window of the level, no tissue skipping), where MONAI is
+  installed;
+- the ratios the goals are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_gpu import bench_model_alone  # noqa: E402
+
+from wsi_pipeline import Pipeline  # noqa: E402
+from wsi_pipeline.inference.backend import create_backend  # noqa: E402
+from wsi_pipeline.slide.tiff_backend import TiffSlide  # noqa: E402
+
+CARD = ROOT / "engines" / "nuclei_pathology.card.json"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def stored_tiles(slide_path: str) -> list[bytes]:
+    with TiffSlide(slide_path) as s:
+        tw, th, across, down = s.tile_grid_shape(0)
+        return [s.raw_tile_jpeg(0, x, y) for y in range(down) for x in range(across)]
+
+
+def nvjpeg_ceiling(raw: list[bytes], batch: int = 1024) -> float:
+    import torchvision.io
+
+    data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw if r]
+    torchvision.io.decode_jpeg(data[:batch], device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(0, len(data), batch):
+        torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
+    torch.cuda.synchronize()
+    return len(data) / (time.perf_counter() - t0)
+
+
+def cpu_decode_ceiling(raw: list[bytes], threads: int) -> float:
+    import imagecodecs
+
+    data = [r for r in raw if r]
+    chunks = [data[i::threads] for i in range(threads)]
+
+    def run(chunk):
+        for r in chunk:
+            imagecodecs.jpeg8_decode(r)
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(run, chunks))
+        return len(data) / (time.perf_counter() - t0)
+
+
+def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> dict:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    r = pipe.run(slide_path, out_dir=out_dir)
+    wall = time.perf_counter() - t0
+    tiles = r.summary["tiles"]["read"]
+    return {"seconds": round(wall, 3), "tiles": tiles, "tiles_per_s": round(tiles / wall, 1),
+            "detections": int(len(r.detections)), "stage_seconds": r.summary["seconds"],
+            "tile_decode": r.summary.get("tile_decode"), "peak_gpu_memory_mb": r.summary["peak_gpu_memory_mb"]}
+
+
+def split_stages(pipe: Pipeline, slide_path: str) -> dict:
+    """tiles/s of the GPU loader alone, and of loader + executor without the stitcher."""
+    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
+    from wsi_pipeline.pipeline import GPU_DECODE_BATCHES
+    from wsi_pipeline.slide import open_slide
+    from wsi_pipeline.tiling import tissue_mask
+
+    out = {}
+    with open_slide(slide_path) as slide:
+        grid = pipe._grid(slide)
+        tiles = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
+
+        def loader():
+            return GpuTileLoader(slide, tiles, batch_size=pipe.batch_size * GPU_DECODE_BATCHES,
+                                 prefetch=pipe.executor.streams + 1, decode_threads=2)
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with loader() as ld:
+            for b in ld:
+                b.ready.synchronize()
+        out["gpu_loader_alone_tiles_per_s"] = round(len(tiles) / (time.perf_counter() - t0), 1)
+        t0 = time.perf_counter()
+        with loader() as ld:
+            n = sum(len(r.tiles) for r in pipe.executor.run(ld, ordered=True))
+        out["loader_and_executor_tiles_per_s"] = round(n / (time.perf_counter() - t0), 1)
+    return out
+
+
+def profile_run(pipe: Pipeline, slide_path: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        pipe.run(slide_path)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(device_us / 1e6, 3),
+            "gpu_busy_share": round(device_us / 1e6 / wall, 3),
+            "top_gpu": [(e.key, round(e.self_device_time_total / 1e3, 1)) for e in top]}
+
+
+def batch_cli(slide_path: str, n: int, work: Path) -> dict:
+    folder = work / "batch_slides"
+    folder.mkdir()
+    for i in range(n):
+        os.link(slide_path, folder / f"slide_{i}.tiff")
+    out = work / "batch_out"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(folder), "--out", str(out),
+                           "--backend", "torch", "--model", str(CARD)], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        log(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"returncode": proc.returncode}
+    summaries = [json.loads(p.read_text()) for p in sorted(out.rglob("summary.json"))]
+    tiles = sum(s["tiles"]["read"] for s in summaries)
+    return {"slides": len(summaries), "seconds": round(wall, 2), "tiles": tiles,
+            "tiles_per_s": round(tiles / wall, 1),
+            "per_slide_write_s": [s["seconds"].get("write") for s in summaries],
+            "per_slide_total_s": [s["seconds"]["total"] for s in summaries],
+            "peak_host_memory_mb": max(s["peak_host_memory_mb"] for s in summaries),
+            "peak_gpu_memory_mb": max((s["peak_gpu_memory_mb"] or 0) for s in summaries)}
+
+
+def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
+    import tifffile
+    from monai.inferers import sliding_window_inference
+
+    def predictor(x: torch.Tensor) -> torch.Tensor:
+        return pipe_backend._forward(x.permute(0, 2, 3, 1).contiguous())["heatmap"].float()
+
+    best = None
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        level = tifffile.imread(slide_path, maxworkers=os.cpu_count())
+        x = torch.from_numpy(level).cuda().permute(2, 0, 1)[None]
+        out = sliding_window_inference(x, roi_size=(512, 512), sw_batch_size=64, predictor=predictor,
+                                       overlap=64 / 512, mode="gaussian")
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+        del x, out
+    h, w = level.shape[:2]
+    windows = (len(range(0, max(h - 512, 0) + 448, 448))) * (len(range(0, max(w - 512, 0) + 448, 448)))
+    return {"seconds": round(best, 3), "windows": windows, "tiles_per_s": round(windows / best, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slide-px", type=int, default=32768)
+    ap.add_argument("--slide", help="use this JPEG-tiled TIFF instead of writing one")
+    ap.add_argument("--batch-slides", type=int, default=6)
+    ap.add_argument("--cpu-workers", default="1,2,4,8,12", help="reader threads to try with decode = cpu")
+    ap.add_argument("--skip-monai", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        log("needs a CUDA GPU")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench_product_"))
+    res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpus": os.cpu_count(),
+                 "date": time.strftime("%Y-%m-%d")}
+    slide_path = args.slide
+    if slide_path is None:
+        from wsi_pipeline.slide.synthetic import write_synthetic_slide
+
+        slide_path = str(work / "s.tiff")
+        t0 = time.perf_counter()
+        write_synthetic_slide(slide_path, args.slide_px, args.slide_px, seed=7, kind="pathology")
+        log(f"slide {args.slide_px}^2 written in {time.perf_counter() - t0:.0f} s")
+    res["slide"] = {"px": args.slide_px, "bytes": os.path.getsize(slide_path)}
+
+    pipe = Pipeline.from_card(CARD, backend="torch")
+    res["pipeline"] = {"batch_size": pipe.batch_size, "streams": pipe.executor.streams,
+                       "reader_workers": pipe.reader_workers}
+    backend = pipe.executor.backend
+    wide = create_backend(pipe.card, "torch", device="cuda", max_batch=128)
+    res["model_alone_tiles_per_s"] = {b: round(bench_model_alone(wide, b), 1) for b in (64, 128)}
+    del wide
+    log(f"model alone: {res['model_alone_tiles_per_s']}")
+    raw = stored_tiles(slide_path)
+    res["nvjpeg_stored_tiles_per_s"] = round(nvjpeg_ceiling(raw), 1)
+    res["libjpeg_stored_tiles_per_s"] = {t: round(cpu_decode_ceiling(raw, t), 1) for t in (1, 8, 16)}
+    del raw
+    log(f"decode ceilings: nvJPEG {res['nvjpeg_stored_tiles_per_s']}, libjpeg-turbo "
+        f"{res['libjpeg_stored_tiles_per_s']} stored tiles/s")
+
+    pipe.run(slide_path)  # warm-up: cuDNN choices, graphs, allocator
+    res["product_gpu_decode"] = [timed_run(pipe, slide_path) for _ in range(3)]
+    best = max(r["tiles_per_s"] for r in res["product_gpu_decode"])
+    log(f"Pipeline.run (GPU decode): {[r['tiles_per_s'] for r in res['product_gpu_decode']]} tiles/s; "
+        f"stages {res['product_gpu_decode'][-1]['stage_seconds']}")
+    res["split"] = split_stages(pipe, slide_path)
+    log(f"split: {res['split']}")
+    res["profile"] = profile_run(pipe, slide_path)
+    log(f"profile: {res['profile']}")
+    res["product_with_outputs"] = timed_run(pipe, slide_path, str(work / "one_out"))
+    log(f"Pipeline.run with outputs: {res['product_with_outputs']}")
+    pipe.close()
+
+    res["product_cpu_decode"] = {}
+    for w in [int(v) for v in args.cpu_workers.split(",") if v]:
+        with Pipeline.from_card(CARD, backend="torch", decode="cpu", workers=w) as p:
+            res["product_cpu_decode"][w] = timed_run(p, slide_path)
+        log(f"Pipeline.run (CPU decode, {w} threads): {res['product_cpu_decode'][w]['tiles_per_s']} tiles/s")
+
+    res["batch_cli"] = batch_cli(slide_path, args.batch_slides, work)
+    log(f"batch (wsi-pipeline run, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
+
+    if not args.skip_monai:
+        try:
+            res["monai"] = monai_sliding_window(slide_path, backend)
+            log(f"MONAI sliding_window_inference: {res['monai']}")
+        except ImportError as exc:
+            res["monai"] = f"not run: {exc}"
+    ratios = {"product_over_model_alone": round(best / res["model_alone_tiles_per_s"][64], 3)}
+    if isinstance(res.get("monai"), dict):
+        ratios["product_over_monai"] = round(best / res["monai"]["tiles_per_s"], 2)
+    res["ratios"] = ratios
+    log(f"ratios: {ratios}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Which slides the GPU tile decoder takes, and the run's record of where tiles were decoded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tifffile
+
+from wsi_pipeline import Pipeline
+from wsi_pipeline.errors import ConfigError
+from wsi_pipeline.slide import open_slide
+from wsi_pipeline.tiling import TileGrid
+
+pytest.importorskip("torchvision")
+from wsi_pipeline.inference.gpu_decode import gpu_decode_refusal  # noqa: E402
+
+
+def _tiff(path, photometric: str, compression: str = "jpeg"):
+    rng = np.random.default_rng(0)
+    img = np.repeat(np.repeat(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), 16, 0), 16, 1)
+    # RGB JPEG (no colour transform), as Aperio stores it, needs the encoder told so.
+    extra = {"compressionargs": {"outcolorspace": "RGB"}} if (photometric, compression) == ("rgb", "jpeg") else {}
+    tifffile.imwrite(path, img, tile=(256, 256), photometric="rgb", compression=compression,
+                     resolution=(1e4 / 0.25, 1e4 / 0.25), resolutionunit="CENTIMETER", **extra)
+    return path
+
+
+@pytest.mark.parametrize("photometric, compression, refused", [
+    ("ycbcr", "jpeg", None),  # tifffile's default for RGB pixels in JPEG
+    ("rgb", "jpeg", "RGB JPEG"),
+    ("rgb", "zlib", "ADOBE_DEFLATE, not JPEG"),
+])
+def test_gpu_decode_takes_ycbcr_jpeg_tiles_only(tmp_path, photometric, compression, refused):
+    with open_slide(_tiff(tmp_path / "s.tiff", photometric, compression)) as slide:
+        reason = gpu_decode_refusal(slide, list(TileGrid(slide)))
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+
+
+def test_resized_grid_and_plain_images_stay_on_the_cpu(tmp_path):
+    with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
+        assert "resizes" in gpu_decode_refusal(slide, list(TileGrid(slide, 512, 64, mpp=0.37)))
+    png = tmp_path / "s.png"
+    import cv2
+
+    cv2.imwrite(str(png), np.zeros((600, 600, 3), np.uint8))
+    with open_slide(png) as slide:
+        assert "reader gives no stored tiles" in gpu_decode_refusal(slide, list(TileGrid(slide)))
+
+
+def test_summary_records_where_tiles_were_decoded_and_gpu_is_refused_on_the_cpu(tmp_path):
+    path = _tiff(tmp_path / "s.tiff", "ycbcr")
+    with Pipeline.from_card(backend="ort", tissue="all") as pipe:
+        summary = pipe.run(path).summary
+        assert summary["tile_decode"]["where"] == "cpu"
+        assert "ort backend runs on the CPU" in summary["tile_decode"]["why"]
+    with Pipeline.from_card(backend="ort", tissue="all", decode="gpu") as pipe:
+        with pytest.raises(ConfigError, match="decode = gpu"):
+            pipe.run(path)
