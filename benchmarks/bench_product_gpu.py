@@ -147,6 +147,69 @@ def profile_run(pipe: Pipeline, slide_path: str) -> dict:
             "top_gpu": [(e.key, round(e.self_device_time_total / 1e3, 1)) for e in top]}
 
 
+class StackSampler:
+    """Samples every thread's Python stack every ``interval_s``: where each thread spends its wall time.
+
+    For each thread name (numbers stripped), counts the innermost frame that
+    lies in wsi_pipeline (or the innermost frame at all), so a thread waiting
+    on a queue shows the project line that waits.
+    """
+
+    def __init__(self, interval_s: float = 0.002):
+        import collections
+        import threading
+
+        self.interval_s = interval_s
+        self.counts: dict = collections.defaultdict(collections.Counter)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def _run(self) -> None:
+        import re
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval_s):
+            names = {t.ident: re.sub(r"[_-]?\d+(_\d+)?$", "", t.name) for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                inner, f = None, frame
+                while f is not None:
+                    code = f.f_code
+                    if "wsi_pipeline" in code.co_filename:
+                        inner = f"{Path(code.co_filename).name}:{f.f_lineno} {code.co_name}"
+                        break
+                    f = f.f_back
+                if inner is None:
+                    inner = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+                self.counts[names.get(ident, "?")][inner] += 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, top: int = 8) -> dict:
+        out = {}
+        for name, c in self.counts.items():
+            total = sum(c.values())
+            out[name] = {"samples": total, "top": [(k, round(v / total, 3)) for k, v in c.most_common(top)]}
+        return out
+
+
+def sampled_run(pipe: Pipeline, slide_path: str) -> dict:
+    with StackSampler() as sampler:
+        pipe.run(slide_path)
+    out = sampler.summary()
+    for name, v in out.items():
+        log(f"  thread {name} ({v['samples']} samples): " + "; ".join(f"{k} {p:.0%}" for k, p in v["top"]))
+    return out
+
+
 def batch_cli(slide_path: str, n: int, work: Path) -> dict:
     folder = work / "batch_slides"
     folder.mkdir()
@@ -249,6 +312,9 @@ def main() -> int:
     best = max(r["tiles_per_s"] for r in res["product_gpu_decode"])
     log(f"Pipeline.run (GPU decode): {[r['tiles_per_s'] for r in res['product_gpu_decode']]} tiles/s; "
         f"stages {res['product_gpu_decode'][-1]['stage_seconds']}")
+    save()
+    log("where each thread's wall time goes (stack samples):")
+    res["thread_samples"] = sampled_run(pipe, slide_path)
     save()
     res["split"] = split_stages(pipe, slide_path)
     log(f"split: {res['split']}")

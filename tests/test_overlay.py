@@ -48,3 +48,22 @@ def test_bad_inputs_raise():
         render_overlay(np.zeros((10, 10), dtype=np.uint8), 1.0)
     with pytest.raises(ConfigError, match="uint8"):
         write_png("/tmp/never.png", np.zeros((4, 4, 3), dtype=np.float32))
+
+
+def test_box_outlines_equal_cv2_rectangle_per_box():
+    """The vectorised outline drawing against OpenCV drawing one box at a time (the reference)."""
+    from wsi_pipeline.io.overlay import draw_box_outlines
+
+    rng = np.random.default_rng(5)
+    n = 400
+    x0 = rng.integers(-30, 140, n)
+    y0 = rng.integers(-30, 110, n)
+    corners = np.stack([x0, y0, x0 + rng.integers(0, 40, n), y0 + rng.integers(0, 40, n)], 1)
+    corners[:5] = [[-100, -100, 500, 500], [10, 10, 10, 10], [50, 20, 51, 21], [119, 89, 130, 95], [0, 0, 1, 200]]
+    colors = rng.integers(0, 255, (n, 3), dtype=np.uint8)
+    want = np.zeros((90, 120, 3), np.uint8)
+    for (a, b, c, d), col in zip(corners.tolist(), colors.tolist(), strict=True):
+        cv2.rectangle(want, (a, b), (max(a, c - 1), max(b, d - 1)), tuple(col), 1)
+    got = np.zeros_like(want)
+    draw_box_outlines(got, corners, colors)
+    np.testing.assert_array_equal(got, want)

@@ -98,12 +98,62 @@ def render_overlay(
             msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
             raise ConfigError(msg)
         corners = np.rint(boxes / thumb_downsample).astype(np.int64)
-        for k, (x0, y0, x1, y1) in enumerate(corners.tolist()):
-            label = int(labels[k]) if labels is not None else 0
-            # cv2 draws the closing corner inclusive: stop one pixel short.
-            cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)),
-                          _class_color(class_colors, label), line_thickness)
+        label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
+        colors = np.array([_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
+                          + [_DEFAULT_COLOR], np.uint8)
+        box_colors = colors[np.where(label_ids >= 0, label_ids, len(colors) - 1)]
+        if line_thickness == 1:
+            draw_box_outlines(out, corners, box_colors)
+        else:
+            for (x0, y0, x1, y1), color in zip(corners.tolist(), box_colors.tolist(), strict=True):
+                # cv2 draws the closing corner inclusive: stop one pixel short.
+                cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)), tuple(color), line_thickness)
     return out
+
+
+def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray) -> None:
+    """Draw 1-px box outlines into ``image`` in place, as ``cv2.rectangle`` does, for all boxes at once.
+
+    ``image``: H x W x 3 uint8; ``corners``: N x 4 int (x0, y0, x1, y1) image
+    pixels, the far corner exclusive (the outline's last column is
+    ``max(x0, x1 - 1)``); ``colors``: N x 3 uint8. Pixels outside the image
+    are clipped; where outlines cross, the later box's colour wins. One pass
+    over every outline pixel instead of one OpenCV call per box: a slide's
+    10^5-10^6 boxes take milliseconds.
+    """
+    if not len(corners):
+        return
+    h, w = image.shape[:2]
+    x0, y0 = corners[:, 0], corners[:, 1]
+    x1, y1 = np.maximum(x0, corners[:, 2] - 1), np.maximum(y0, corners[:, 3] - 1)
+    # Visible spans only, so a huge box costs its visible outline, not its claimed size.
+    cx0, cx1 = np.clip(x0, 0, w - 1), np.clip(x1, 0, w - 1)
+    cy0, cy1 = np.clip(y0, 0, h - 1), np.clip(y1, 0, h - 1)
+    n = len(corners)
+    order = np.arange(n)
+    parts_y, parts_x, parts_box = [], [], []
+    for fixed, lo, hi, vertical, visible in (
+            (y0, cx0, cx1, False, (y0 >= 0) & (y0 < h) & (x1 >= 0) & (x0 < w)),
+            (y1, cx0, cx1, False, (y1 >= 0) & (y1 < h) & (x1 >= 0) & (x0 < w)),
+            (x0, cy0, cy1, True, (x0 >= 0) & (x0 < w) & (y1 >= 0) & (y0 < h)),
+            (x1, cy0, cy1, True, (x1 >= 0) & (x1 < w) & (y1 >= 0) & (y0 < h))):
+        lengths = np.where(visible, hi - lo + 1, 0)
+        total = int(lengths.sum())
+        if not total:
+            continue
+        box = np.repeat(order, lengths)
+        starts = np.cumsum(lengths) - lengths
+        run = np.arange(total) - np.repeat(starts, lengths) + lo[box]
+        along, fix = run, fixed[box]
+        parts_y.append(along if vertical else fix)
+        parts_x.append(fix if vertical else along)
+        parts_box.append(box)
+    if not parts_box:
+        return
+    box = np.concatenate(parts_box)
+    last_first = np.argsort(box, kind="stable")  # later boxes written last
+    ys, xs = np.concatenate(parts_y)[last_first], np.concatenate(parts_x)[last_first]
+    image[ys, xs] = colors[box[last_first]]
 
 
 def write_png(path: str | os.PathLike[str], image: np.ndarray) -> Path:
