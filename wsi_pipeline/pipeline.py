@@ -55,7 +55,9 @@ from .io.detections import (
     write_geojson,
 )
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
-from .io.overlay import render_overlay, write_png
+from .io.overlay import write_overlay
+from .io.writer_pool import DEFAULT_PROCESSES as DEFAULT_WRITER_PROCESSES
+from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
 from .stitch import (
@@ -193,6 +195,9 @@ class Pipeline:
             ``tensorrt``.
         config: the run settings (:class:`~.config.RunConfig`); keyword
             ``overrides`` replace single settings.
+        writer_processes: worker processes that write a run's GeoJSON, CSV
+            and overlay in parallel (:mod:`.io.writer_pool`; 0: in the
+            calling thread).
 
     :meth:`run` is thread-safe: calls on arrays from several threads share
     batches through a :class:`TileService` (dynamic batching, waiting at most
@@ -200,7 +205,8 @@ class Pipeline:
     """
 
     def __init__(self, card: ModelCard | str | os.PathLike[str] | None = None, backend: str = "auto",
-                 config: RunConfig | None = None, max_wait_s: float = 0.005, **overrides: Any):
+                 config: RunConfig | None = None, max_wait_s: float = 0.005,
+                 writer_processes: int = DEFAULT_WRITER_PROCESSES, **overrides: Any):
         config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
         if card is None:
             card = config.model or DEFAULT_MODEL
@@ -214,6 +220,7 @@ class Pipeline:
         self.reader_workers = config.workers or default_reader_workers(os.cpu_count() or 2)
         self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
                                    workers=self.executor.streams, max_wait_s=max_wait_s)
+        self.writers = WriterPool(writer_processes)
         self._closed = False
 
     @classmethod
@@ -348,7 +355,7 @@ class Pipeline:
                 dets = stitcher.finish()
             with timer("write"):
                 t_write = time.perf_counter()
-                heatmap = stitcher.close_heatmap()
+                heatmap = stitcher.close_heatmap() if out is None else None
                 result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, t_write,
                                       out, {**run_info, **extra_summary})
         except BaseException:
@@ -477,9 +484,16 @@ class Pipeline:
             **extra_summary,
         }
         if out is not None:
-            write_geojson(out / "detections.geojson", dets, classes)
-            write_csv(out / "detections.csv", dets, classes)
-            stitcher.write_overlay(out / "overlay.png", dets)
+            # The three files are written by worker processes while this thread finishes the heatmap.
+            jobs = WriteJobs()
+            self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
+            self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
+            self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png",
+                                *stitcher.overlay_inputs(dets))
+            try:
+                heatmap = stitcher.close_heatmap()
+            finally:
+                jobs.wait()
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
             write_json(out / "summary.json", summary)
@@ -493,6 +507,7 @@ class Pipeline:
             self._closed = True
             self.service.close()
             self.executor.close()
+            self.writers.close()
 
     def __enter__(self) -> Pipeline:
         return self
@@ -667,7 +682,8 @@ class _Stitcher:
         mm2 = mm2_per_px0 * self.heatmap_scale_level0 ** 2 if mm2_per_px0 else None
         return self.stats.summary(list(self.card.heatmap.classes), mm2)
 
-    def write_overlay(self, path: Path, dets: np.ndarray) -> None:
+    def overlay_inputs(self, dets: np.ndarray) -> tuple:
+        """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes, colours."""
         thumb = self.slide.get_thumbnail(self.cfg.overlay_size)
         thumb_ds = self.slide.dimensions[0] / thumb.shape[1]
         heat = self.reduced.array if self.reduced is not None else None
@@ -678,8 +694,7 @@ class _Stitcher:
         scale = self.heatmap_scale_level0 * (self.reduced.factor if self.reduced is not None else 1)
         boxes = detection_boxes(dets) if len(dets) else None
         colors = [parse_color(c.color) for c in self.card.classes]
-        img = render_overlay(thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors)
-        write_png(path, img)
+        return thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors
 
 
 __all__ = ["DEFAULT_MODEL", "OUTPUT_FILES", "Pipeline", "Result", "default_batch_size", "package_versions",

@@ -314,6 +314,8 @@ class OmeTiffHeatmapWriter:
             "photometric": "minisblack",
             "dtype": self.dtype,
         }
+        # Tiles are compressed by several threads (zlib and zstd release the GIL).
+        options["maxworkers"] = min(8, os.cpu_count() or 1)
         with tifffile.TiffWriter(tmp, bigtiff=raw_bytes > 2**31, ome=True) as tif:
             for k, data in enumerate(levels):
                 extra: dict[str, Any] = {}

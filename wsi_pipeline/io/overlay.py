@@ -89,8 +89,9 @@ def render_overlay(
         colored = cv2.applyColorMap(np.rint(value * 255).astype(np.uint8), colormap)
         colored = cv2.cvtColor(colored, cv2.COLOR_BGR2RGB)
         shown = value > threshold
-        blended = (1 - alpha) * out[shown].astype(np.float32) + alpha * colored[shown].astype(np.float32)
-        out[shown] = np.clip(np.rint(blended), 0, 255).astype(np.uint8)
+        # Whole-image blend (OpenCV rounds and saturates), kept where the heatmap is shown.
+        blended = cv2.addWeighted(out, 1 - alpha, colored, alpha, 0.0)
+        np.copyto(out, blended, where=shown[:, :, None])
 
     if boxes is not None and len(boxes):
         boxes = np.asarray(boxes, dtype=np.float64)
@@ -154,6 +155,14 @@ def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray
     last_first = np.argsort(box, kind="stable")  # later boxes written last
     ys, xs = np.concatenate(parts_y)[last_first], np.concatenate(parts_x)[last_first]
     image[ys, xs] = colors[box[last_first]]
+
+
+def write_overlay(path: str | os.PathLike[str], thumbnail: np.ndarray, thumb_downsample: float,
+                  heatmap: np.ndarray | None, heatmap_scale_level0: float, boxes: np.ndarray | None,
+                  labels: np.ndarray | None, class_colors: Sequence[Color] | None) -> Path:
+    """:func:`render_overlay` with its defaults, written as PNG (:func:`write_png`)."""
+    img = render_overlay(thumbnail, thumb_downsample, heatmap, heatmap_scale_level0, boxes, labels, class_colors)
+    return write_png(path, img)
 
 
 def write_png(path: str | os.PathLike[str], image: np.ndarray) -> Path:

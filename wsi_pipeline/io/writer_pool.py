@@ -1,0 +1,97 @@
+"""Output files written in worker processes, in parallel with each other and with the caller.
+
+Formatting a slide's 10^5-10^6 detections as GeoJSON and CSV, and drawing
+its overlay, is CPU work that holds the interpreter lock: run in threads it
+would stall the next slide's tile loading and stitching. Each job here runs
+in a process of a small pool (started on first use with ``spawn``, so a
+process that has initialised CUDA can use it), writes its file atomically
+(:mod:`.atomic`) and returns the path. A job that fails raises its error from
+:meth:`WriteJobs.wait`; a worker that dies (killed, out of memory) fails the
+jobs it held with a :class:`~wsi_pipeline.errors.WSIPipelineError`.
+
+Where no child process can be started (a daemonic worker process, as some
+cluster runners use) or ``processes=0``, jobs run in the calling thread.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from ..errors import WSIPipelineError
+
+DEFAULT_PROCESSES = 3
+
+
+class WriteJobs:
+    """The jobs of one output folder; :meth:`wait` returns when every file is written."""
+
+    def __init__(self) -> None:
+        self._futures: list[tuple[str, Future]] = []
+
+    def add(self, name: str, future: Future) -> None:
+        self._futures.append((name, future))
+
+    def wait(self) -> None:
+        """Block until all jobs end; raise the first failure (after every job has ended)."""
+        first: BaseException | None = None
+        for name, fut in self._futures:
+            try:
+                fut.result()
+            except BrokenProcessPool as exc:
+                first = first or WSIPipelineError(f"writing {name}: the writer process died ({exc})")
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def done(self) -> bool:
+        return all(f.done() for _, f in self._futures)
+
+
+class WriterPool:
+    """A pool of ``processes`` writer processes, started on first use; thread-safe."""
+
+    def __init__(self, processes: int = DEFAULT_PROCESSES):
+        self.processes = max(0, int(processes))
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ProcessPoolExecutor | None:
+        if self.processes == 0 or multiprocessing.current_process().daemon:
+            return None
+        with self._lock:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool
+
+    def submit(self, jobs: WriteJobs, name: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` (a module-level function: it is pickled) for ``jobs``."""
+        pool = self._executor()
+        if pool is not None:
+            try:
+                jobs.add(name, pool.submit(fn, *args))
+                return
+            except BrokenProcessPool:  # a worker died earlier: start a fresh pool
+                with self._lock:
+                    self._pool = None
+                pool = self._executor()
+                if pool is not None:
+                    jobs.add(name, pool.submit(fn, *args))
+                    return
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        jobs.add(name, fut)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
