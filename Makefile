@@ -12,11 +12,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(CORE_STAMP): setup.cfg pyproject.toml | $(BIN)/python
+$(CORE_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(DEV_STAMP): setup.cfg pyproject.toml | $(BIN)/python
+$(DEV_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev,dask,notebooks]'
 	touch $@ $(CORE_STAMP)
 

@@ -45,6 +45,7 @@ from .inference.card import ModelCard, load_card
 from .inference.decoders import TileDetections
 from .inference.executor import Executor
 from .inference.service import TileService
+from .inference.shipped import shipped_card
 from .io.atomic import write_json
 from .io.detections import (
     DETECTION_DTYPE,
@@ -72,7 +73,8 @@ from .tiling.grid import Tile, read_tile
 
 log = logging.getLogger("wsi_pipeline")
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "engines" / "nuclei_pathology.card.json"
+# Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
+DEFAULT_MODEL = shipped_card()
 CPU_BATCH_SIZE = 8
 MAX_GPU_BATCH = 64
 # Device memory one tile pixel needs in flight, an upper estimate for small
