@@ -326,6 +326,10 @@ class Pipeline:
             fractions = mask.tile_fractions(grid)
             tiles = grid.select(fractions, cfg.min_tissue)
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
+        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue)
+        if tissue_warning:
+            log.warning("%s: %s", slide.path, tissue_warning)
+        extra_summary = {"tissue_warning": tissue_warning, **extra_summary}
 
         stitcher = _Stitcher(grid, card, cfg, mask, method, slide, out, keep_heatmap)
         bar = None
