@@ -88,7 +88,8 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.Pa
     folder); paths it names that do not exist are kept, to fail as slides.
     An input that names nothing (no such file, folder or glob match) is a
     usage error. ``exclude``: a folder whose files never count (the output
-    folder). Order is kept; duplicates are dropped.
+    folder). Order is kept; duplicates are dropped, and so are the other
+    files of a DICOM series (:func:`one_file_per_dicom_series`).
     """
     out: list[Path] = []
     seen: set[str] = set()
@@ -126,7 +127,43 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.Pa
                     add(mp)
         else:
             raise UsageError(f"{s}: no such file or folder")
-    return out
+    return one_file_per_dicom_series(out)
+
+
+def _dicom_series_uid(path: Path) -> str | None:
+    """The SeriesInstanceUID in a DICOM file's header, or None when it has none or is not DICOM."""
+    import pydicom
+
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SeriesInstanceUID"],
+                             defer_size="1 KB")
+    except Exception:  # not DICOM or damaged: it stays a slide of its own, to fail as one
+        return None
+    uid = ds.get("SeriesInstanceUID")
+    return str(uid) if uid else None
+
+
+def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
+    """Keep the first ``.dcm`` file of each DICOM series (SeriesInstanceUID) in a folder.
+
+    A DICOM whole-slide image is a series of files in one folder (a file per
+    pyramid level, thumbnail, label...); OpenSlide opens the whole slide from
+    any of them, so the series is one slide. Other paths pass unchanged.
+    """
+    kept: list[Path] = []
+    first: dict[tuple[str, str], Path] = {}
+    for p in paths:
+        uid = _dicom_series_uid(p) if p.suffix.lower() == ".dcm" and p.is_file() else None
+        if uid is None:
+            kept.append(p)
+            continue
+        key = (str(p.resolve().parent), uid)
+        if key in first:
+            log.info("%s: DICOM series %s, the same slide as %s", p, uid, first[key])
+            continue
+        first[key] = p
+        kept.append(p)
+    return kept
 
 
 def output_names(paths: list[Path]) -> list[str]:
