@@ -17,7 +17,7 @@ $(CORE_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
 	touch $@
 
 $(DEV_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev,dask,notebooks]'
+	$(BIN)/python -m pip install -q -e '.[dev,dask]'
 	touch $@ $(CORE_STAMP)
 
 lint: $(DEV_STAMP)

@@ -253,8 +253,13 @@ class SlideOutcome:
     worker: str | None = None
 
     def as_record(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "seconds": round(self.seconds, 3),
+        return {**path_record(self.path), "status": self.status, "seconds": round(self.seconds, 3),
                 "counts": self.counts, "error": self.error, "worker": self.worker}
+
+
+def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
+    """A slide's path for the manifest: absolute (``path``) and as the input gave it (``path_as_given``)."""
+    return {"path": os.path.abspath(path), "path_as_given": os.fspath(path)}
 
 
 def _remove_tree(path: Path) -> None:
@@ -367,10 +372,10 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     todo, done = plan(slides, out, key, force)
     outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
     for o in done:
-        manifest.update(o.name, path=o.path, status="done", run_key=key, counts=o.counts)
+        manifest.update(o.name, **path_record(o.path), status="done", run_key=key, counts=o.counts)
         log.info("%s: already done with these settings, skipped", o.path)
     for path, name in todo:
-        manifest.update(name, path=str(path), status="pending", run_key=key, error=None)
+        manifest.update(name, **path_record(path), status="pending", run_key=key, error=None)
 
     def record(o: SlideOutcome) -> None:
         outcomes[o.name] = o

@@ -420,7 +420,8 @@ class Pipeline:
         mpp = slide.mpp
         mm2_per_px0 = (mpp[0] * mpp[1] / 1e6) if mpp else None
         summary: dict[str, Any] = {
-            "slide": str(slide.path),
+            "slide": slide.absolute_path,
+            "slide_as_given": str(slide.path),
             "dimensions_level0": list(slide.dimensions),
             "mpp": list(mpp) if mpp else None,
             "status": "done",
