@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 
+import cv2
 import numpy as np
 import pytest
 from conftest import write_pyramid_tiff
@@ -96,3 +97,15 @@ def test_all_tissue_tiff_from_the_cli(all_tissue_crop, tmp_path):
     assert summary["tiles"]["read"] == summary["tiles"]["total"]
     assert summary["detections_total"] > 20
     assert summary["tissue_warning"] is None
+
+
+def test_all_white_image_from_the_cli_warns_in_the_log_and_summary(tmp_path):
+    image = tmp_path / "white.png"
+    cv2.imwrite(str(image), np.full((1000, 1500, 3), 245, np.uint8))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(image), "--out", str(out),
+                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" in (log := (out / "run.log").read_text()) and "no tile selected" in log
+    summary = json.loads((out / "white" / "summary.json").read_text())
+    assert summary["tiles"]["read"] == 0 and "no tile selected" in summary["tissue_warning"]
