@@ -263,7 +263,11 @@ def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a folder with its contents, or a file (a manifest's ``.partial`` left by a kill)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
