@@ -12,12 +12,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(CORE_STAMP): setup.cfg pyproject.toml | $(BIN)/python
+$(CORE_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(DEV_STAMP): setup.cfg pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[dev,dask,notebooks]'
+$(DEV_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev,dask]'
 	touch $@ $(CORE_STAMP)
 
 lint: $(DEV_STAMP)

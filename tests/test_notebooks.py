@@ -56,7 +56,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         else:
             monkeypatch.delenv(k, raising=False)  # the kernel picks its inline backend
     monkeypatch.setenv("WSI_NB_WORKDIR", str(work))
-    monkeypatch.setenv("WSI_NB_RUN_DIR", str(work / "review_run"))
+    monkeypatch.delenv("WSI_NB_RUN_DIR", raising=False)  # notebook 02 makes its own run in WORK
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})

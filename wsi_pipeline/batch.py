@@ -88,7 +88,8 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.Pa
     folder); paths it names that do not exist are kept, to fail as slides.
     An input that names nothing (no such file, folder or glob match) is a
     usage error. ``exclude``: a folder whose files never count (the output
-    folder). Order is kept; duplicates are dropped.
+    folder). Order is kept; duplicates are dropped, and so are the other
+    files of a DICOM series (:func:`one_file_per_dicom_series`).
     """
     out: list[Path] = []
     seen: set[str] = set()
@@ -126,7 +127,43 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.Pa
                     add(mp)
         else:
             raise UsageError(f"{s}: no such file or folder")
-    return out
+    return one_file_per_dicom_series(out)
+
+
+def _dicom_series_uid(path: Path) -> str | None:
+    """The SeriesInstanceUID in a DICOM file's header, or None when it has none or is not DICOM."""
+    import pydicom
+
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SeriesInstanceUID"],
+                             defer_size="1 KB")
+    except Exception:  # not DICOM or damaged: it stays a slide of its own, to fail as one
+        return None
+    uid = ds.get("SeriesInstanceUID")
+    return str(uid) if uid else None
+
+
+def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
+    """Keep the first ``.dcm`` file of each DICOM series (SeriesInstanceUID) in a folder.
+
+    A DICOM whole-slide image is a series of files in one folder (a file per
+    pyramid level, thumbnail, label...); OpenSlide opens the whole slide from
+    any of them, so the series is one slide. Other paths pass unchanged.
+    """
+    kept: list[Path] = []
+    first: dict[tuple[str, str], Path] = {}
+    for p in paths:
+        uid = _dicom_series_uid(p) if p.suffix.lower() == ".dcm" and p.is_file() else None
+        if uid is None:
+            kept.append(p)
+            continue
+        key = (str(p.resolve().parent), uid)
+        if key in first:
+            log.info("%s: DICOM series %s, the same slide as %s", p, uid, first[key])
+            continue
+        first[key] = p
+        kept.append(p)
+    return kept
 
 
 def output_names(paths: list[Path]) -> list[str]:
@@ -216,12 +253,21 @@ class SlideOutcome:
     worker: str | None = None
 
     def as_record(self) -> dict[str, Any]:
-        return {"path": self.path, "status": self.status, "seconds": round(self.seconds, 3),
+        return {**path_record(self.path), "status": self.status, "seconds": round(self.seconds, 3),
                 "counts": self.counts, "error": self.error, "worker": self.worker}
 
 
+def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
+    """A slide's path for the manifest: absolute (``path``) and as the input gave it (``path_as_given``)."""
+    return {"path": os.path.abspath(path), "path_as_given": os.fspath(path)}
+
+
 def _remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a folder with its contents, or a file (a manifest's ``.partial`` left by a kill)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
@@ -330,10 +376,10 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     todo, done = plan(slides, out, key, force)
     outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
     for o in done:
-        manifest.update(o.name, path=o.path, status="done", run_key=key, counts=o.counts)
+        manifest.update(o.name, **path_record(o.path), status="done", run_key=key, counts=o.counts)
         log.info("%s: already done with these settings, skipped", o.path)
     for path, name in todo:
-        manifest.update(name, path=str(path), status="pending", run_key=key, error=None)
+        manifest.update(name, **path_record(path), status="pending", run_key=key, error=None)
 
     def record(o: SlideOutcome) -> None:
         outcomes[o.name] = o

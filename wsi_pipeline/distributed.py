@@ -162,7 +162,7 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
             except Exception as exc:  # the worker died (KilledWorker) or the task could not run
                 yield SlideOutcome(name, str(path), "failed", error=f"{path}: task failed on the cluster: {exc}")
                 continue
-            yield SlideOutcome(rec["name"], rec["path"], rec["status"], rec["seconds"], rec["counts"] or {},
+            yield SlideOutcome(rec["name"], str(path), rec["status"], rec["seconds"], rec["counts"] or {},
                                rec["error"], rec.get("worker"))
     finally:
         client.close()

@@ -45,6 +45,7 @@ from .inference.card import ModelCard, load_card
 from .inference.decoders import TileDetections
 from .inference.executor import Executor
 from .inference.service import TileService
+from .inference.shipped import shipped_card
 from .io.atomic import write_json
 from .io.detections import (
     DETECTION_DTYPE,
@@ -74,7 +75,8 @@ from .tiling.grid import Tile, read_tile
 
 log = logging.getLogger("wsi_pipeline")
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "engines" / "nuclei_pathology.card.json"
+# Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
+DEFAULT_MODEL = shipped_card()
 CPU_BATCH_SIZE = 8
 MAX_GPU_BATCH = 64
 # Device memory one tile pixel needs in flight, an upper estimate for small
@@ -334,6 +336,10 @@ class Pipeline:
             fractions = mask.tile_fractions(grid)
             tiles = grid.select(fractions, cfg.min_tissue)
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
+        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue)
+        if tissue_warning:
+            log.warning("%s: %s", slide.path, tissue_warning)
+        extra_summary = {"tissue_warning": tissue_warning, **extra_summary}
 
         stitcher = _Stitcher(grid, card, cfg, mask, method, slide, out, keep_heatmap)
         run_info: dict[str, Any] = {"tile_decode": {"where": "cpu", "why": "an array in memory"}}
@@ -452,7 +458,8 @@ class Pipeline:
         mpp = slide.mpp
         mm2_per_px0 = (mpp[0] * mpp[1] / 1e6) if mpp else None
         summary: dict[str, Any] = {
-            "slide": str(slide.path),
+            "slide": slide.absolute_path,
+            "slide_as_given": str(slide.path),
             "dimensions_level0": list(slide.dimensions),
             "mpp": list(mpp) if mpp else None,
             "status": "done",

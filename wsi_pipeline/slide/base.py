@@ -35,6 +35,8 @@ class Slide(abc.ABC):
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
+        # Where the slide is, whatever the working directory later; an array's name stays as it is.
+        self.absolute_path = os.path.abspath(self.path) if os.path.exists(self.path) else self.path
         self.background_rgb: tuple[int, int, int] = (255, 255, 255)
         self._level_dimensions: list[tuple[int, int]] = []
         self._level_downsamples: list[float] = []

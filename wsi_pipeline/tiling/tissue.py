@@ -21,14 +21,24 @@ from ..slide.base import Slide
 from .grid import TileGrid
 
 DEFAULT_THUMBNAIL_SIZE = 2048
+# A selection warns when it keeps fewer tiles than this share of what the image's
+# content (anything not blank background) would need, for content above MIN_CONTENT_FRACTION.
+LOW_SELECTION_RATIO = 0.25
+MIN_CONTENT_FRACTION = 0.02
 
 
 @dataclass
 class TissueMask:
-    """``mask``: HxW bool; ``downsample``: level-0 pixels per mask pixel (x, y)."""
+    """``mask``: HxW bool; ``downsample``: level-0 pixels per mask pixel (x, y).
+
+    ``content_fraction``: the fraction of the slide that is not blank
+    background (anything stained or coloured), where the mask was computed
+    from the slide's pixels; None for ``all`` and user masks.
+    """
 
     mask: np.ndarray
     downsample: tuple[float, float]
+    content_fraction: float | None = None
 
     @property
     def fraction(self) -> float:
@@ -38,6 +48,22 @@ class TissueMask:
     def area_level0_px(self) -> float:
         """Tissue area in level-0 pixels squared."""
         return float(self.mask.sum()) * self.downsample[0] * self.downsample[1]
+
+    def selection_warning(self, n_selected: int, n_tiles: int, min_tissue: float) -> str | None:
+        """Why a selection of ``n_selected`` of ``n_tiles`` tiles looks wrong, or None.
+
+        Wrong: no tile at all, or far fewer tiles (under a quarter) than the
+        part of the slide that is not blank background would need.
+        """
+        hint = "if the image is all foreground, use tissue 'all' (--tissue all) or a mask file"
+        if n_tiles and n_selected == 0:
+            return (f"no tile selected: none of the {n_tiles} tiles has a tissue fraction >= {min_tissue} "
+                    f"(tissue covers {100 * self.fraction:.1f} % of the image), so nothing was detected; {hint}")
+        content = self.content_fraction
+        if content is not None and content >= MIN_CONTENT_FRACTION and n_selected < LOW_SELECTION_RATIO * content * n_tiles:
+            return (f"only {n_selected} of {n_tiles} tiles selected, though {100 * content:.0f} % of the image "
+                    f"is not blank background (tissue mask {100 * self.fraction:.1f} %); {hint}")
+        return None
 
     def tile_fractions(self, grid: TileGrid) -> np.ndarray:
         """Tissue fraction of each tile of ``grid``: ``n_rows x n_cols`` float32 in [0, 1].
@@ -68,22 +94,64 @@ class TissueMask:
 def otsu_tissue_mask(
     thumbnail: np.ndarray, min_saturation: int = 15, kernel_px: int = 5
 ) -> np.ndarray:
-    """Tissue as pixels of a thumbnail more saturated than Otsu's threshold.
+    """Tissue as pixels of a thumbnail more saturated than the background.
 
     Bright, grey slide background has low saturation; stained tissue has high.
-    A floor (``min_saturation``) stops Otsu from splitting an all-background
-    image in two. Returns HxW bool.
+    The threshold is Otsu's where it separates background from tissue (see
+    :func:`saturation_threshold`), and the floor ``min_saturation`` where the
+    image has no background to separate (an all-tissue crop) or no tissue
+    (all background). Returns HxW bool.
     """
-    hsv = cv2.cvtColor(thumbnail, cv2.COLOR_RGB2HSV)
-    sat = cv2.GaussianBlur(hsv[..., 1], (5, 5), 0)
-    thresh, _ = cv2.threshold(sat, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    mask = sat > max(thresh, min_saturation)
+    sat = _saturation(thumbnail)
+    mask = sat > saturation_threshold(sat, min_saturation)
     # Dark, unsaturated pixels (black pen, folds) are not tissue either way;
     # very dark saturated ones still count.
     k = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (kernel_px, kernel_px))
     m = cv2.morphologyEx(mask.astype(np.uint8), cv2.MORPH_CLOSE, k)
     m = cv2.morphologyEx(m, cv2.MORPH_OPEN, k)
     return m.astype(bool)
+
+
+def _saturation(rgb: np.ndarray) -> np.ndarray:
+    """HSV saturation (0..255) of an RGB image, lightly blurred against JPEG noise."""
+    return cv2.GaussianBlur(cv2.cvtColor(rgb, cv2.COLOR_RGB2HSV)[..., 1], (5, 5), 0)
+
+
+def _otsu(values: np.ndarray) -> float:
+    thresh, _ = cv2.threshold(values.reshape(-1, 1), 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    return float(thresh)
+
+
+def saturation_threshold(sat: np.ndarray, min_saturation: int = 15, max_rounds: int = 8) -> float:
+    """The saturation above which a pixel is tissue.
+
+    Otsu's threshold splits the histogram in two, but the lower class is
+    background only when the slide has background and the stains do not
+    split more strongly among themselves. So the lower class is checked: when
+    a noticeable part of it (over 5 %) is clearly saturated (over twice
+    ``min_saturation``), Otsu is applied again within it; when it holds
+    hardly any unsaturated pixels (under 5 % at or below ``min_saturation``),
+    the image has no background and the absolute floor ``min_saturation``
+    decides. An all-background image has nothing above the floor.
+    """
+    values = sat.ravel()
+    thresh = _otsu(values)
+    for _ in range(max_rounds):
+        below = values[values <= thresh]
+        if below.size == 0:
+            return float(min_saturation)
+        if np.count_nonzero(below > 2 * min_saturation) <= 0.05 * below.size:
+            return max(thresh, float(min_saturation))  # the lower class is background
+        if np.count_nonzero(below <= min_saturation) < 0.05 * below.size:
+            return float(min_saturation)  # no background to split off
+        thresh = _otsu(below)
+    return float(min_saturation)
+
+
+def content_fraction(thumbnail: np.ndarray, min_saturation: int = 15) -> float:
+    """Fraction of a thumbnail more saturated than blank background (anything stained or coloured)."""
+    return float(np.count_nonzero(_saturation(thumbnail) > min_saturation)) / max(1, thumbnail.shape[0]
+                                                                                 * thumbnail.shape[1])
 
 
 def tissue_mask(
@@ -111,7 +179,7 @@ def tissue_mask(
         raise ConfigError(f"unknown tissue method {method!r}; expected otsu, all or file")
     thumb = slide.get_thumbnail((thumbnail_size, thumbnail_size))
     th, tw = thumb.shape[:2]
-    return TissueMask(otsu_tissue_mask(thumb), (w0 / tw, h0 / th))
+    return TissueMask(otsu_tissue_mask(thumb), (w0 / tw, h0 / th), content_fraction(thumb))
 
 
 def mask_from_file(

@@ -1,0 +1,111 @@
+"""Tissue masks on images with little or no background, and warnings for selections that look wrong."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import cv2
+import numpy as np
+import pytest
+from conftest import write_pyramid_tiff
+
+from wsi_pipeline import Pipeline
+from wsi_pipeline.slide.image import ImageSlide
+from wsi_pipeline.slide.synthetic import SyntheticScene
+from wsi_pipeline.tiling import TileGrid, tissue_mask
+from wsi_pipeline.tiling.tissue import otsu_tissue_mask
+
+# A 1000 x 1500 px window of this scene that is tissue everywhere (checked below).
+SCENE = dict(width=6000, height=6000, seed=3, kind="pathology")
+CROP_XYWH = (2280, 380, 1000, 1500)
+
+
+@pytest.fixture(scope="module")
+def all_tissue_crop() -> np.ndarray:
+    scene = SyntheticScene(**SCENE)
+    x, y, w, h = CROP_XYWH
+    assert (scene.region_mask(x, y, w, h, downsample=10) > 0).all()
+    return scene.render(x, y, w, h)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = Pipeline.from_card(backend="ort")
+    yield p
+    p.close()
+
+
+def test_all_tissue_crop_is_all_tissue(all_tissue_crop):
+    tm = tissue_mask(ImageSlide.from_array(all_tissue_crop))
+    assert tm.fraction > 0.95
+    assert tm.selection_warning(6, 6, 0.05) is None
+
+
+def test_background_with_two_stains_keeps_both():
+    # Background, a faint stain and a strong one: Otsu alone splits the stains apart.
+    img = np.full((400, 600, 3), 240, np.uint8)
+    img[:, 300:400] = (200, 150, 180)  # faint: saturation about 64
+    img[:, 400:] = (150, 40, 110)      # strong: saturation about 188
+    mask = otsu_tissue_mask(img)
+    assert mask[:, 310:390].mean() > 0.95 and mask[:, 410:].mean() > 0.95
+    assert mask[:, :290].mean() < 0.01
+
+
+def test_all_white_image_selects_nothing_and_says_so():
+    s = ImageSlide.from_array(np.full((1000, 1500, 3), 245, np.uint8))
+    tm = tissue_mask(s)
+    grid = TileGrid(s, 512, 64)
+    tiles = grid.select(tm.tile_fractions(grid), 0.05)
+    assert tm.fraction == 0 and tiles == []
+    assert "no tile selected" in tm.selection_warning(len(tiles), len(grid), 0.05)
+
+
+def test_mask_missing_most_of_the_content_warns(all_tissue_crop):
+    tm = tissue_mask(ImageSlide.from_array(all_tissue_crop))
+    assert "only 1 of 40 tiles" in tm.selection_warning(1, 40, 0.05)
+
+
+def test_all_tissue_array_gets_the_detections_of_tissue_all(pipe, all_tissue_crop):
+    default = pipe.run(all_tissue_crop)
+    assert default.summary["tiles"]["read"] == default.summary["tiles"]["total"]
+    assert default.summary["tissue_warning"] is None
+    with Pipeline.from_card(backend="ort", tissue="all") as everything:
+        expected = len(everything.run(all_tissue_crop).detections)
+    assert expected > 20
+    assert len(default.detections) == expected
+
+
+def test_all_white_array_warns_and_records_it(pipe, caplog):
+    with caplog.at_level(logging.WARNING, logger="wsi_pipeline"):
+        result = pipe.run(np.full((1000, 1500, 3), 245, np.uint8))
+    assert len(result.detections) == 0 and result.summary["tiles"]["read"] == 0
+    assert "no tile selected" in result.summary["tissue_warning"]
+    assert any("no tile selected" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_all_tissue_tiff_from_the_cli(all_tissue_crop, tmp_path):
+    slide = tmp_path / "roi.tiff"
+    write_pyramid_tiff(slide, all_tissue_crop, levels=2, mpp=0.25)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide), "--out", str(out),
+                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "roi" / "summary.json").read_text())
+    assert summary["tiles"]["read"] == summary["tiles"]["total"]
+    assert summary["detections_total"] > 20
+    assert summary["tissue_warning"] is None
+
+
+def test_all_white_image_from_the_cli_warns_in_the_log_and_summary(tmp_path):
+    image = tmp_path / "white.png"
+    cv2.imwrite(str(image), np.full((1000, 1500, 3), 245, np.uint8))
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(image), "--out", str(out),
+                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING" in (log := (out / "run.log").read_text()) and "no tile selected" in log
+    summary = json.loads((out / "white" / "summary.json").read_text())
+    assert summary["tiles"]["read"] == 0 and "no tile selected" in summary["tissue_warning"]
