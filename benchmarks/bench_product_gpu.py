@@ -238,14 +238,15 @@ def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
     from monai.inferers import sliding_window_inference
 
     def predictor(x: torch.Tensor) -> torch.Tensor:
-        return pipe_backend._forward(x.permute(0, 2, 3, 1).contiguous())["heatmap"].float()
+        return pipe_backend._forward(x.permute(0, 2, 3, 1).to(torch.uint8).contiguous())["heatmap"].half()
 
     best = None
     for _ in range(2):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         level = tifffile.imread(slide_path, maxworkers=os.cpu_count())
-        x = torch.from_numpy(level).cuda().permute(2, 0, 1)[None]
+        # MONAI blends into a buffer of the input's dtype: fp16 holds 0..255 exactly and halves the traffic.
+        x = torch.from_numpy(level).cuda().permute(2, 0, 1)[None].half()
         out = sliding_window_inference(x, roi_size=(512, 512), sw_batch_size=64, predictor=predictor,
                                        overlap=64 / 512, mode="gaussian")
         torch.cuda.synchronize()

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
-    p.add_argument("--workers", type=int, help="tile reader threads (default: CPU cores - 2, 2 to 12)")
+    p.add_argument("--workers", type=int, help="tile reader threads for CPU decoding (default: CPU cores - 2, 2 to 4)")
     p.add_argument("--decode", choices=DECODE_CHOICES,
                    help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
                         "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)")
