@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import cv2
 import numpy as np
 
 from wsi_pipeline.tiling.tissue import TissueMask
@@ -105,7 +106,13 @@ class ReducedCopy:
         wpad = math.ceil(w / f) * f
         if wpad != w:
             block = np.concatenate([block, np.repeat(block[:, :, -1:], wpad - w, axis=2)], axis=2)
-        red = block.reshape(c, h // f, f, wpad // f, f).mean(axis=(2, 4))
+        if f == 1:
+            red = block
+        else:
+            # Block means: OpenCV's area interpolation at an integer factor is exactly that, and
+            # several times faster than numpy's mean over two axes of a 5-D view.
+            red = np.stack([cv2.resize(np.ascontiguousarray(ch), (wpad // f, h // f), interpolation=cv2.INTER_AREA)
+                            for ch in block])
         self.array[:, self._next_out:self._next_out + red.shape[1]] = red
         self._next_out += red.shape[1]
 
