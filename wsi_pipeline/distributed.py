@@ -36,7 +36,9 @@ _worker_pipelines: dict[str, Any] = {}
 
 
 def _cuda_device_count() -> int:
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+    from .inference.backend import cuda_may_be_present
+
+    if not cuda_may_be_present():
         return 0
     try:
         import torch
@@ -163,7 +165,7 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
                 yield SlideOutcome(name, str(path), "failed", error=f"{path}: task failed on the cluster: {exc}")
                 continue
             yield SlideOutcome(rec["name"], rec["path"], rec["status"], rec["seconds"], rec["counts"] or {},
-                               rec["error"], rec.get("worker"))
+                               rec["error"], rec.get("worker"), rec.get("tiles"))
     finally:
         client.close()
         if cluster is not None:

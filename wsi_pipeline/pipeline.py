@@ -41,6 +41,7 @@ import numpy as np
 
 from .config import RunConfig
 from .errors import BackendUnavailableError, ConfigError, WSIPipelineError
+from .inference.backend import resolve_backend
 from .inference.card import ModelCard, load_card
 from .inference.decoders import TileDetections
 from .inference.executor import Executor
@@ -126,25 +127,6 @@ class Result:
     def boxes(self) -> np.ndarray:
         """N x 4 float32 (x0, y0, x1, y1) level-0 pixels."""
         return detection_boxes(self.detections)
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``tensorrt`` where TensorRT and CUDA are present, else ``torch`` on CUDA, else ``ort``."""
-    if name != "auto":
-        return name
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if not cuda:
-        return "ort"
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "tensorrt"
 
 
 def default_batch_size(card: ModelCard, backend: str) -> int:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
 from ..config import BACKEND_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
-from ..errors import ConfigError, ModelError, UsageError
+from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
+PROGRESS_CHOICES = ("auto", "bar", "log", "none")
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "streams", "score_threshold", "nms_iou", "merge", "blend",
                 "overlay_size", "dask")
@@ -50,7 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
     p.add_argument("--force", action="store_true", help="redo slides already done")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto",
+                   help="what stderr shows while slides run: bar (progress bars), log (a line when each slide "
+                        "starts and ends), none; auto: bar on a terminal, log otherwise (scheduler, nohup, "
+                        "cron). Warnings and errors reach stderr in every mode (default %(default)s)")
+    p.add_argument("--quiet", action="store_true",
+                   help="only errors on stderr: no progress and no warnings (run.log keeps everything); "
+                        "the results table still goes to stdout")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const="none", default="auto",
+                   help=argparse.SUPPRESS)  # the earlier spelling of --progress none
     p.set_defaults(func=run)
 
 
@@ -71,16 +80,65 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         raise UsageError(str(exc)) from exc
 
 
-def _setup_logging(out: Path) -> logging.Handler:
+def progress_mode(choice: str, quiet: bool, stderr_is_terminal: bool) -> str:
+    """``bar``, ``log`` or ``none``: what stderr shows while slides run (see ``--progress``)."""
+    if quiet:
+        return "none"
+    if choice == "auto":
+        return "bar" if stderr_is_terminal else "log"
+    return choice
+
+
+class _LineFormatter(logging.Formatter):
+    """Timestamped single lines; a captured warning loses the "warning: " prefix and newline
+    that :func:`warnings.formatwarning` gives it (the level says it)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.name == "py.warnings":
+            record.message = record.message.strip().removeprefix("warning: ")
+        return super().formatMessage(record)
+
+
+class _StderrHandler(logging.Handler):
+    """Log lines on stderr, written through tqdm while its bars are drawn there."""
+
+    def __init__(self, level: int, bars: bool):
+        super().__init__(level)
+        self.bars = bars
+        self.setFormatter(_LineFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+            if self.bars:
+                from tqdm import tqdm
+
+                tqdm.write(line, file=sys.stderr)
+            else:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _setup_logging(out: Path, mode: str, quiet: bool) -> list[logging.Handler]:
+    """Everything into ``out/run.log``; to stderr, errors (``quiet``), else warnings, and in
+    ``log`` mode also each slide's start and end."""
     out.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / LOG_FILE, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    to_file = logging.FileHandler(out / LOG_FILE, encoding="utf-8")
+    to_file.setFormatter(_LineFormatter())
+    level = logging.ERROR if quiet else logging.INFO if mode == "log" else logging.WARNING
+    handlers = [to_file, _StderrHandler(level, bars=mode == "bar")]
     logger = logging.getLogger("wsi_pipeline")
     logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
     logging.captureWarnings(True)
-    logging.getLogger("py.warnings").addHandler(handler)
-    return handler
+    for h in handlers:
+        logger.addHandler(h)
+        logging.getLogger("py.warnings").addHandler(h)
+    return handlers
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
-    handler = _setup_logging(out)
+    mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
+    handlers = _setup_logging(out, mode, args.quiet)
     log = logging.getLogger("wsi_pipeline")
     log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key, config.as_dict())
     try:
@@ -108,16 +167,22 @@ def run(args: argparse.Namespace) -> int:
                 return Pipeline(card, backend=config.backend, config=config)
             except (ConfigError, ModelError) as exc:
                 raise UsageError(str(exc)) from exc
+            except BackendUnavailableError as exc:
+                if config.backend == "auto":
+                    raise
+                raise UsageError(f"backend {config.backend}: {exc}; --backend ort runs on the CPU, "
+                                 "--backend auto takes the best this machine has") from exc
 
         with warnings.catch_warnings():
-            # Per-slide warnings (unknown resolution ...) go to run.log; the bars stay readable.
+            # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
             warnings.simplefilter("default")
-            report = run_batch(slides, out, factory, config, key, force=args.force,
-                               progress=not args.no_progress and sys.stderr.isatty(), dask=config.dask)
+            report = run_batch(slides, out, factory, config, key, force=args.force, progress=mode == "bar",
+                               dask=config.dask)
     finally:
-        logging.getLogger("wsi_pipeline").removeHandler(handler)
-        logging.getLogger("py.warnings").removeHandler(handler)
-        handler.close()
+        for h in handlers:
+            logging.getLogger("wsi_pipeline").removeHandler(h)
+            logging.getLogger("py.warnings").removeHandler(h)
+            h.close()
     print(report.table())
     n_failed = len(report.failed)
     print(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in {out}/"

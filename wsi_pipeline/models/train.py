@@ -1,10 +1,12 @@
 """Train the demo detector on synthetic scenes and export it to ONNX with its card.
 
-    python -m wsi_pipeline.models.train --kind pathology --out engines/
-    python -m wsi_pipeline.models.train --kind industrial --out engines/
+    python -m wsi_pipeline.models.train --kind pathology --out engines/ --force
+    python -m wsi_pipeline.models.train --kind industrial --out engines/ --force
 
 Seeded end to end (torch, numpy and the scene seeds), two CPU threads; the
-committed ``engines/*.onnx`` files are what these commands write. Training
+committed ``engines/*.onnx`` files are what these commands write. Without
+``--out`` the model goes to ``trained_models/``; an existing model or card
+is replaced only with ``--force``. Training
 scenes use seeds from ``TRAIN_SEEDS``; evaluation uses ``EVAL_SEEDS`` only.
 """
 
@@ -21,6 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UsageError
+from ..inference.card import card_path_for
+from . import DEFAULT_TRAIN_OUT
 from .data import (
     SCENE_SAMPLING,
     TRAIN_SEEDS,
@@ -107,13 +112,27 @@ def make_batch(samples: list[TileSample], rng: np.random.Generator, preset: Pres
             as_t(regions) if regions else None)
 
 
-def train(kind: str, out_dir: Path, *, steps: int | None = None, train_scenes: int | None = None,
+def refuse_to_replace(kind: str, out_dir: Path, force: bool) -> None:
+    """UsageError when ``out_dir`` already holds the ``kind`` model or its card and not ``force``."""
+    model_path = Path(out_dir) / f"{PRESETS[kind].name}.onnx"
+    existing = [str(p) for p in (model_path, card_path_for(model_path)) if p.exists()]
+    if existing and not force:
+        raise UsageError(f"{' and '.join(existing)} already exist; training would replace them: "
+                         "choose another --out, or pass --force (force=True) to replace them")
+
+
+def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = None, train_scenes: int | None = None,
           seed: int = 0, threads: int = 2, device: str = "cpu", widths: tuple[int, ...] | None = None,
-          log=print) -> Path:
-    """Train the ``kind`` preset, export ``out_dir/NAME.onnx`` + card; return the ONNX path."""
+          force: bool = False, log=print) -> Path:
+    """Train the ``kind`` preset, export ``out_dir/NAME.onnx`` + card; return the ONNX path.
+
+    Refuses (UsageError, before training) to replace an existing model or card unless ``force``.
+    """
     from .data import scene_class
     from .export import export_with_card
 
+    out_dir = Path(out_dir)
+    refuse_to_replace(kind, out_dir, force)
     preset = PRESETS[kind]
     steps = steps or preset.steps
     n_scenes = train_scenes or preset.train_scenes
@@ -179,16 +198,17 @@ def train(kind: str, out_dir: Path, *, steps: int | None = None, train_scenes: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m wsi_pipeline.models.train", description=__doc__.split("\n")[0])
     parser.add_argument("--kind", choices=sorted(PRESETS), required=True)
-    parser.add_argument("--out", type=Path, default=Path("engines"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT, help="output folder (default %(default)s)")
+    parser.add_argument("--force", action="store_true", help="replace a model and card already in --out")
     parser.add_argument("--steps", type=int, default=None, help="optimiser steps (default: the preset's)")
     parser.add_argument("--train-scenes", type=int, default=None, help="training scenes (default: the preset's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="seed of torch and numpy (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device (the shipped models are trained on cpu)")
     parser.add_argument("--widths", default=None, help="trunk channel widths, e.g. 16,32,64,96")
     args = parser.parse_args(argv)
     train(args.kind, args.out, steps=args.steps, train_scenes=args.train_scenes, seed=args.seed,
-          threads=args.threads, device=args.device,
+          threads=args.threads, device=args.device, force=args.force,
           widths=tuple(int(v) for v in args.widths.split(",")) if args.widths else None,
           log=lambda msg: print(msg, flush=True))
     return 0
