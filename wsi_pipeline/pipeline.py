@@ -99,6 +99,8 @@ class Result:
         heatmap: C x H x W float32 probabilities (an array), a
             :class:`~.io.ome_tiff.HeatmapFile` (lazy, when the run wrote its
             outputs to a folder), or None for models without a heatmap.
+            Both index alike (``heatmap[1]``, ``heatmap[1, y0:y1, x0:x1]``,
+            ``shape``, ``dtype``, ``numpy.asarray(heatmap)``).
         heatmap_scale_level0: level-0 pixels per heatmap pixel.
         summary: the summary.json document (counts, areas, scores, timings).
         class_names: names of the detection labels; heatmap_classes: of the
