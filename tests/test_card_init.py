@@ -89,3 +89,20 @@ def test_float_nchw_input_with_dynamic_size(tmp_path):
     assert doc["input"]["layout"] == "NCHW" and doc["input"]["dtype"] == "float32"
     assert doc["input"]["normalize_in_graph"] is False
     assert sorted(todo_fields(doc)) == ["classes", "decoder.type", "input.mean", "input.size", "input.std", "mpp"]
+
+
+def test_shipped_cards_say_what_they_were_trained_on_and_where_they_stop():
+    cards = sorted(ENGINES.glob("*.card.json"))
+    assert len(cards) == 6
+    for path in cards:
+        card = load_card(path)  # the new key keeps the card valid (SHA-256 of the model unchanged)
+        scope = card.extra["scope"]
+        assert {"trained_on", "works_for", "stops_working", "measured_with"} <= set(scope), path
+        assert "synthetic" in scope["trained_on"]
+    assert "26-32 px" in load_card(ENGINES / "nuclei_pathology.card.json").extra["scope"]["stops_working"]
+    try:
+        from wsi_pipeline.models.train import PRESETS
+    except ImportError:  # training needs torch
+        return
+    for preset in PRESETS.values():  # retraining writes the same scope
+        assert load_card(ENGINES / f"{preset.name}.card.json").extra["scope"] == preset.scope

@@ -129,3 +129,30 @@ def test_results_table_aligns_names_of_any_script():
     rows = report.table().splitlines()[2:]
     starts = {columns(row[:row.index("done")]) for row in rows}
     assert len(starts) == 1, report.table()
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from ((f"{name} {n}", s) for n, s in _subparsers(sub))
+
+
+def test_every_option_has_help_and_no_markup():
+    import argparse
+
+    parser = cli.build_parser()
+    for name, sub in _subparsers(parser):
+        for action in sub._actions:
+            if action.help is None and not isinstance(action, argparse._SubParsersAction):
+                raise AssertionError(f"wsi-pipeline {name} {action.option_strings or action.dest}: no help")
+        text = sub.format_help()
+        assert "``" not in text, f"wsi-pipeline {name} --help shows raw markup"
+    run_help = dict(_subparsers(parser))["run"].format_help()
+    run_help = run_help[run_help.index("options:"):]
+    for flag in ("--blend", "--overlay-size", "--streams", "--score-threshold"):
+        start = run_help.index(flag + " ")
+        assert "default" in run_help[start:run_help.index("\n  --", start + 1)], flag

@@ -1,8 +1,4 @@
-"""``wsi-pipeline run INPUT... --out DIR``: detect over slides, resumable.
-
-Exit code 0 when every slide succeeded (or was already done), 1 when some
-failed, 2 when the command line or config cannot start a run.
-"""
+"""``wsi-pipeline run INPUT... --out DIR``: detect over slides, resumable."""
 
 from __future__ import annotations
 
@@ -13,11 +9,24 @@ import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
-from ..config import BACKEND_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
+from ..config import (
+    BACKEND_CHOICES,
+    BLEND_CHOICES,
+    MERGE_CHOICES,
+    TISSUE_CHOICES,
+    RunConfig,
+    load_config,
+)
 from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 PROGRESS_CHOICES = ("auto", "bar", "log", "none")
+DESCRIPTION = """\
+Detect over slides into DIR, one folder per slide, resumable.
+
+Exit code 0 when every slide succeeded (or was already done), 1 when some
+failed, 2 when the command line or config cannot start a run.
+"""
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "streams", "score_threshold", "nms_iou", "merge", "blend",
                 "overlay_size", "dask")
@@ -26,7 +35,7 @@ CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue",
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run", help="detect over slides into an output folder (resumable batch)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="slide files, folders (recursive), globs, or .txt/.csv lists of paths")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
@@ -42,12 +51,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
     p.add_argument("--workers", type=int, help="tile reader threads (default: CPU cores - 2, 2 to 12)")
-    p.add_argument("--streams", type=int, help="concurrent inference streams / sessions")
-    p.add_argument("--score-threshold", type=float, help="drop detections below this score")
+    p.add_argument("--streams", type=int,
+                   help="concurrent inference streams / sessions (default: 4 CUDA streams on a GPU, "
+                        "2 ONNX Runtime sessions on the CPU)")
+    p.add_argument("--score-threshold", type=float,
+                   help="drop detections below this score (default: keep what the model card's decoder "
+                        "keeps, its score_threshold, 0.3 for the shipped models)")
     p.add_argument("--nms-iou", type=float, help="overlap threshold of the box merge (default 0.5)")
     p.add_argument("--merge", choices=MERGE_CHOICES, help="box merge across tiles (default nms)")
-    p.add_argument("--blend", choices=("gaussian", "hann", "linear", "constant"), help="heatmap blending weights")
-    p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels")
+    p.add_argument("--blend", choices=BLEND_CHOICES,
+                   help="weights that blend overlapping tiles' heatmaps (default gaussian)")
+    p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
     p.add_argument("--force", action="store_true", help="redo slides already done")

@@ -57,19 +57,60 @@ class Preset:
     batch: int = 12
     crop_px: int = 256
     lr: float = 3e-3
-    extra: dict = field(default_factory=dict)
+    # What the model was trained on and where it stops working (the card's "scope"; see
+    # benchmarks/bench_object_size.py for the measurement).
+    scope: dict = field(default_factory=dict)
 
 
 PRESETS = {
     "pathology": Preset(
         name="nuclei_pathology", class_colors=("#7b2cbf",), region_classes=("tissue", "tumour"),
         region_labels=((1, 2), (2,)), mpp=0.25, top_k=512, steps=3000,
+        scope={
+            "trained_on": (
+                "synthetic H&E-like scenes only (wsi_pipeline/slide/synthetic_scene.py, seeds 1000-1119) "
+                "at 0.25 um/px: nuclei 8-20 px across, denser and darker in tumour regions; no real slide"
+            ),
+            "works_for": (
+                "nuclei 8-20 px across at 0.25 um/px in scenes like those: recall 0.96-1.00 at IoU 0.5; "
+                "20-26 px: 0.54-0.96, lower the more the scene is enlarged"
+            ),
+            "stops_working": (
+                "objects larger than about 26 px across: recall 0.28-0.41 at 26-32 px and 0.01 at 32-40 "
+                "px, where it splits 81-100% of them into two or more detections. Real nuclei at 0.25 "
+                "um/px are often 20-40 px across: expect missed and split nuclei on real slides. The "
+                "tissue/tumour heatmap has seen only the synthetic stain and textures"
+            ),
+            "measured_with": (
+                "python benchmarks/bench_object_size.py --kind pathology (held-out scenes rendered at "
+                "0.25, 0.167 and 0.125 um/px)"
+            ),
+        },
     ),
     # Industrial scenes have no regions (one "surface" everywhere): no region head.
     # Defects are sparse, so most training tiles are placed on one.
     "industrial": Preset(
         name="defects_industrial", class_colors=("#e6a000", "#00aae6"), region_classes=(),
         region_labels=(), mpp=None, top_k=64, train_scenes=80, tiles_per_scene=6, nms_iou=0.3,
+        scope={
+            "trained_on": (
+                "synthetic brushed-metal images only (seeds 1000-1079), no pixel size: spots (dark or "
+                "bright discs 6-40 px across) and scratches (1-3 px wide, 30-200 px long)"
+            ),
+            "works_for": (
+                "spots 6-40 px across: precision and recall 0.99; scratches: precision 0.91, recall 0.84 "
+                "(IoU 0.5, held-out synthetic images)"
+            ),
+            "stops_working": (
+                "faint or short scratches are missed, and a scratch box 1-2 px off across a thin scratch "
+                "falls under IoU 0.5; larger defects, other surfaces, textures and lighting were never "
+                "seen (not measured)"
+            ),
+            "measured_with": (
+                "python -m wsi_pipeline.models.evaluate engines/defects_industrial.card.json --kind "
+                "industrial; python benchmarks/bench_object_size.py --kind industrial"
+            ),
+        },
     ),
 }
 
@@ -190,7 +231,7 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
     export_with_card(net, model_path, name=preset.name, version="1.0.0", class_names=class_names,
                      class_colors=preset.class_colors, region_classes=preset.region_classes,
                      top_k=preset.top_k, mpp=preset.mpp, score_threshold=preset.score_threshold, nms_iou=preset.nms_iou,
-                     extra={"training": training})
+                     extra={"training": training, "scope": preset.scope})
     log(f"wrote {model_path} ({model_path.stat().st_size / 1e6:.2f} MB) in {time.perf_counter() - t0:.0f} s total")
     return model_path
 
