@@ -156,3 +156,11 @@ def test_every_option_has_help_and_no_markup():
     for flag in ("--blend", "--overlay-size", "--streams", "--score-threshold"):
         start = run_help.index(flag + " ")
         assert "default" in run_help[start:run_help.index("\n  --", start + 1)], flag
+
+
+def test_cluster_usage_error_leaves_no_pending_manifest(coarse_slide, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--dask", "local:0", "--progress", "none"])
+    assert rc == 2, capsys.readouterr().err
+    assert "--dask" in capsys.readouterr().err
+    assert not (out / "manifest.json").exists()

@@ -349,9 +349,15 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     for o in done:
         manifest.update(o.name, path=o.path, status="done", run_key=key, counts=o.counts)
         log.info("%s: already done with these settings, skipped", o.path)
-    # Built before any slide is marked pending: a model or backend that cannot start is the
-    # command's error, not every slide's.
-    pipeline = pipeline_factory() if todo and not dask else None
+    # Built (or connected) before any slide is marked pending: a model, backend or cluster that
+    # cannot start is the command's error, not every slide's.
+    pipeline = connection = None
+    if todo and dask:
+        from .distributed import connect, run_on_dask
+
+        connection = connect(dask)
+    elif todo:
+        pipeline = pipeline_factory()
     for path, name in todo:
         manifest.update(name, path=str(path), status="pending", run_key=key, error=None)
 
@@ -371,10 +377,8 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
         bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
     try:
-        if dask:
-            from .distributed import run_on_dask
-
-            for o in run_on_dask(dask, todo, out, config, key):
+        if connection is not None:
+            for o in run_on_dask(connection, todo, out, config, key):
                 record(o)
                 if bar is not None:
                     bar.update(1)

@@ -138,12 +138,13 @@ def slide_task(path: str, name: str, out_dir: str, config_doc: dict[str, Any], k
     return {**outcome.as_record(), "name": name}
 
 
-def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
+def run_on_dask(connection: tuple[Any, Any], todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
                 key: str) -> Iterator[SlideOutcome]:
-    """Submit every slide as a task; yield outcomes as they finish."""
+    """Submit every slide as a task on ``connection`` (:func:`connect`'s, closed at the end);
+    yield outcomes as they finish."""
     from dask.distributed import as_completed
 
-    client, cluster = connect(address)
+    client, cluster = connection
     try:
         if cluster is not None and config.workers is None:
             # Worker processes on this host share its cores: split the tile readers between them.
