@@ -55,7 +55,7 @@ def test_quiet_and_progress_none(coarse_slide, tmp_path):
 
 
 def test_progress_mode_choice():
-    from wsi_pipeline.commands.run import progress_mode
+    from wsi_pipeline.commands.run_log import progress_mode
 
     assert progress_mode("auto", False, stderr_is_terminal=True) == "bar"
     assert progress_mode("auto", False, stderr_is_terminal=False) == "log"

@@ -18,15 +18,15 @@ from ..config import (
     load_config,
 )
 from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
-# CLI flag -> RunConfig field, for the flags that mirror the config file.
-PROGRESS_CHOICES = ("auto", "bar", "log", "none")
 DESCRIPTION = """\
 Detect over slides into DIR, one folder per slide, resumable.
 
 Exit code 0 when every slide succeeded (or was already done), 1 when some
 failed, 2 when the command line or config cannot start a run.
 """
+# CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "streams", "score_threshold", "nms_iou", "merge", "blend",
                 "overlay_size", "dask")
@@ -94,67 +94,6 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         raise UsageError(str(exc)) from exc
 
 
-def progress_mode(choice: str, quiet: bool, stderr_is_terminal: bool) -> str:
-    """``bar``, ``log`` or ``none``: what stderr shows while slides run (see ``--progress``)."""
-    if quiet:
-        return "none"
-    if choice == "auto":
-        return "bar" if stderr_is_terminal else "log"
-    return choice
-
-
-class _LineFormatter(logging.Formatter):
-    """Timestamped single lines; a captured warning loses the "warning: " prefix and newline
-    that :func:`warnings.formatwarning` gives it (the level says it)."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(message)s")
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        if record.name == "py.warnings":
-            record.message = record.message.strip().removeprefix("warning: ")
-        return super().formatMessage(record)
-
-
-class _StderrHandler(logging.Handler):
-    """Log lines on stderr, written through tqdm while its bars are drawn there."""
-
-    def __init__(self, level: int, bars: bool):
-        super().__init__(level)
-        self.bars = bars
-        self.setFormatter(_LineFormatter())
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            line = self.format(record)
-            if self.bars:
-                from tqdm import tqdm
-
-                tqdm.write(line, file=sys.stderr)
-            else:
-                sys.stderr.write(line + "\n")
-                sys.stderr.flush()
-        except Exception:
-            self.handleError(record)
-
-
-def _setup_logging(out: Path, mode: str, quiet: bool) -> list[logging.Handler]:
-    """Everything into ``out/run.log``; to stderr, errors (``quiet``), else warnings, and in
-    ``log`` mode also each slide's start and end."""
-    out.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(out / LOG_FILE, encoding="utf-8")
-    to_file.setFormatter(_LineFormatter())
-    level = logging.ERROR if quiet else logging.INFO if mode == "log" else logging.WARNING
-    handlers = [to_file, _StderrHandler(level, bars=mode == "bar")]
-    logger = logging.getLogger("wsi_pipeline")
-    logger.setLevel(logging.INFO)
-    logging.captureWarnings(True)
-    for h in handlers:
-        logger.addHandler(h)
-        logging.getLogger("py.warnings").addHandler(h)
-    return handlers
-
-
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
     from ..pipeline import DEFAULT_MODEL, Pipeline
@@ -172,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
     mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
-    handlers = _setup_logging(out, mode, args.quiet)
+    handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
     log = logging.getLogger("wsi_pipeline")
     log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key, config.as_dict())
     try:
@@ -193,10 +132,7 @@ def run(args: argparse.Namespace) -> int:
             report = run_batch(slides, out, factory, config, key, force=args.force, progress=mode == "bar",
                                dask=config.dask)
     finally:
-        for h in handlers:
-            logging.getLogger("wsi_pipeline").removeHandler(h)
-            logging.getLogger("py.warnings").removeHandler(h)
-            h.close()
+        remove_logging(handlers)
     print(report.table())
     n_failed = len(report.failed)
     print(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in {out}/"
