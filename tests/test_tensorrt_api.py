@@ -121,7 +121,7 @@ def test_missing_tensorrt_is_one_clear_error(tmp_path, capsys):
     try:
         engine_build.import_tensorrt()
     except BackendUnavailableError as exc:
-        assert str(exc) == "TensorRT is not installed; use --backend torch or ort"
+        assert str(exc) == "TensorRT is not installed (no tensorrt Python package)"
     else:
         pytest.skip("TensorRT is installed here")
     import argparse
@@ -141,4 +141,5 @@ def test_missing_tensorrt_is_one_clear_error(tmp_path, capsys):
     if "build_engine" in cli.COMMANDS:
         assert main(["build-engine", str(model)]) == 1
         err = capsys.readouterr().err
-        assert err.strip() == "error: TensorRT is not installed; use --backend torch or ort"
+        assert err.startswith("error: TensorRT is not installed") and err.count("\n") == 1
+        assert "build-engine needs TensorRT" in err and "use --backend" not in err  # no option it lacks

@@ -29,6 +29,7 @@ import os
 import shutil
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,10 +252,17 @@ class SlideOutcome:
     counts: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     worker: str | None = None
+    tiles: int | None = None  # tiles read (None when not run)
 
     def as_record(self) -> dict[str, Any]:
         return {**path_record(self.path), "status": self.status, "seconds": round(self.seconds, 3),
-                "counts": self.counts, "error": self.error, "worker": self.worker}
+                "counts": self.counts, "error": self.error, "worker": self.worker, "tiles": self.tiles}
+
+    def describe(self) -> str:
+        """One line for the log: seconds, tiles read, detections per class."""
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items()) or "no classes"
+        tiles = f"{self.tiles} tiles read, " if self.tiles is not None else ""
+        return f"{self.path}: done in {self.seconds:.1f} s, {tiles}{counts}"
 
 
 def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -287,7 +295,8 @@ def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_di
             _remove_tree(old)
         else:
             os.replace(partial, final)
-        return SlideOutcome(name, str(path), "done", time.perf_counter() - t0, dict(result.summary["counts"]))
+        return SlideOutcome(name, str(path), "done", time.perf_counter() - t0, dict(result.summary["counts"]),
+                            tiles=result.summary["tiles"]["read"])
     except KeyboardInterrupt:
         _remove_tree(partial)
         raise
@@ -306,6 +315,13 @@ def _describe(exc: BaseException, path: Any) -> str:
 
 
 # -- the batch ------------------------------------------------------------------
+
+def display_width(text: str) -> int:
+    """Terminal columns ``text`` takes: East Asian wide and full-width characters take two,
+    combining marks none."""
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
 
 @dataclass
 class BatchReport:
@@ -329,8 +345,9 @@ class BatchReport:
             counts = ", ".join(f"{k} {v}" for k, v in o.counts.items()) if o.counts else "-"
             status = "done earlier" if o.status == "skipped" else o.status
             rows.append((o.name, status, counts, f"{o.seconds:.1f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        widths = [max(display_width(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(c + " " * (w - display_width(c)) for c, w in zip(r, widths, strict=True)).rstrip()
+                 for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         for o in self.failed:
             lines.append(f"failed: {o.name}: {o.error}")
@@ -378,6 +395,15 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     for o in done:
         manifest.update(o.name, **path_record(o.path), status="done", run_key=key, counts=o.counts)
         log.info("%s: already done with these settings, skipped", o.path)
+    # Built (or connected) before any slide is marked pending: a model, backend or cluster that
+    # cannot start is the command's error, not every slide's.
+    pipeline = connection = None
+    if todo and dask:
+        from .distributed import connect, run_on_dask
+
+        connection = connect(dask)
+    elif todo:
+        pipeline = pipeline_factory()
     for path, name in todo:
         manifest.update(name, **path_record(path), status="pending", run_key=key, error=None)
 
@@ -387,7 +413,7 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
         if o.status == "failed":
             log.error("%s: failed: %s", o.path, o.error)
         else:
-            log.info("%s: done in %.1f s, %s", o.path, o.seconds, o.counts)
+            log.info("%s", o.describe())
         if on_outcome is not None:
             on_outcome(o)
 
@@ -397,15 +423,13 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
         bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
     try:
-        if dask:
-            from .distributed import run_on_dask
-
-            for o in run_on_dask(dask, todo, out, config, key):
+        if connection is not None:
+            for o in run_on_dask(connection, todo, out, config, key):
                 record(o)
                 if bar is not None:
                     bar.update(1)
         elif todo:
-            for o in _run_local(todo, out, pipeline_factory, key, progress, manifest):
+            for o in _run_local(todo, out, pipeline, key, progress, manifest):
                 record(o)
                 if bar is not None:
                     bar.update(1)
@@ -416,12 +440,12 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 
-def _run_local(todo: list[tuple[Path, str]], out: Path, factory: Callable[[], Any], key: str, progress: bool,
+def _run_local(todo: list[tuple[Path, str]], out: Path, pipeline: Any, key: str, progress: bool,
                manifest: Manifest) -> Iterator[SlideOutcome]:
-    pipeline = factory()
     try:
-        for path, name in todo:
+        for i, (path, name) in enumerate(todo, 1):
             manifest.update(name, status="running", started=_now())
+            log.info("%s: started (%d of %d)", path, i, len(todo))
             yield process_slide(pipeline, path, name, out, key, progress=progress)
     finally:
         pipeline.close()

@@ -16,7 +16,7 @@ import warnings
 from .errors import UsageError, WSIPipelineError
 
 # Sub-command modules, in the order ``--help`` lists them.
-COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine"]
+COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine", "card"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -36,7 +36,9 @@ _worker_pipelines: dict[str, Any] = {}
 
 
 def _cuda_device_count() -> int:
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+    from .inference.backend import cuda_may_be_present
+
+    if not cuda_may_be_present():
         return 0
     try:
         import torch
@@ -136,12 +138,13 @@ def slide_task(path: str, name: str, out_dir: str, config_doc: dict[str, Any], k
     return {**outcome.as_record(), "name": name}
 
 
-def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
+def run_on_dask(connection: tuple[Any, Any], todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
                 key: str) -> Iterator[SlideOutcome]:
-    """Submit every slide as a task; yield outcomes as they finish."""
+    """Submit every slide as a task on ``connection`` (:func:`connect`'s, closed at the end);
+    yield outcomes as they finish."""
     from dask.distributed import as_completed
 
-    client, cluster = connect(address)
+    client, cluster = connection
     try:
         if cluster is not None and config.workers is None:
             # Worker processes on this host share its cores: split the tile readers between them.
@@ -163,7 +166,7 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
                 yield SlideOutcome(name, str(path), "failed", error=f"{path}: task failed on the cluster: {exc}")
                 continue
             yield SlideOutcome(rec["name"], str(path), rec["status"], rec["seconds"], rec["counts"] or {},
-                               rec["error"], rec.get("worker"))
+                               rec["error"], rec.get("worker"), rec.get("tiles"))
     finally:
         client.close()
         if cluster is not None:

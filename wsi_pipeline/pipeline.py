@@ -41,6 +41,7 @@ import numpy as np
 
 from .config import RunConfig
 from .errors import BackendUnavailableError, ConfigError, WSIPipelineError
+from .inference.backend import resolve_backend
 from .inference.card import ModelCard, load_card
 from .inference.decoders import TileDetections
 from .inference.executor import Executor
@@ -105,6 +106,8 @@ class Result:
         heatmap: C x H x W float32 probabilities (an array), a
             :class:`~.io.ome_tiff.HeatmapFile` (lazy, when the run wrote its
             outputs to a folder), or None for models without a heatmap.
+            Both index alike (``heatmap[1]``, ``heatmap[1, y0:y1, x0:x1]``,
+            ``shape``, ``dtype``, ``numpy.asarray(heatmap)``).
         heatmap_scale_level0: level-0 pixels per heatmap pixel.
         summary: the summary.json document (counts, areas, scores, timings).
         class_names: names of the detection labels; heatmap_classes: of the
@@ -133,25 +136,6 @@ class Result:
     def boxes(self) -> np.ndarray:
         """N x 4 float32 (x0, y0, x1, y1) level-0 pixels."""
         return detection_boxes(self.detections)
-
-
-def resolve_backend(name: str) -> str:
-    """``auto`` -> ``tensorrt`` where TensorRT and CUDA are present, else ``torch`` on CUDA, else ``ort``."""
-    if name != "auto":
-        return name
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if not cuda:
-        return "ort"
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "tensorrt"
 
 
 def default_batch_size(card: ModelCard, backend: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import BackendUnavailableError
 from ..inference.engine_build import DEFAULT_MAX_BATCH, build_engine
 
 
@@ -27,8 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = build_engine(args.model, max_batch=args.max_batch, opt_batch=args.opt_batch,
-                        workspace_gb=args.workspace_gb, out=args.out, force=args.force,
-                        log=lambda msg: print(msg, file=sys.stderr))
+    try:
+        path = build_engine(args.model, max_batch=args.max_batch, opt_batch=args.opt_batch,
+                            workspace_gb=args.workspace_gb, out=args.out, force=args.force,
+                            log=lambda msg: print(msg, file=sys.stderr))
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(
+            f"{exc}; build-engine needs TensorRT and a CUDA GPU (without them, "
+            "'wsi-pipeline run --backend ort' runs the ONNX model as it is)") from exc
     print(path)
     return 0

@@ -13,7 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "INT8 uses explicit Q/DQ nodes calibrated on tiles (a folder of JPEG/PNG files or a .npz).",
     )
     p.add_argument("model", metavar="MODEL", help="ONNX model or its card (NAME.card.json)")
-    p.add_argument("--precision", choices=["fp16", "int8"], required=True)
+    p.add_argument("--precision", choices=["fp16", "int8"], required=True,
+                   help="fp16: the convolution trunk in float16; int8: Q/DQ nodes calibrated on --calibration "
+                        "tiles (both for TensorRT; on the CPU fp32 is fastest)")
     p.add_argument("--calibration", metavar="DIR", default=None,
                    help="calibration tiles for int8 (folder of images or .npz), e.g. calibration_data/pathology")
     p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax",
@@ -28,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read N tiles at the model's resolution from tissue areas of SLIDES and write them "
         "as JPEG files with a manifest.json (slide, level-0 origin, downsample).",
     )
-    c.add_argument("slides", metavar="SLIDE", nargs="+")
+    c.add_argument("slides", metavar="SLIDE", nargs="+", help="slides to sample from (each gives about N / number of slides tiles)")
     c.add_argument("--out", required=True, help="folder to write the tiles into")
     c.add_argument("--n", type=int, default=300, help="number of tiles (default 300)")
     c.add_argument("--tile-size", type=int, default=512, help="tile side in model pixels (default 512)")
@@ -37,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--tissue", choices=["otsu", "all"], default="otsu",
                    help="where to sample: tissue by Otsu on the thumbnail, or everywhere (default otsu)")
     c.add_argument("--min-tissue", type=float, default=0.5, help="least tissue fraction of a tile (default 0.5)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the tile positions drawn (default 0)")
     c.add_argument("--quality", type=int, default=92, help="JPEG quality of the written tiles (default 92)")
     c.set_defaults(func=run_sample)
 

@@ -1,8 +1,4 @@
-"""``wsi-pipeline run INPUT... --out DIR``: detect over slides, resumable.
-
-Exit code 0 when every slide succeeded (or was already done), 1 when some
-failed, 2 when the command line or config cannot start a run.
-"""
+"""``wsi-pipeline run INPUT... --out DIR``: detect over slides, resumable."""
 
 from __future__ import annotations
 
@@ -15,14 +11,22 @@ from pathlib import Path
 from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
 from ..config import (
     BACKEND_CHOICES,
+    BLEND_CHOICES,
     DECODE_CHOICES,
     MERGE_CHOICES,
     TISSUE_CHOICES,
     RunConfig,
     load_config,
 )
-from ..errors import ConfigError, ModelError, UsageError
+from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
+DESCRIPTION = """\
+Detect over slides into DIR, one folder per slide, resumable.
+
+Exit code 0 when every slide succeeded (or was already done), 1 when some
+failed, 2 when the command line or config cannot start a run.
+"""
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
@@ -32,7 +36,7 @@ CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue",
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run", help="detect over slides into an output folder (resumable batch)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="slide files, folders (recursive), globs, or .txt/.csv lists of paths")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
@@ -51,16 +55,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", choices=DECODE_CHOICES,
                    help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
                         "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)")
-    p.add_argument("--streams", type=int, help="concurrent inference streams / sessions")
-    p.add_argument("--score-threshold", type=float, help="drop detections below this score")
+    p.add_argument("--streams", type=int,
+                   help="concurrent inference streams / sessions (default: 4 CUDA streams on a GPU, "
+                        "2 ONNX Runtime sessions on the CPU)")
+    p.add_argument("--score-threshold", type=float,
+                   help="drop detections below this score (default: keep what the model card's decoder "
+                        "keeps, its score_threshold, 0.3 for the shipped models)")
     p.add_argument("--nms-iou", type=float, help="overlap threshold of the box merge (default 0.5)")
     p.add_argument("--merge", choices=MERGE_CHOICES, help="box merge across tiles (default nms)")
-    p.add_argument("--blend", choices=("gaussian", "hann", "linear", "constant"), help="heatmap blending weights")
-    p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels")
+    p.add_argument("--blend", choices=BLEND_CHOICES,
+                   help="weights that blend overlapping tiles' heatmaps (default gaussian)")
+    p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
     p.add_argument("--force", action="store_true", help="redo slides already done")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto",
+                   help="what stderr shows while slides run: bar (progress bars), log (a line when each slide "
+                        "starts and ends), none; auto: bar on a terminal, log otherwise (scheduler, nohup, "
+                        "cron). Warnings and errors reach stderr in every mode (default %(default)s)")
+    p.add_argument("--quiet", action="store_true",
+                   help="only errors on stderr: no progress and no warnings (run.log keeps everything); "
+                        "the results table still goes to stdout")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const="none", default="auto",
+                   help=argparse.SUPPRESS)  # the earlier spelling of --progress none
     p.set_defaults(func=run)
 
 
@@ -81,18 +98,6 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         raise UsageError(str(exc)) from exc
 
 
-def _setup_logging(out: Path) -> logging.Handler:
-    out.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / LOG_FILE, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logger = logging.getLogger("wsi_pipeline")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
-    logging.captureWarnings(True)
-    logging.getLogger("py.warnings").addHandler(handler)
-    return handler
-
-
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
     from ..pipeline import DEFAULT_MODEL, Pipeline
@@ -109,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
-    handler = _setup_logging(out)
+    mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
+    handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
     log = logging.getLogger("wsi_pipeline")
     log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key, config.as_dict())
     try:
@@ -118,16 +124,19 @@ def run(args: argparse.Namespace) -> int:
                 return Pipeline(card, backend=config.backend, config=config)
             except (ConfigError, ModelError) as exc:
                 raise UsageError(str(exc)) from exc
+            except BackendUnavailableError as exc:
+                if config.backend == "auto":
+                    raise
+                raise UsageError(f"backend {config.backend}: {exc}; --backend ort runs on the CPU, "
+                                 "--backend auto takes the best this machine has") from exc
 
         with warnings.catch_warnings():
-            # Per-slide warnings (unknown resolution ...) go to run.log; the bars stay readable.
+            # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
             warnings.simplefilter("default")
-            report = run_batch(slides, out, factory, config, key, force=args.force,
-                               progress=not args.no_progress and sys.stderr.isatty(), dask=config.dask)
+            report = run_batch(slides, out, factory, config, key, force=args.force, progress=mode == "bar",
+                               dask=config.dask)
     finally:
-        logging.getLogger("wsi_pipeline").removeHandler(handler)
-        logging.getLogger("py.warnings").removeHandler(handler)
-        handler.close()
+        remove_logging(handlers)
     print(report.table())
     n_failed = len(report.failed)
     print(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in {out}/"

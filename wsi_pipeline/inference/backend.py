@@ -8,8 +8,10 @@ each with N in its first axis; decoding them is the decoders' job.
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib
 import os
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -63,3 +65,44 @@ def create_backend(card: ModelCard | str | os.PathLike[str], backend: str = "ort
         raise BackendUnavailableError(f"backend {backend!r} is not available here: {exc}") from exc
     cls = getattr(module, class_name)
     return cls(card, **opts)
+
+
+def cuda_may_be_present() -> bool:
+    """Whether this process could see an NVIDIA GPU, decided without importing torch.
+
+    False when ``CUDA_VISIBLE_DEVICES`` hides every device (empty or ``-1``)
+    or when neither the NVIDIA kernel driver (``/proc/driver/nvidia``) nor
+    the CUDA driver library (``libcuda``; ``nvcuda`` on Windows) is there.
+    True means only that torch is worth asking.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-1")):
+        return False
+    if sys.platform.startswith("linux") and os.path.isdir("/proc/driver/nvidia"):
+        return True
+    return bool(ctypes.util.find_library("cuda") or ctypes.util.find_library("nvcuda"))
+
+
+def resolve_backend(name: str) -> str:
+    """``auto`` -> ``tensorrt`` where TensorRT and CUDA are present, else ``torch`` on CUDA, else ``ort``.
+
+    torch is imported only where :func:`cuda_may_be_present` (importing it
+    takes seconds, which a CPU-only run should not pay).
+    """
+    if name != "auto":
+        return name
+    if not cuda_may_be_present():
+        return "ort"
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        return "ort"
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "tensorrt"

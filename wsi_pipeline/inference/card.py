@@ -423,17 +423,23 @@ def _onnx_signature(model_path: Path) -> tuple[dict[str, tuple[str, tuple[Dim, .
             return out
 
         return sig(model.graph.input), sig(model.graph.output)
+    sess = ort_session(model_path)
+    return ort_signature(sess.get_inputs()), ort_signature(sess.get_outputs())
+
+
+def ort_session(model_path: str | os.PathLike[str]) -> Any:
+    """An onnxruntime CPU session of the model, or ModelError naming the file."""
     import onnxruntime as ort
 
     try:
-        sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise ModelError(f"{model_path}: cannot be loaded by onnxruntime: {exc}") from exc
 
-    def ort_sig(args) -> dict[str, tuple[str, tuple[Dim, ...]]]:
-        return {a.name: (_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
 
-    return ort_sig(sess.get_inputs()), ort_sig(sess.get_outputs())
+def ort_signature(args: Sequence[Any]) -> dict[str, tuple[str, tuple[Dim, ...]]]:
+    """{name: (card dtype name, shape)} of onnxruntime NodeArgs (a session's inputs or outputs)."""
+    return {a.name: (_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
 
 
 def _dims_conflict(expected: Dim, found: Dim) -> bool:

@@ -23,7 +23,7 @@ from ..errors import BackendUnavailableError, ConfigError, ModelError
 from ..io.atomic import atomic_write
 from .card import file_sha256
 
-TRT_MISSING = "TensorRT is not installed; use --backend torch or ort"
+TRT_MISSING = "TensorRT is not installed (no tensorrt Python package)"
 DEFAULT_MAX_BATCH = 64
 
 

@@ -36,7 +36,7 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError as exc:  # the torch extra is not installed
-    raise BackendUnavailableError("PyTorch is not installed; install the 'gpu' extra or use --backend ort") from exc
+    raise BackendUnavailableError("PyTorch is not installed (the 'gpu' extra installs it)") from exc
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -506,7 +506,7 @@ class TorchBackend:
             raise ConfigError(f"max_batch: expected >= 1, found {max_batch}")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailableError("CUDA is not available here; use --device cpu or --backend ort")
+            raise BackendUnavailableError("CUDA is not available here (torch sees no GPU)")
         if self.device.type == "cpu" and precision == "fp16":
             raise ConfigError("precision fp16 needs CUDA; use fp32 or bf16 on the CPU")
         if self.card.input.layout != "NHWC" or self.card.input.dtype != "uint8" or \

@@ -340,6 +340,10 @@ class HeatmapFile:
     ``shape`` is C x H x W of level 0; :meth:`read` returns one pyramid level
     as float32 values (``stored * value_scale``, probabilities for the
     shipped models); ``numpy.asarray(heatmap_file)`` reads level 0.
+    Level 0 indexes like the C x H x W float32 array it holds:
+    ``h[1]``, ``h[1, y0:y1, x0:x1]``, ``h[[0, 1], ::2]`` (only the channels
+    asked for are read from the file); ``shape``, ``dtype``, ``ndim`` and
+    ``len`` are the array's.
 
     >>> import numpy as np, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "h.ome.tif")
@@ -350,7 +354,12 @@ class HeatmapFile:
     ((1, 32, 64), ['tumour'], (2.0, 2.0))
     >>> round(float(h.read().mean()), 2)
     0.5
+    >>> h[0, :2, :3].shape, h.dtype
+    ((2, 3), dtype('float32'))
     """
+
+    dtype = np.dtype(np.float32)
+    ndim = 3
 
     def __init__(self, path: str | os.PathLike[str]):
         import re
@@ -381,14 +390,39 @@ class HeatmapFile:
     def level_count(self) -> int:
         return len(self.level_shapes)
 
-    def read(self, level: int = 0) -> np.ndarray:
-        """Level ``level`` (0 = full size) as C x h x w float32 values."""
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self, level: int = 0, channels: Sequence[int] | None = None) -> np.ndarray:
+        """Level ``level`` (0 = full size) as C x h x w float32 values; ``channels``: only those, in that order."""
         if not 0 <= level < len(self.level_shapes):
             raise WSIPipelineError(f"{self.path}: level {level} does not exist ({len(self.level_shapes)} levels)")
+        c, h, w = self.level_shapes[level]
+        wanted = range(c) if channels is None else [int(i) for i in channels]
         with tifffile.TiffFile(self.path) as tif:
-            data = tif.series[0].levels[level].asarray()
-        data = data.reshape(self.level_shapes[level])
+            level_series = tif.series[0].levels[level]
+            if channels is None:
+                data = level_series.asarray().reshape(c, h, w)
+            else:  # one page per channel: read only the pages asked for
+                data = np.stack([level_series.pages[i].asarray().reshape(h, w) for i in wanted]) \
+                    if len(wanted) else np.zeros((0, h, w), level_series.dtype)
         return data.astype(np.float32) * np.float32(self.value_scale)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """numpy indexing of level 0, reading only the channels the first index selects."""
+        key = key if isinstance(key, tuple) else (key,)
+        first, rest = (key[0], key[1:]) if key else (slice(None), ())
+        if first is Ellipsis or first is None:
+            return self.read(0)[key]
+        try:
+            selected = np.arange(self.shape[0])[first]  # raises IndexError as an array would
+        except IndexError as exc:
+            raise IndexError(f"{self.path}: {exc}") from None
+        if isinstance(first, slice):  # basic indexing: keep it basic on the channels read
+            return self.read(0, np.atleast_1d(selected))[(slice(None), *rest)]
+        wanted = np.unique(selected)
+        positions = np.searchsorted(wanted, selected)  # same shape as ``selected``: int or array
+        return self.read(0, wanted)[(positions, *rest)]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         a = self.read(0)

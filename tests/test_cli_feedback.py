@@ -1,0 +1,166 @@
+"""What the command line tells its user: progress and warnings on stderr, advice that applies,
+usage errors that leave nothing behind, training that never replaces a model unasked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wsi_pipeline import cli
+from wsi_pipeline.batch import BatchReport, SlideOutcome
+from wsi_pipeline.errors import UsageError
+from wsi_pipeline.slide.synthetic import write_synthetic_slide
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "wsi_pipeline", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def coarse_slide(tmp_path_factory):
+    """A small slide at 0.5 um/px: coarser than the pathology model's 0.25, so the run warns."""
+    path = tmp_path_factory.mktemp("coarse") / "coarse.tiff"
+    write_synthetic_slide(path, 1024, 1024, seed=3, kind="pathology", mpp=0.5)
+    return path
+
+
+# -- progress and warnings on stderr ----------------------------------------------------
+
+def test_non_interactive_run_logs_each_slide_and_warning_to_stderr(coarse_slide, tmp_path):
+    proc = _cli("run", coarse_slide, "--out", tmp_path / "out", "--backend", "ort")  # stderr is a pipe
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert any(f"{coarse_slide}: started (1 of 1)" in ln for ln in lines), proc.stderr
+    done = [ln for ln in lines if f"{coarse_slide}: done in " in ln]
+    assert len(done) == 1 and " tiles read, nucleus " in done[0], proc.stderr
+    warn = [ln for ln in lines if "WARNING" in ln]
+    assert len(warn) == 1 and "coarser than the model's 0.25 um/px" in warn[0], proc.stderr
+    assert "warning: " not in warn[0] and "\n" not in warn[0]
+    assert "nucleus" in proc.stdout  # the results table stays on stdout
+    # run.log keeps the same lines
+    assert "coarser than the model's" in (tmp_path / "out" / "run.log").read_text()
+
+
+def test_quiet_and_progress_none(coarse_slide, tmp_path):
+    quiet = _cli("run", coarse_slide, "--out", tmp_path / "q", "--backend", "ort", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert "coarser than the model's" in (tmp_path / "q" / "run.log").read_text()
+    none = _cli("run", coarse_slide, "--out", tmp_path / "n", "--backend", "ort", "--progress", "none")
+    assert none.returncode == 0
+    assert "started" not in none.stderr and "coarser than the model's" in none.stderr
+
+
+def test_progress_mode_choice():
+    from wsi_pipeline.commands.run_log import progress_mode
+
+    assert progress_mode("auto", False, stderr_is_terminal=True) == "bar"
+    assert progress_mode("auto", False, stderr_is_terminal=False) == "log"
+    assert progress_mode("log", False, stderr_is_terminal=True) == "log"
+    assert progress_mode("bar", True, stderr_is_terminal=True) == "none"
+
+
+# -- errors name options the command has ---------------------------------------------------
+
+def test_unavailable_backend_is_a_usage_error_with_advice_for_run(coarse_slide, tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--backend", "torch", "--progress", "none"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "CUDA is not available" in err and "--backend ort" in err
+    assert "--device" not in err
+    assert not (out / "manifest.json").exists()  # no slide was marked pending
+
+
+def test_build_engine_without_tensorrt_names_no_option_it_lacks(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import fails as where TensorRT is missing
+    monkeypatch.setitem(sys.modules, "tensorrt_bindings", None)
+    rc = cli.main(["build-engine", str(Path(__file__).parent.parent / "engines" / "defects_industrial.onnx")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "TensorRT is not installed" in err and "build-engine needs TensorRT" in err
+    # build-engine has no --backend; the only --backend named is qualified by the run command
+    assert "use --backend" not in err and "wsi-pipeline run --backend ort" in err
+
+
+# -- training never replaces a model unasked ----------------------------------------------------
+
+def test_train_defaults_to_trained_models_and_needs_force_to_replace(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from wsi_pipeline.models.train import train
+
+    assert cli.build_parser().parse_args(["train", "--kind", "industrial"]).out == Path("trained_models")
+    monkeypatch.chdir(tmp_path)
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    (engines / "nuclei_pathology.onnx").write_bytes(b"shipped model")
+    (engines / "nuclei_pathology.card.json").write_text("{}")
+    assert cli.main(["train", "--kind", "pathology", "--out", "engines", "--steps", "1"]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert (engines / "nuclei_pathology.onnx").read_bytes() == b"shipped model"
+
+    path = train("pathology", steps=1, train_scenes=1, log=lambda msg: None)
+    assert path.resolve() == tmp_path / "trained_models" / "nuclei_pathology.onnx"
+    assert (tmp_path / "trained_models" / "nuclei_pathology.card.json").is_file()
+    with pytest.raises(UsageError, match="already exist"):
+        train("pathology", steps=1, train_scenes=1, log=lambda msg: None)
+    mtime = path.stat().st_mtime_ns
+    train("pathology", steps=1, train_scenes=1, force=True, log=lambda msg: None)
+    assert path.stat().st_mtime_ns != mtime
+
+
+# -- help and the results table -------------------------------------------------------------
+
+def test_results_table_aligns_names_of_any_script():
+    import unicodedata
+
+    def columns(text: str) -> int:
+        return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+                   for c in text)
+
+    names = ["plain", "標本スライド", "cafe\u0301", "Ｆｕｌｌ"]
+    report = BatchReport([SlideOutcome(n, n, "done", 1.0, {"nucleus": 3}) for n in names], Path("."))
+    rows = report.table().splitlines()[2:]
+    starts = {columns(row[:row.index("done")]) for row in rows}
+    assert len(starts) == 1, report.table()
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                yield from ((f"{name} {n}", s) for n, s in _subparsers(sub))
+
+
+def test_every_option_has_help_and_no_markup():
+    import argparse
+
+    parser = cli.build_parser()
+    for name, sub in _subparsers(parser):
+        for action in sub._actions:
+            if action.help is None and not isinstance(action, argparse._SubParsersAction):
+                raise AssertionError(f"wsi-pipeline {name} {action.option_strings or action.dest}: no help")
+        text = sub.format_help()
+        assert "``" not in text, f"wsi-pipeline {name} --help shows raw markup"
+    run_help = dict(_subparsers(parser))["run"].format_help()
+    run_help = run_help[run_help.index("options:"):]
+    for flag in ("--blend", "--overlay-size", "--streams", "--score-threshold"):
+        start = run_help.index(flag + " ")
+        assert "default" in run_help[start:run_help.index("\n  --", start + 1)], flag
+
+
+def test_cluster_usage_error_leaves_no_pending_manifest(coarse_slide, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--dask", "local:0", "--progress", "none"])
+    assert rc == 2, capsys.readouterr().err
+    assert "--dask" in capsys.readouterr().err
+    assert not (out / "manifest.json").exists()
