@@ -3,7 +3,8 @@
 Samples this process's resident set every 20 ms (``/proc/self/statm``, Linux)
 while ``Pipeline.run`` works on SLIDE with outputs, and prints the peak seen
 during each stage (open, tissue_mask, read_and_infer, stitch, write) and
-during the writers inside ``write``.
+during the parts of ``write`` done in this process (the GeoJSON, CSV and
+overlay drawing run in writer processes).
 
     python benchmarks/profile_memory_stages.py SLIDE [--backend ort]
 """
@@ -68,8 +69,9 @@ def main() -> None:
             _stage[0] = prev
 
     stages.StageTimer.__call__ = stage
-    for owner, name, label in [(pipeline, "write_geojson", "write: geojson"), (pipeline, "write_csv", "write: csv"),
-                               (pipeline._Stitcher, "write_overlay", "write: overlay"),
+    # GeoJSON, CSV and the overlay's drawing run in writer processes (not this process's memory);
+    # here: reading the overlay's thumbnail and finishing the heatmap file.
+    for owner, name, label in [(pipeline._Stitcher, "overlay_inputs", "write: overlay thumbnail"),
                                (ome_tiff.OmeTiffHeatmapWriter, "close", "write: heatmap file")]:
         _label(owner, name, label)
     threading.Thread(target=_sample, daemon=True).start()
