@@ -12,8 +12,11 @@ from conftest import corrupt_stored_tile
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.io.atomic import write_json
 from wsi_pipeline.io.detections import detection_boxes, read_geojson
+from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.models.evaluate import detection_counts, dice
+from wsi_pipeline.pipeline import OUTPUT_FILES
 from wsi_pipeline.slide.synthetic import SyntheticScene, load_truth, write_synthetic_slide
 
 INDUSTRIAL = "engines/defects_industrial.card.json"
@@ -213,3 +216,36 @@ def test_detections_convert_to_a_dataframe(pipe, slide_path):
     assert set(df["class"]) == {"nucleus"}
     assert (df["x1"] > df["x0"]).all() and df["score"].between(0, 1).all()
     np.testing.assert_array_equal(pd.DataFrame(result.detections)["x0"].to_numpy(), result.detections["x0"])
+
+
+def test_outputs_can_finish_while_the_caller_goes_on(pipe, slide_path, run_out, tmp_path):
+    """wait_written=False: the run returns before its files are written; the folder ends up the same."""
+    run_out = run_out[1]
+    res = pipe.run(slide_path, out_dir=tmp_path / "later", wait_written=False)
+    assert res.written is not None
+    res.wait_written()
+    names = sorted(p.name for p in (tmp_path / "later").iterdir())
+    assert names == sorted(OUTPUT_FILES)
+    assert (tmp_path / "later" / "detections.csv").read_text() == (run_out / "detections.csv").read_text()
+    assert res.heatmap.shape == HeatmapFile(run_out / "heatmap.ome.tif").shape
+    assert json.loads((tmp_path / "later" / "summary.json").read_text())["seconds"]["write"] > 0
+
+
+def _fail_job(path):
+    raise OSError(28, "No space left on device", str(path))
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_failed_write_job_raises_after_every_job_ended(tmp_path, processes):
+    from wsi_pipeline.io.writer_pool import WriteJobs, WriterPool
+
+    pool = WriterPool(processes)
+    try:
+        jobs = WriteJobs()
+        pool.submit(jobs, "a.txt", _fail_job, tmp_path / "a.txt")
+        pool.submit(jobs, "b.json", write_json, tmp_path / "b.json", {"ok": 1})
+        with pytest.raises(OSError, match="No space left"):
+            jobs.wait()
+        assert jobs.done() and json.loads((tmp_path / "b.json").read_text()) == {"ok": 1}
+    finally:
+        pool.close()

@@ -33,6 +33,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,13 @@ class Result:
     class_names: list[str]
     heatmap_classes: list[str] = field(default_factory=list)
     out_dir: Path | None = None
+    written: Future | None = field(default=None, repr=False)
+
+    def wait_written(self) -> Result:
+        """Wait until every output file is written (runs with ``wait_written=False``); raise what failed."""
+        if self.written is not None:
+            self.written.result()
+        return self
 
     def to_dataframe(self):
         """The detections as a pandas DataFrame with a ``class`` column (needs pandas)."""
@@ -209,6 +217,8 @@ class Pipeline:
         self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
                                    workers=self.executor.streams, max_wait_s=max_wait_s)
         self.writers = WriterPool(writer_processes)
+        # Finishes one run's output folder at a time, while the next run goes on.
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False
 
     @classmethod
@@ -256,7 +266,7 @@ class Pipeline:
     # -- running ---------------------------------------------------------------
     def run(self, source: str | os.PathLike[str] | Slide | np.ndarray, out_dir: str | os.PathLike[str] | None = None,
             progress: bool | Progress = False, keep_heatmap: bool | None = None,
-            extra_summary: dict[str, Any] | None = None) -> Result:
+            extra_summary: dict[str, Any] | None = None, wait_written: bool = True) -> Result:
         """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
 
         ``out_dir``: write detections.geojson, detections.csv,
@@ -266,7 +276,10 @@ class Pipeline:
         in memory as ``result.heatmap`` (default: when nothing is written);
         with ``out_dir``, ``result.heatmap`` otherwise reads the OME-TIFF
         lazily. ``extra_summary``: entries added to the summary (e.g. the
-        batch's run key).
+        batch's run key). ``wait_written=False`` returns once the slide is
+        stitched, while its files are still being written (the next slide
+        can start meanwhile); :meth:`Result.wait_written` waits for them and
+        raises what failed.
         """
         if self._closed:
             raise WSIPipelineError("pipeline is closed")
@@ -282,7 +295,7 @@ class Pipeline:
             slide = as_slide(source)
         try:
             return self._run_slide(slide, isinstance(source, np.ndarray), out_dir, progress, keep_heatmap,
-                                   timer, t_start, extra_summary or {})
+                                   timer, t_start, extra_summary or {}, wait_written)
         finally:
             if owns:
                 slide.close()
@@ -308,11 +321,12 @@ class Pipeline:
 
     def _run_slide(self, slide: Slide, is_array: bool, out_dir: str | os.PathLike[str] | None,
                    progress: bool | Progress, keep_heatmap: bool | None, timer: StageTimer,
-                   t_start: float, extra_summary: dict[str, Any]) -> Result:
+                   t_start: float, extra_summary: dict[str, Any], wait_written: bool = True) -> Result:
         cfg, card = self.config, self.card
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
+            self.writers.start()  # the writer processes start while the slide runs
         if keep_heatmap is None:
             keep_heatmap = out is None
         with timer("tissue_mask"):
@@ -349,7 +363,7 @@ class Pipeline:
                 t_write = time.perf_counter()
                 heatmap = stitcher.close_heatmap() if out is None else None
                 result = self._result(slide, grid, mask, tiles, stitcher, dets, heatmap, timer, t_start, t_write,
-                                      out, {**run_info, **extra_summary})
+                                      out, {**run_info, **extra_summary}, wait_written)
         except BaseException:
             stitcher.abort()
             raise
@@ -436,7 +450,7 @@ class Pipeline:
 
     def _result(self, slide: Slide, grid: TileGrid, mask, tiles: list[Tile], stitcher: _Stitcher,
                 dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float, t_write: float,
-                out: Path | None, extra_summary: dict[str, Any]) -> Result:
+                out: Path | None, extra_summary: dict[str, Any], wait_written: bool = True) -> Result:
         cfg, card = self.config, self.card
         classes = [{"name": c.name, "color": c.color} for c in card.classes]
         names = card.class_names
@@ -476,22 +490,32 @@ class Pipeline:
             "versions": package_versions(),
             **extra_summary,
         }
-        if out is not None:
-            # The three files are written by worker processes while this thread finishes the heatmap.
-            jobs = WriteJobs()
-            self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
-            self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
-            self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png",
-                                *stitcher.overlay_inputs(dets))
+        result = Result(str(slide.path), dets, heatmap, stitcher.heatmap_scale_level0, summary, names,
+                        list(card.heatmap.classes) if card.heatmap else [], out)
+        if out is None:
+            return result
+        # GeoJSON, CSV and overlay are written by worker processes while a thread finishes the
+        # heatmap file; summary.json, the mark of a complete folder, comes last.
+        jobs = WriteJobs()
+        self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
+        self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
+        self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *stitcher.overlay_inputs(dets))
+
+        def finish() -> None:
             try:
-                heatmap = stitcher.close_heatmap()
+                heatmap_file = stitcher.close_heatmap()
             finally:
                 jobs.wait()
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
             write_json(out / "summary.json", summary)
-        return Result(str(slide.path), dets, heatmap, stitcher.heatmap_scale_level0, summary, names,
-                      list(card.heatmap.classes) if card.heatmap else [], out)
+            result.heatmap = heatmap_file
+
+        if wait_written:
+            finish()
+        else:
+            result.written = self._finisher.submit(finish)
+        return result
 
     # -- lifetime --------------------------------------------------------------
     def close(self) -> None:
@@ -500,6 +524,7 @@ class Pipeline:
             self._closed = True
             self.service.close()
             self.executor.close()
+            self._finisher.shutdown(wait=True)
             self.writers.close()
 
     def __enter__(self) -> Pipeline:

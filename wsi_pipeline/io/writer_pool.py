@@ -27,6 +27,11 @@ from ..errors import WSIPipelineError
 DEFAULT_PROCESSES = 3
 
 
+def _ready() -> None:
+    """A no-op job: its only effect is a started worker process."""
+    from . import detections, overlay  # noqa: F401  (the modules the jobs need, imported ahead)
+
+
 class WriteJobs:
     """The jobs of one output folder; :meth:`wait` returns when every file is written."""
 
@@ -68,6 +73,13 @@ class WriterPool:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
             return self._pool
+
+    def start(self) -> None:
+        """Start the processes now (each imports its modules: seconds), e.g. while a slide runs."""
+        pool = self._executor()
+        if pool is not None:
+            for _ in range(self.processes):
+                pool.submit(_ready)
 
     def submit(self, jobs: WriteJobs, name: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (a module-level function: it is pickled) for ``jobs``."""
