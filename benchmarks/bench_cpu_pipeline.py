@@ -1,0 +1,94 @@
+"""The CPU product path against the model alone on the same tiles (ONNX Runtime).
+
+    python benchmarks/bench_cpu_pipeline.py [--size 8192] [--rounds 3] [--json out.json]
+
+On a synthetic pathology slide (seed 7) and the shipped pathology model:
+
+- ``Pipeline.run(slide)`` with the default CPU settings (ONNX Runtime, 2
+  sessions of 1 thread on a 2-core machine, batch 8), no outputs written:
+  tiles read per second of the whole run (open, tissue mask, reading,
+  decoding, inference, stitching);
+- the model alone on the same tiles, read into memory beforehand: the same
+  2 sessions x 1 thread, each running its share of batches of 8 (only
+  ``session.run``), tiles per second.
+
+The two are timed in interleaved rounds (pipeline, model, pipeline, ...) and
+the medians compared, so a busy neighbour on the machine weighs on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from wsi_pipeline import Pipeline  # noqa: E402
+from wsi_pipeline.slide import open_slide  # noqa: E402
+from wsi_pipeline.slide.synthetic import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.tiling.grid import read_tile  # noqa: E402
+from wsi_pipeline.tiling.tissue import tissue_mask  # noqa: E402
+
+
+def model_alone(pipe: Pipeline, tiles: np.ndarray, batch: int) -> float:
+    """tiles/s of the pipeline's own ONNX Runtime sessions, one thread each, over ``tiles``."""
+    workers = pipe.executor._workers
+    starts = list(range(0, len(tiles), batch))
+    shares = [starts[i::len(workers)] for i in range(len(workers))]
+
+    def run(worker, share):
+        for s in share:
+            worker.backend.infer(tiles[s:s + batch])
+
+    threads = [threading.Thread(target=run, args=(w, sh)) for w, sh in zip(workers, shares, strict=True)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(tiles) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    path = Path(tempfile.mkdtemp(prefix="bench_cpu_")) / "s.tiff"
+    write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
+    with Pipeline.from_card(backend="ort") as pipe:
+        with open_slide(path) as slide:
+            grid = pipe._grid(slide)
+            sel = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
+            tiles = np.stack([read_tile(slide, t) for t in sel])
+        pipe.run(path)  # warm-up
+        model_alone(pipe, tiles[: 4 * pipe.batch_size], pipe.batch_size)
+        runs, alone = [], []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            res = pipe.run(path)
+            runs.append(res.summary["tiles"]["read"] / (time.perf_counter() - t0))
+            alone.append(model_alone(pipe, tiles, pipe.batch_size))
+            print(f"round: pipeline {runs[-1]:.1f} tiles/s, model alone {alone[-1]:.1f} tiles/s", flush=True)
+        out = {"slide_px": args.size, "tiles": int(len(tiles)), "batch_size": pipe.batch_size,
+               "sessions": len(pipe.executor._workers), "pipeline_tiles_per_s": runs,
+               "model_alone_tiles_per_s": alone,
+               "ratio_of_medians": round(statistics.median(runs) / statistics.median(alone), 3)}
+    print(f"Pipeline.run / model alone (medians): {out['ratio_of_medians']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
