@@ -19,7 +19,13 @@ import numpy as np
 
 from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.stitch.merge import merge_boxes
-from wsi_pipeline.stitch.nms import check_boxes, global_nms, matching_pairs, score_order
+from wsi_pipeline.stitch.nms import (
+    check_boxes,
+    global_nms,
+    matching_pairs,
+    resolve_greedy,
+    score_order,
+)
 
 METHODS = ("nms", "nmm", "wbf")
 
@@ -101,9 +107,20 @@ class StreamingMerger:
             bottom = np.full(n, -np.inf)
             np.maximum.at(bottom, comp, boxes[:, 3])
             final = bottom[comp] <= y_final
+            if self.method == "nms" and final.any():
+                # Greedy NMS decides each component from its own edges: the pairs found above
+                # decide the closed components directly, in processing order, as global_nms would.
+                keep_sorted = resolve_greedy(n, src, dst)
+                sel = order[keep_sorted & final[order]]
+                self._out.append((boxes[sel].astype(np.float32), scores[sel].astype(np.float32),
+                                  labels[sel].astype(np.int32)))
+                final_decided = True
+            else:
+                final_decided = False
         else:
             final = np.ones(n, bool)
-        if final.any():
+            final_decided = False
+        if final.any() and not final_decided:
             self._decide(boxes[final], scores[final], labels[final])
         rest = ~final
         self._boxes, self._scores, self._labels = ([boxes[rest]], [scores[rest]], [labels[rest]]) if rest.any() \
