@@ -294,22 +294,29 @@ def _forge_jpeg_header(buf: bytearray, rng: random.Random) -> str:
     return f"JPEG frame {w}x{h}"
 
 
-def _png_bomb(path: Path, width: int, height: int, depth: int, colour: int) -> None:
-    """A valid PNG of zeros whose decoded size is far beyond its file size."""
+def png_bomb(path: Path, width: int, height: int, depth: int, colour: int) -> None:
+    """A valid PNG of zeros whose decoded size is far beyond its file size.
+
+    Identical blocks of rows deflate to identical bytes after a full flush, so
+    one block is compressed and its bytes repeated: seconds for gigabytes.
+    """
     channels = {0: 1, 2: 3, 4: 2, 6: 4}[colour]
     row = b"\x00" * (1 + -(-width * channels * depth // 8))
-    comp = zlib.compressobj(9)
-    parts = []
-    block = row * max(1, (1 << 22) // len(row))
-    rows_per_block = len(block) // len(row)
-    left = height
-    while left > 0:
-        n = min(left, rows_per_block)
-        parts.append(comp.compress(block if n == rows_per_block else row * n))
-        left -= n
-    parts.append(comp.flush())
+    rows_per_block = max(1, (1 << 22) // len(row))
+    block = row * rows_per_block
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    comp.compress(block)
+    comp.flush(zlib.Z_FULL_FLUSH)
+    repeated = comp.compress(block) + comp.flush(zlib.Z_FULL_FLUSH)
+    full, rest = divmod(height, rows_per_block)
+    tail = comp.compress(row * rest) + comp.flush()
+    adler = 1
+    for _ in range(full):
+        adler = zlib.adler32(block, adler)
+    adler = zlib.adler32(row * rest, adler)
+    idat = b"\x78\xda" + repeated * full + tail + struct.pack(">I", adler)
     ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", b"".join(parts))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat)
                      + _png_chunk(b"IEND", b""))
 
 
@@ -359,7 +366,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         specs = [("bomb_1bit_30000.png", 30000, 30000, 1, 0), ("bomb_rgba16_16000.png", 16000, 16000, 16, 6),
                  ("bomb_grey_40000.png", 40000, 40000, 1, 0)]
         for name, w, h, depth, colour in specs:
-            _png_bomb(folder / name, w, h, depth, colour)
+            png_bomb(folder / name, w, h, depth, colour)
             cases.append((folder / name, f"PNG bomb {w}x{h}, {depth}-bit colour type {colour}"))
         _tiff_tile_bomb(folder / "bomb_tile_65535.tiff")
         cases.append((folder / "bomb_tile_65535.tiff", "tile 65535 x 65535 claimed"))

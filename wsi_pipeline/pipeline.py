@@ -282,6 +282,7 @@ class Pipeline:
             torch.cuda.reset_peak_memory_stats()
         with timer("open"):
             slide = as_slide(source)
+        slide.on_damaged_tile = self.config.on_damaged_tile
         try:
             return self._run_slide(slide, isinstance(source, np.ndarray), out_dir, progress, keep_heatmap,
                                    timer, t_start, extra_summary or {})
@@ -433,6 +434,7 @@ class Pipeline:
             "tiles": {"total": len(grid), "read": len(tiles), "skipped": len(grid) - len(tiles),
                       "grid": [grid.n_rows, grid.n_cols], "level": grid.level, "downsample": grid.downsample},
             "seconds": {**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},
+            "damaged_tiles": slide.damage_summary(),
             "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
             "peak_gpu_memory_mb": _round(peak_gpu_memory_mb()),
             "model": {"name": card.name, "version": card.version, "sha256": card.sha256,
@@ -449,6 +451,7 @@ class Pipeline:
             write_geojson(out / "detections.geojson", dets, classes)
             write_csv(out / "detections.csv", dets, classes)
             stitcher.write_overlay(out / "overlay.png", dets)
+            summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
             write_json(out / "summary.json", summary)

@@ -99,6 +99,10 @@ class Slide(abc.ABC):
         """The stored tiles read so far that decoded with a decoder warning (see :mod:`.damage`)."""
         return self._damage.tiles()
 
+    def damage_summary(self) -> dict:
+        """``{"count", "policy", "tiles"}`` of the damaged stored tiles read so far (a run's summary entry)."""
+        return self._damage.summary()
+
     def best_level_for_downsample(self, downsample: float) -> int:
         """The finest-resolution level whose downsample does not exceed ``downsample``.
 

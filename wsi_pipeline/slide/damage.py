@@ -15,9 +15,12 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..config import DAMAGED_TILE_CHOICES
 from ..errors import ConfigError, TileReadError
 
-DAMAGED_TILE_POLICIES = ("warn", "fail")
+# Damaged tiles logged one by one per slide, and listed in a summary; past these, only counted.
+LOGGED_TILES = 20
+LISTED_TILES = 1000
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,8 @@ class DamageLog:
 
     @policy.setter
     def policy(self, value: str) -> None:
-        if value not in DAMAGED_TILE_POLICIES:
-            raise ConfigError(f"on_damaged_tile: expected one of {', '.join(DAMAGED_TILE_POLICIES)}, found {value!r}")
+        if value not in DAMAGED_TILE_CHOICES:
+            raise ConfigError(f"on_damaged_tile: expected one of {', '.join(DAMAGED_TILE_CHOICES)}, found {value!r}")
         self._policy = value
 
     def report(self, level: int, col: int, row: int, location_level0: tuple[int, int], message: str) -> None:
@@ -64,7 +67,11 @@ class DamageLog:
                 return
             self._tiles[key] = DamagedTile(level, col, row, int(location_level0[0]), int(location_level0[1]),
                                            message)
-        log.warning("%s: %s, at level-0 (%d, %d)", self.path, what, *location_level0)
+            n = len(self._tiles)
+        if n <= LOGGED_TILES:
+            log.warning("%s: %s, at level-0 (%d, %d)", self.path, what, *location_level0)
+        if n == LOGGED_TILES:
+            log.warning("%s: further damaged tiles are only counted in the summary", self.path)
 
     def tiles(self) -> list[DamagedTile]:
         with self._lock:
@@ -73,4 +80,4 @@ class DamageLog:
     def summary(self) -> dict[str, Any]:
         """The ``damaged_tiles`` entry of a run's summary."""
         tiles = self.tiles()
-        return {"count": len(tiles), "policy": self._policy, "tiles": [asdict(t) for t in tiles]}
+        return {"count": len(tiles), "policy": self._policy, "tiles": [asdict(t) for t in tiles[:LISTED_TILES]]}

@@ -22,6 +22,7 @@ MAX_TIFF_PAGES = 16384
 # A stored tile is decoded whole; larger claimed tiles are refused as forged
 # geometry (real slides use 240 to 2048 px tiles: at most 12 MiB as RGB).
 MAX_TILE_BYTES = 64 * 1024 * 1024
+MAX_TILE_SIDE = 16384
 
 
 def is_tiff(path: str) -> bool:
@@ -86,7 +87,8 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     """Refuse a page whose claimed geometry its own tile or strip table cannot back.
 
     Checks, before any pixel is allocated: a size of at least 1 x 1, tiles
-    of at most :data:`MAX_TILE_BYTES` decoded, a table with an entry for every
+    of at most :data:`MAX_TILE_SIDE` px a side and :data:`MAX_TILE_BYTES`
+    decoded, a table with an entry for every
     tile or strip the size needs, and data that ends inside the file.
     """
     def bad(reason: str) -> SlideOpenError:
@@ -99,9 +101,10 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     if page.is_tiled:
         tw, th = page.tilewidth, page.tilelength
         sample_bytes = max(1, -(-page.bitspersample // 8))
-        if not (tw >= 1 and th >= 1 and tw * th * max(spp, 3) * sample_bytes <= MAX_TILE_BYTES):
-            raise bad(f"tiles claim {tw}x{th} pixels; expected a tile of at most {MAX_TILE_BYTES // 2**20} MiB "
-                      "decoded (forged or damaged tile geometry)")
+        if not (1 <= tw <= MAX_TILE_SIDE and 1 <= th <= MAX_TILE_SIDE
+                and tw * th * max(spp, 3) * sample_bytes <= MAX_TILE_BYTES):
+            raise bad(f"tiles claim {tw}x{th} pixels; expected sides of at most {MAX_TILE_SIDE} px and at most "
+                      f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged tile geometry)")
         what, expected = f"{tw}x{th} tiles", math.ceil(width / tw) * math.ceil(height / th) * planes
     else:
         rows = min(page.rowsperstrip or height, height)
