@@ -33,15 +33,13 @@ _MAX_DEFLATE_RATIO = 1032
 _CONVERT_ROWS = 256
 
 
-def _png_raw_bytes(path: str, width: int, height: int) -> int | None:
-    """Bytes of a PNG's filtered rows (what its compressed data must inflate to), from IHDR."""
+def _png_depth_and_colour(path: str) -> tuple[int, int] | None:
+    """(bit depth, colour type) from a PNG's IHDR, or None if ``path`` is no PNG."""
     with open(path, "rb") as f:
         head = f.read(26)
     if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n":
         return None
-    depth, colour = head[24], head[25]
-    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 4)
-    return height * (1 + -(-width * channels * max(depth, 1) // 8))
+    return head[24], head[25]
 
 
 def _image_header(path: str) -> tuple[int, int, int]:
@@ -56,15 +54,19 @@ def _image_header(path: str) -> tuple[int, int, int]:
         raise SlideOpenError(path, f"not a readable image header (PNG, JPEG, BMP or WebP expected): {exc}") from exc
     if width < 1 or height < 1:
         raise SlideOpenError(path, f"image header claims {width}x{height} pixels")
-    if fmt == "PNG":
-        raw = _png_raw_bytes(path, width, height)
-        size = os.path.getsize(path)
-        if raw is not None and raw > _MAX_DEFLATE_RATIO * size:
-            raise SlideOpenError(
-                path, f"image claims {width}x{height} pixels ({raw:,} bytes of PNG rows), more than a "
-                f"{size:,}-byte file can hold (deflate compresses at most {_MAX_DEFLATE_RATIO}:1)")
-        return width, height, 8  # up to 16-bit RGBA as decoded
-    return width, height, max(bands, 3)
+    png = _png_depth_and_colour(path) if fmt == "PNG" else None
+    if png is None:
+        return width, height, max(bands, 3)
+    depth, colour = png
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 4)
+    raw = height * (1 + -(-width * channels * max(depth, 1) // 8))  # the filtered rows deflate must yield
+    size = os.path.getsize(path)
+    if raw > _MAX_DEFLATE_RATIO * size:
+        raise SlideOpenError(
+            path, f"image claims {width}x{height} pixels ({raw:,} bytes of PNG rows), more than a "
+            f"{size:,}-byte file can hold (deflate compresses at most {_MAX_DEFLATE_RATIO}:1)")
+    decoded_channels = {0: 1, 2: 3}.get(colour, 4)  # as OpenCV decodes: grey, BGR, or BGRA
+    return width, height, decoded_channels * (2 if depth == 16 else 1)
 
 
 def _convert_rows(src: np.ndarray, out: np.ndarray, path: str) -> None:
