@@ -2,8 +2,9 @@
 
 This is the fast path for tile grids: every stored tile a patch touches is
 read with ``os.pread`` (no shared file position, so worker threads need no
-lock around I/O), decoded once (3-sample JPEG straight with imagecodecs'
-libjpeg-turbo, anything else with the page's own codec) into a slot of a
+lock around I/O), decoded once (3-sample JPEG straight with libjpeg-turbo
+through simplejpeg, which reports corrupt data (see :mod:`.damage`),
+anything else with the page's own codec) into a slot of a
 bounded LRU cache, and copied from there into the patch; only the part of a
 patch outside the level is filled with the background. The overlapping
 patches of a grid (512 px on a 448 px step over 256 px stored tiles: about
@@ -14,7 +15,9 @@ own ARGB conversion; the benchmark ``benchmarks/bench_reader.py`` compares
 the two.
 
 Pyramids are found as tifffile's series levels: successive reduced pages
-(generic pyramidal TIFF) or SubIFDs (OME-TIFF).
+(generic pyramidal TIFF) or SubIFDs (OME-TIFF). Each level's geometry and
+tile table are checked against the file before anything is allocated
+(:mod:`.tiff_file`).
 """
 
 from __future__ import annotations
@@ -266,7 +269,8 @@ class TiffSlide(Slide):
         if page.imagedepth != 1 or page.tiledepth != 1:
             raise bad("volumetric (depth > 1) TIFF is not supported")
         if page.compression not in tifffile.TIFF.DECOMPRESSORS:
-            raise bad(f"compression {int(page.compression)} is not one this reader decodes")
+            raise bad(f"compression {int(page.compression)} is not one this reader decodes (expected JPEG, "
+                      "deflate, LZW, JPEG 2000, or another codec tifffile knows)")
         check_page_data(self.path, page, file_size)
         width, height, tw, th = page.imagewidth, page.imagelength, page.tilewidth, page.tilelength
         across, down = math.ceil(width / tw), math.ceil(height / th)
