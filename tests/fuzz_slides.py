@@ -59,8 +59,8 @@ def _write_tiff(path: Path, image, levels: int, tile: int | None, compression: s
     res = dict(resolution=(4e4, 4e4), resolutionunit="CENTIMETER")
     with tifffile.TiffWriter(path, bigtiff=bigtiff or subifds, ome=subifds) as tw:
         extra = {"subifds": levels - 1} if subifds else {}
-        tw.write(pyramid[0], description=description, metadata=None if not subifds else {}, **res, **kw,
-                 **extra)
+        meta = {"PhysicalSizeX": 0.25, "PhysicalSizeY": 0.25} if subifds else None
+        tw.write(pyramid[0], description=description, metadata=meta, **res, **kw, **extra)
         for p in pyramid[1:]:
             tw.write(p, subfiletype=1, metadata=None, **kw)
 
@@ -254,6 +254,26 @@ def _random_bytes(buf: bytearray, rng: random.Random, lo: int, hi: int) -> str:
     return f"random bytes at {spots}"
 
 
+def _tag_data_bytes(buf: bytearray, rng: random.Random) -> str:
+    """Random bytes inside an out-of-line tag value: JPEGTables, ImageDescription (OME-XML), or a
+    value of the OME-XML's physical pixel size replaced."""
+    big, ifds = _parse_tiff(bytes(buf))
+    text = bytes(buf)
+    at = text.find(b'PhysicalSizeX="')
+    if at >= 0 and rng.random() < 0.3:
+        start = at + len(b'PhysicalSizeX="')
+        end = text.index(b'"', start)
+        value = rng.choice([b"nan", b"inf", b"-1", b"0", b"1e999", b"abc", b"", b"1e-9"])
+        buf[start:end] = value.ljust(end - start)[:max(end - start, len(value))]
+        return f"PhysicalSizeX = {value!r}"
+    cands = [(i, e) for i, ifd in enumerate(ifds) for e in ifd.entries if e.tag in (270, 347)]
+    if not cands:
+        return _random_bytes(buf, rng, 0, len(buf))
+    i, e = rng.choice(cands)
+    pos = _value_pos(text, big, e)
+    return f"tag {e.tag} of IFD {i}: " + _random_bytes(buf, rng, pos, pos + e.count)
+
+
 def _truncate(buf: bytearray, rng: random.Random) -> str:
     n = rng.randrange(8, len(buf))
     del buf[n:]
@@ -337,7 +357,7 @@ def _tiff_tile_bomb(path: Path) -> None:
 
 
 _TIFF_MUTATORS = [(_ifd_cycle, 2), (_forge_tag, 6), (_forge_entry_header, 2), (_truncate, 2),
-                  (_tile_bytes, 4), (_header_bytes, 2)]
+                  (_tile_bytes, 4), (_header_bytes, 2), (_tag_data_bytes, 2)]
 _PNG_MUTATORS = [(_forge_png_header, 3), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 8, len(b)), 2)]
 _JPEG_MUTATORS = [(_forge_jpeg_header, 2), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 2, len(b)), 3)]
 

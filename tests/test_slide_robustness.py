@@ -161,6 +161,16 @@ def test_malformed_resolution_is_unknown_not_an_error(tmp_path):
         assert s.mpp is None and s.dimensions == (1024, 768)
 
 
+def test_an_unreadable_ome_pixel_size_is_unknown_not_an_error(tmp_path):
+    path = tmp_path / "ome.ome.tif"
+    write_pyramid_tiff(path, smooth_rgb(512, 512, seed=5), levels=2, subifds=True)
+    buf = path.read_bytes()
+    assert buf.count(b'PhysicalSizeX="0.25"') == 1
+    path.write_bytes(buf.replace(b'PhysicalSizeX="0.25"', b'PhysicalSizeX="abc "'))
+    with pytest.warns(UserWarning, match=r"ome\.ome\.tif: unreadable mpp"), open_slide(path) as s:
+        assert s.mpp is None and s.level_count == 2
+
+
 def test_what_a_reader_library_raises_becomes_a_project_error(tmp_path, monkeypatch):
     path = _tiff(tmp_path, "lib.tif", levels=1)
 
@@ -240,3 +250,27 @@ def test_damaged_tiles_reach_the_summary_and_the_fail_setting_fails_the_run(tmp_
     with Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail") as p, \
             pytest.raises(TileReadError, match="is damaged"):
         p.run(path)
+
+
+# -- a batch ------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_a_batch_goes_past_hostile_slides(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    for name in ("a_good.tiff", "c_good.tiff"):
+        write_synthetic_slide(src / name, 768, 768, seed=5, kind="pathology")
+    loop = _tiff(src, "b_loop.tiff")
+    buf = bytearray(loop.read_bytes())
+    _, ifds = _parse_tiff(bytes(buf))
+    _put_uint(buf, ifds[1].next_pos, 4, ifds[0].offset)
+    loop.write_bytes(bytes(buf))
+    png_bomb(src / "d_bomb.png", 30000, 30000, 1, 0)
+    out = tmp_path / "out"
+    r = _cli("run", str(src), "--out", str(out), "--backend", "ort", "--no-progress")
+    assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    slides = json.loads((out / "manifest.json").read_text())["slides"]
+    status = {name: entry["status"] for name, entry in slides.items()}
+    assert status == {"a_good": "done", "b_loop": "failed", "c_good": "done", "d_bomb": "failed"}, status
+    assert "b_loop.tiff: TIFF page chain loops" in slides["b_loop"]["error"]
+    assert "over the 2 GiB limit" in slides["d_bomb"]["error"]

@@ -293,9 +293,12 @@ class TiffSlide(Slide):
                         if px and py:
                             scale = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3}.get(unit)
                             if scale is not None:
-                                return checked_mpp(self.path, float(px) * scale, float(py) * scale)
+                                try:
+                                    return checked_mpp(self.path, float(px) * scale, float(py) * scale)
+                                except ValueError:
+                                    return checked_mpp(self.path, px, py)  # warns: unreadable
                         break
-            except ET.ParseError:
+            except (ET.ParseError, ValueError):  # unreadable OME-XML: the TIFF tags may still say
                 pass
         mpp = tiff_page_mpp(page)
         return checked_mpp(self.path, *mpp) if mpp else None
