@@ -395,32 +395,52 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
 
 # -- one case, in a worker ---------------------------------------------------------
 
-def run_case(path: str) -> dict:
+def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
     from wsi_pipeline.commands.info import describe
-    from wsi_pipeline.errors import WSIPipelineError
     from wsi_pipeline.slide import open_slide
     from wsi_pipeline.tiling.grid import TileGrid
     from wsi_pipeline.tiling.loader import TileLoader
     from wsi_pipeline.tiling.tissue import tissue_mask
 
-    try:
-        describe(path)
-        with open_slide(path) as slide:
-            mask = tissue_mask(slide, "otsu")
-            for level in sorted({0, slide.level_count - 1}):
-                grid = TileGrid(slide, 128, 16, level=level)
-                tiles = grid.select(mask.tile_fractions(grid), 0.0)
-                with TileLoader(slide, tiles, batch_size=4, workers=2) as loader:
-                    for _ in loader:
-                        pass
-            slide.get_thumbnail(256)
-        return {"outcome": "success"}
-    except WSIPipelineError as exc:
-        named = os.path.basename(path) in str(exc)
-        return {"outcome": "clean" if named else "unnamed", "detail": f"{type(exc).__name__}: {exc}"[:300]}
-    except BaseException as exc:  # noqa: BLE001 - the point is to see what escapes
-        return {"outcome": "error", "detail": f"{type(exc).__name__}: {exc}"[:300]}
+    describe(path, backend)
+    with open_slide(path, backend) as slide:
+        mask = tissue_mask(slide, "otsu")
+        for level in sorted({0, slide.level_count - 1}):
+            grid = TileGrid(slide, 128, 16, level=level)
+            tiles = grid.select(mask.tile_fractions(grid), 0.0)
+            with TileLoader(slide, tiles, batch_size=4, workers=2) as loader:
+                for _ in loader:
+                    pass
+        slide.get_thumbnail(256)
+
+
+def run_case(path: str) -> dict:
+    """The outcome of :func:`_exercise` with backend detection, and for a TIFF with each backend forced.
+
+    "success" or "clean" (a project error naming the file) as the detected backend ends; any
+    forced backend raising another exception type, or an error that does not name the file,
+    makes the case "error" or "unnamed".
+    """
+    from wsi_pipeline.errors import WSIPipelineError
+
+    with open(path, "rb") as f:
+        tiff = f.read(2) in (b"II", b"MM")
+    outcome: dict = {}
+    for backend in ("auto", "tifffile", "openslide", "image") if tiff else ("auto",):
+        try:
+            _exercise(path, backend)
+            result = {"outcome": "success"}
+        except WSIPipelineError as exc:
+            named = os.path.basename(path) in str(exc)
+            result = {"outcome": "clean" if named else "unnamed", "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        except BaseException as exc:  # noqa: BLE001 - the point is to see what escapes
+            result = {"outcome": "error", "detail": f"{backend}: {type(exc).__name__}: {exc}"[:300]}
+        if backend == "auto":
+            outcome = result
+        elif result["outcome"] in ("error", "unnamed"):
+            return result
+    return outcome
 
 
 def _worker_main(mem_bytes: int) -> None:
