@@ -31,6 +31,8 @@ TISSUE_CHOICES = ("auto", "otsu", "all", "file")
 MERGE_CHOICES = ("nms", "nmm", "wbf", "ownership")
 BLEND_CHOICES = ("gaussian", "hann", "linear", "constant")
 DECODE_CHOICES = ("auto", "cpu", "gpu")
+# What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
+DAMAGED_TILE_CHOICES = ("warn", "fail")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RunConfig:
     blend: str = "gaussian"
     sigma_scale: float = 0.125
     overlay_size: int = 2048
+    on_damaged_tile: str = "warn"  # warn: log it and list it in the summary; fail: the slide fails
     dask: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -78,6 +81,8 @@ class RunConfig:
             raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
         if self.decode not in DECODE_CHOICES:
             raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
+        if self.on_damaged_tile not in DAMAGED_TILE_CHOICES:
+            raise bad("on_damaged_tile", f"one of {', '.join(DAMAGED_TILE_CHOICES)}", self.on_damaged_tile)
         if self.nms_metric not in ("iou", "ios"):
             raise bad("nms_metric", "iou or ios", self.nms_metric)
         if self.tile is not None and self.tile < 16:

@@ -26,6 +26,11 @@ class SlideError(WSIPipelineError):
         super().__init__(f"{self.path}: {reason}" if self.path else reason)
 
 
+class SlideOpenError(SlideError):
+    """A slide file cannot be opened: unknown format, damaged header, impossible geometry,
+    or a size beyond what the reader may allocate."""
+
+
 class TileReadError(SlideError):
     """One region of a slide cannot be read or decoded (a corrupt tile)."""
 

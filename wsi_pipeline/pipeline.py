@@ -293,6 +293,7 @@ class Pipeline:
             torch.cuda.reset_peak_memory_stats()
         with timer("open"):
             slide = as_slide(source)
+        slide.on_damaged_tile = self.config.on_damaged_tile
         try:
             return self._run_slide(slide, isinstance(source, np.ndarray), out_dir, progress, keep_heatmap,
                                    timer, t_start, extra_summary or {}, wait_written)
@@ -478,6 +479,7 @@ class Pipeline:
             "tiles": {"total": len(grid), "read": len(tiles), "skipped": len(grid) - len(tiles),
                       "grid": [grid.n_rows, grid.n_cols], "level": grid.level, "downsample": grid.downsample},
             "seconds": {**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},
+            "damaged_tiles": slide.damage_summary(),
             "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
             "peak_gpu_memory_mb": _round(peak_gpu_memory_mb()),
             "model": {"name": card.name, "version": card.version, "sha256": card.sha256,
@@ -500,6 +502,7 @@ class Pipeline:
         self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
         self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
         self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *stitcher.overlay_inputs(dets))
+        summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
 
         def finish() -> None:
             try:

@@ -12,6 +12,7 @@ from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,
+    DAMAGED_TILE_CHOICES,
     DECODE_CHOICES,
     MERGE_CHOICES,
     TISSUE_CHOICES,
@@ -30,7 +31,7 @@ failed, 2 when the command line or config cannot start a run.
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
-                "overlay_size", "dask")
+                "overlay_size", "on_damaged_tile", "dask")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blend", choices=BLEND_CHOICES,
                    help="weights that blend overlapping tiles' heatmaps (default gaussian)")
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
+    p.add_argument("--on-damaged-tile", choices=DAMAGED_TILE_CHOICES,
+                   help="a stored tile that decodes with corrupt data: warn (default; logged and listed in "
+                        "summary.json) or fail the slide")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
     p.add_argument("--force", action="store_true", help="redo slides already done")

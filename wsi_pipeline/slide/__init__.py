@@ -14,9 +14,10 @@ import os
 
 import numpy as np
 
-from ..errors import SlideError
+from ..errors import SlideError, SlideOpenError
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
+from .tiff_file import is_tiff, open_tifffile
 
 BACKENDS = ("auto", "tifffile", "openslide", "image")
 
@@ -41,19 +42,13 @@ def _open_backend(path: str, backend: str) -> Slide:
 
 def _check_file(path: str) -> None:
     if not os.path.exists(path):
-        raise SlideError(path, "no such file")
+        raise SlideOpenError(path, "no such file")
     if os.path.isdir(path):
         return  # DICOM series are folders; OpenSlide decides.
     if not os.access(path, os.R_OK):
-        raise SlideError(path, "file is not readable (permission denied)")
+        raise SlideOpenError(path, "file is not readable (permission denied)")
     if os.path.getsize(path) == 0:
-        raise SlideError(path, "file is empty (0 bytes)")
-
-
-def _is_tiff(path: str) -> bool:
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    return magic[:2] in (b"II", b"MM") and magic[2:4] in (b"*\x00", b"\x00*", b"+\x00", b"\x00+")
+        raise SlideOpenError(path, "file is empty (0 bytes)")
 
 
 def detect_backend(path: str) -> str:
@@ -69,18 +64,13 @@ def detect_backend(path: str) -> str:
         vendor = openslide.OpenSlide.detect_format(path)
     except Exception:
         vendor = None
-    if os.path.isfile(path) and _is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
-        import tifffile
-
-        try:
-            with tifffile.TiffFile(path) as tif:
-                tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
-        except Exception as exc:
-            raise SlideError(path, f"TIFF header is unreadable: {exc}") from exc
+    if os.path.isfile(path) and is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
+        with open_tifffile(path) as tif:
+            tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
         return "tifffile" if tiled else "image"
     if vendor is not None:
         return "openslide"
-    raise SlideError(
+    raise SlideOpenError(
         path,
         "no reader recognises this file (expected a whole-slide format OpenSlide reads, "
         "a TIFF, or a PNG/JPEG/BMP image)",
@@ -90,7 +80,9 @@ def detect_backend(path: str) -> str:
 def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     """Open a slide file with ``backend`` ("auto" picks the fastest that reads it).
 
-    The result is a context manager; see :class:`Slide` for its API.
+    The result is a context manager; see :class:`Slide` for its API. Any
+    failure to open the file is raised as :class:`SlideOpenError` (a
+    :class:`SlideError`) naming it.
 
     >>> import tempfile, cv2, numpy as np, os
     >>> p = os.path.join(tempfile.mkdtemp(), "frame.png")
@@ -102,10 +94,17 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     path = os.fspath(path)
     if backend not in BACKENDS:
         raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(BACKENDS)}")
-    _check_file(path)
-    if backend == "auto":
-        backend = detect_backend(path)
-    return _open_backend(path, backend)
+    try:
+        _check_file(path)
+        if backend == "auto":
+            backend = detect_backend(path)
+        return _open_backend(path, backend)
+    except SlideError:
+        raise
+    except MemoryError as exc:
+        raise SlideOpenError(path, f"opening it as a {backend} slide needs more memory than is available") from exc
+    except Exception as exc:  # the one boundary: whatever a reader library raises on a bad file
+        raise SlideOpenError(path, f"cannot be opened as a {backend} slide ({type(exc).__name__}: {exc})") from exc
 
 
 def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:

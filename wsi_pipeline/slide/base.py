@@ -9,18 +9,26 @@ slide filled with the slide's background colour.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import cv2
 import numpy as np
+
+from ..errors import SlideError, TileReadError
+from .damage import DamagedTile, DamageLog
 
 # A microscope slide scanned at any objective lies well inside this range;
 # values outside it come from placeholder resolution tags (72 or 96 dpi gives
 # about 350 or 265 um/px) and would make every physical measurement wrong.
 PLAUSIBLE_MPP_RANGE = (0.02, 20.0)
+
+# A thumbnail of a level larger than this (bytes of RGB) is made band by band,
+# each band read and shrunk before the next: its memory does not grow with the slide.
+THUMBNAIL_BAND_BYTES = 64 * 1024 * 1024
 
 
 class Slide(abc.ABC):
@@ -43,6 +51,7 @@ class Slide(abc.ABC):
         self._mpp: tuple[float, float] | None = None
         self._vendor: str | None = None
         self._properties: dict[str, str] = {}
+        self._damage = DamageLog(self.path)
         self._closed = False
 
     # -- metadata -----------------------------------------------------------
@@ -78,6 +87,24 @@ class Slide(abc.ABC):
     def properties(self) -> Mapping[str, str]:
         return dict(self._properties)
 
+    @property
+    def on_damaged_tile(self) -> str:
+        """What a stored tile decoded with a decoder warning does: "warn" (log and list it) or "fail"."""
+        return self._damage.policy
+
+    @on_damaged_tile.setter
+    def on_damaged_tile(self, policy: str) -> None:
+        self._damage.policy = policy
+
+    @property
+    def damaged_tiles(self) -> list[DamagedTile]:
+        """The stored tiles read so far that decoded with a decoder warning (see :mod:`.damage`)."""
+        return self._damage.tiles()
+
+    def damage_summary(self) -> dict:
+        """``{"count", "policy", "tiles"}`` of the damaged stored tiles read so far (a run's summary entry)."""
+        return self._damage.summary()
+
     def best_level_for_downsample(self, downsample: float) -> int:
         """The finest-resolution level whose downsample does not exceed ``downsample``.
 
@@ -97,7 +124,8 @@ class Slide(abc.ABC):
         """Read a ``size`` = (width, height) region of ``level`` at level-0 ``location``.
 
         Returns an ``(height, width, 3)`` uint8 RGB array; pixels outside the
-        slide are the background colour.
+        slide are the background colour. A failure to read or decode the
+        file is raised as :class:`TileReadError` naming the file and place.
 
         >>> from wsi_pipeline.slide.image import ImageSlide
         >>> s = ImageSlide.from_array(np.zeros((10, 20, 3), np.uint8))
@@ -106,7 +134,22 @@ class Slide(abc.ABC):
         """
         w, h = self._check_region(level, size)
         x0, y0 = int(location[0]), int(location[1])
-        return self._read_level(x0, y0, level, w, h)
+        with self._reading((x0, y0), level):
+            return self._read_level(x0, y0, level, w, h)
+
+    @contextlib.contextmanager
+    def _reading(self, location_level0: tuple[int, int], level: int) -> Iterator[None]:
+        """The read paths' error boundary: what a reader library raises becomes :class:`TileReadError`."""
+        try:
+            yield
+        except SlideError:
+            raise
+        except MemoryError as exc:
+            raise TileReadError(self.path, "reading it needs more memory than is available",
+                                location_level0, level) from exc
+        except Exception as exc:
+            raise TileReadError(self.path, f"cannot read it ({type(exc).__name__}: {exc})",
+                                location_level0, level) from exc
 
     def _check_region(self, level: int, size: tuple[int, int]) -> tuple[int, int]:
         """(width, height) of a region request, after checking the slide is open and the level exists."""
@@ -125,7 +168,12 @@ class Slide(abc.ABC):
         """Backend read; same contract as :meth:`read_region`."""
 
     def get_thumbnail(self, max_size: tuple[int, int] | int) -> np.ndarray:
-        """The whole slide, downscaled to fit ``max_size`` (width, height), aspect kept."""
+        """The whole slide, downscaled to fit ``max_size`` (width, height), aspect kept.
+
+        Read from the finest level no finer than needed; a level over
+        :data:`THUMBNAIL_BAND_BYTES` is read in bands of rows, each shrunk
+        before the next is read.
+        """
         if isinstance(max_size, int):
             max_size = (max_size, max_size)
         w0, h0 = self.dimensions
@@ -133,10 +181,27 @@ class Slide(abc.ABC):
         tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
         level = self.best_level_for_downsample(scale)
         lw, lh = self._level_dimensions[level]
+        if lw * lh * 3 > THUMBNAIL_BAND_BYTES:
+            return self._banded_thumbnail(level, tw, th)
         region = self.read_region((0, 0), level, (lw, lh))
         if (lw, lh) == (tw, th):
             return region
         return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
+
+    def _banded_thumbnail(self, level: int, tw: int, th: int) -> np.ndarray:
+        """``level`` shrunk to ``th x tw``, read in bands of whole thumbnail rows."""
+        lw, lh = self._level_dimensions[level]
+        ds = self._level_downsamples[level]
+        level_rows_per_row = lh / th
+        rows_per_band = max(1, int(THUMBNAIL_BAND_BYTES // (lw * 3 * max(level_rows_per_row, 1.0))))
+        out = np.empty((th, tw, 3), np.uint8)
+        for r0 in range(0, th, rows_per_band):
+            r1 = min(th, r0 + rows_per_band)
+            y0 = round(r0 * level_rows_per_row)
+            y1 = lh if r1 == th else max(y0 + 1, round(r1 * level_rows_per_row))
+            band = self.read_region((0, round(y0 * ds)), level, (lw, y1 - y0))
+            out[r0:r1] = cv2.resize(band, (tw, r1 - r0), interpolation=cv2.INTER_AREA)
+        return out
 
     # -- life cycle ---------------------------------------------------------
     def close(self) -> None:

@@ -1,98 +1,137 @@
 """Plain images (PNG, JPEG, BMP, untiled TIFF) and in-memory arrays as one-level slides.
 
 This is the QC-station reader: a camera frame or a file that fits in
-memory, held decoded as a single level.
+memory. Opening reads only the file's header (size, resolution); the pixels
+are decoded whole on the first read, and only if that fits
+:data:`IMAGE_MEMORY_BUDGET_BYTES`. Larger images must be stored as tiled
+TIFF, which is read tile by tile.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import cv2
 import numpy as np
 
-from ..errors import SlideError
+from ..errors import SlideOpenError
 from .base import Slide, checked_mpp, paste_into_background
 from .resolution import tiff_page_mpp
 
-# The whole image is decoded into memory; refuse headers that claim more
-# than this instead of letting the decoder try to allocate it.
-MAX_IMAGE_PIXELS = 1_500_000_000
+# Memory a plain image may take to decode whole: the decoder's array plus the
+# RGB copy (a 16,000 x 16,000 RGB PNG needs about 1.4 GiB).
+IMAGE_MEMORY_BUDGET_BYTES = 2 * 1024**3
 
 PLAIN_IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
+# Deflate never compresses better than about 1032:1: a PNG whose rows would
+# need more than this many times its file size cannot be genuine.
+_MAX_DEFLATE_RATIO = 1032
 
-def _header_size(path: str) -> tuple[int, int] | None:
-    """(width, height) from the file header without decoding pixels, if known."""
-    try:
-        from PIL import Image
+# Rows converted to RGB at a time (bounds the temporaries of the conversion).
+_CONVERT_ROWS = 256
 
-        Image.MAX_IMAGE_PIXELS = None
-        with Image.open(path) as im:
-            return im.size
-    except Exception:
+
+def _png_depth_and_colour(path: str) -> tuple[int, int] | None:
+    """(bit depth, colour type) from a PNG's IHDR, or None if ``path`` is no PNG."""
+    with open(path, "rb") as f:
+        head = f.read(26)
+    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n":
         return None
+    return head[24], head[25]
+
+
+def _image_header(path: str) -> tuple[int, int, int]:
+    """(width, height, bytes per pixel decoded, at most) from the header, decoding no pixels."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None  # the size is checked here, against the file and the memory budget
+    try:
+        with Image.open(path) as im:
+            (width, height), bands, fmt = im.size, len(im.getbands()), im.format
+    except Exception as exc:  # Pillow raises several types on a bad header
+        raise SlideOpenError(path, f"not a readable image header (PNG, JPEG, BMP or WebP expected): {exc}") from exc
+    if width < 1 or height < 1:
+        raise SlideOpenError(path, f"image header claims {width}x{height} pixels")
+    png = _png_depth_and_colour(path) if fmt == "PNG" else None
+    if png is None:
+        return width, height, max(bands, 3)
+    depth, colour = png
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 4)
+    raw = height * (1 + -(-width * channels * max(depth, 1) // 8))  # the filtered rows deflate must yield
+    size = os.path.getsize(path)
+    if raw > _MAX_DEFLATE_RATIO * size:
+        raise SlideOpenError(
+            path, f"image claims {width}x{height} pixels ({raw:,} bytes of PNG rows), more than a "
+            f"{size:,}-byte file can hold (deflate compresses at most {_MAX_DEFLATE_RATIO}:1)")
+    decoded_channels = {0: 1, 2: 3}.get(colour, 4)  # as OpenCV decodes: grey, BGR, or BGRA
+    return width, height, decoded_channels * (2 if depth == 16 else 1)
+
+
+def _convert_rows(src: np.ndarray, out: np.ndarray, path: str) -> None:
+    """Rows of a decoded image (grey, RGB or RGBA; 8 or 16 bits) into ``out`` (RGB uint8)."""
+    if src.dtype == np.uint16:
+        src = (src >> 8).astype(np.uint8)
+    elif src.dtype != np.uint8:
+        raise SlideOpenError(path, f"expected 8- or 16-bit pixels, found {src.dtype}")
+    if src.ndim == 3 and src.shape[2] == 1:
+        src = src[..., 0]
+    if src.ndim == 2:
+        out[...] = src[..., None]
+    elif src.ndim == 3 and src.shape[2] == 3:
+        out[...] = src
+    elif src.ndim == 3 and src.shape[2] == 4:
+        a = src[..., 3:4].astype(np.float32) / 255.0
+        out[...] = (src[..., :3] * a + 255.0 * (1 - a) + 0.5).astype(np.uint8)
+    else:
+        raise SlideOpenError(path, f"expected a 2-D grey or RGB(A) image, found shape {src.shape}")
 
 
 def _to_rgb(arr: np.ndarray, path: str) -> np.ndarray:
-    if arr.dtype != np.uint8:
-        if arr.dtype == np.uint16:
-            arr = (arr >> 8).astype(np.uint8)
-        else:
-            raise SlideError(path, f"expected 8-bit pixels, found {arr.dtype}")
-    if arr.ndim == 2:
-        arr = np.repeat(arr[..., None], 3, axis=2)
-    elif arr.ndim == 3 and arr.shape[2] == 1:
-        arr = np.repeat(arr, 3, axis=2)
-    elif arr.ndim == 3 and arr.shape[2] == 4:
-        a = arr[..., 3:4].astype(np.float32) / 255.0
-        arr = (arr[..., :3] * a + 255.0 * (1 - a) + 0.5).astype(np.uint8)
-    elif not (arr.ndim == 3 and arr.shape[2] == 3):
-        raise SlideError(path, f"expected a 2-D grey or RGB(A) image, found shape {arr.shape}")
-    return np.ascontiguousarray(arr)
+    """``arr`` as C-contiguous HxWx3 uint8 RGB (itself where it already is), converted a band at a time."""
+    if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3:
+        return np.ascontiguousarray(arr)
+    if arr.ndim not in (2, 3):
+        raise SlideOpenError(path, f"expected a 2-D grey or RGB(A) image, found shape {arr.shape}")
+    out = np.empty((arr.shape[0], arr.shape[1], 3), np.uint8)
+    for y in range(0, arr.shape[0], _CONVERT_ROWS):
+        _convert_rows(arr[y:y + _CONVERT_ROWS], out[y:y + _CONVERT_ROWS], path)
+    return out
 
 
 class ImageSlide(Slide):
-    """A single-level slide held in memory."""
+    """A single-level slide held in memory, decoded on its first read."""
 
     backend = "image"
 
     def __init__(self, path: str | os.PathLike[str], mpp: tuple[float, float] | None = None):
         super().__init__(path)
-        size = _header_size(self.path)
-        if size is not None and size[0] * size[1] > MAX_IMAGE_PIXELS:
-            raise SlideError(
-                self.path,
-                f"image claims {size[0]}x{size[1]} pixels, more than the {MAX_IMAGE_PIXELS:,} "
-                "a plain image may have (it is decoded whole); store it as a tiled TIFF",
-            )
+        self._arr: np.ndarray | None = None
+        self._decode_lock = threading.Lock()
         ext = os.path.splitext(self.path)[1].lower()
+        self._is_tiff = ext in (".tif", ".tiff")
         file_mpp = None
-        if ext in (".tif", ".tiff"):
-            import tifffile
+        if self._is_tiff:
+            from .tiff_file import check_page_data, open_tifffile
 
-            try:
-                with tifffile.TiffFile(self.path) as tif:
-                    page = tif.pages[0]
-                    if page.shape and np.prod(page.shape[:2]) > MAX_IMAGE_PIXELS:
-                        raise SlideError(self.path, f"image claims shape {page.shape}, too large to decode whole")
-                    arr = page.asarray()
-                    file_mpp = tiff_page_mpp(page)
-            except SlideError:
-                raise
-            except Exception as exc:
-                raise SlideError(self.path, f"cannot decode TIFF image: {exc}") from exc
-            arr = _to_rgb(arr, self.path)
+            with open_tifffile(self.path) as tif:
+                page = tif.pages[0]
+                check_page_data(self.path, page, os.path.getsize(self.path))
+                shape = tuple(int(v) for v in page.shape)
+                if len(shape) < 2 or shape[0] < 1 or shape[1] < 1:
+                    raise SlideOpenError(self.path, f"TIFF image has shape {shape}; expected a 2-D image")
+                width, height = shape[1], shape[0]
+                per_pixel = max(1, page.nbytes // (width * height))
+                file_mpp = tiff_page_mpp(page)
         else:
-            buf = np.fromfile(self.path, np.uint8)
-            arr = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED)
-            if arr is None:
-                raise SlideError(self.path, "not a decodable image (PNG, JPEG, BMP, WebP or TIFF expected)")
-            if arr.ndim == 3:
-                code = cv2.COLOR_BGRA2RGBA if arr.shape[2] == 4 else cv2.COLOR_BGR2RGB
-                arr = cv2.cvtColor(arr, code)
-            arr = _to_rgb(arr, self.path)
-        self._init_array(arr, mpp if mpp is not None else file_mpp, vendor=ext.lstrip(".") or "image")
+            width, height, per_pixel = _image_header(self.path)
+        self._decode_bytes = width * height * (per_pixel + 3)
+        self._level_dimensions = [(width, height)]
+        self._level_downsamples = [1.0]
+        mpp = mpp if mpp is not None else file_mpp
+        self._mpp = checked_mpp(self.path, *mpp) if mpp is not None else None
+        self._vendor = ext.lstrip(".") or "image"
 
     def _init_array(self, arr: np.ndarray, mpp, vendor: str) -> None:
         self._arr = arr
@@ -112,18 +151,51 @@ class ImageSlide(Slide):
         self._init_array(_to_rgb(np.asarray(image), name), mpp, vendor="array")
         return self
 
+    def _pixels(self) -> np.ndarray:
+        """The decoded image, decoded on the first call (once, whatever the threads asking)."""
+        if self._arr is not None:
+            return self._arr
+        with self._decode_lock:
+            if self._arr is None:
+                self._arr = self._decode()
+        return self._arr
+
+    def _decode(self) -> np.ndarray:
+        w, h = self._level_dimensions[0]
+        if self._decode_bytes > IMAGE_MEMORY_BUDGET_BYTES:
+            raise SlideOpenError(
+                self.path, f"a {w}x{h} plain image needs about {self._decode_bytes / 2**30:.1f} GiB to decode "
+                f"whole, over the {IMAGE_MEMORY_BUDGET_BYTES / 2**30:g} GiB limit for plain images; "
+                "store it as a tiled TIFF (read tile by tile)")
+        if self._is_tiff:
+            from .tiff_file import open_tifffile
+
+            with open_tifffile(self.path) as tif:
+                arr = tif.pages[0].asarray()
+        else:
+            arr = cv2.imdecode(np.fromfile(self.path, np.uint8), cv2.IMREAD_UNCHANGED)
+            if arr is None:
+                raise SlideOpenError(self.path, "not a decodable image (PNG, JPEG, BMP, WebP or TIFF expected)")
+            if arr.ndim == 3 and arr.shape[2] in (3, 4):
+                code = cv2.COLOR_BGRA2RGBA if arr.shape[2] == 4 else cv2.COLOR_BGR2RGB
+                arr = cv2.cvtColor(arr, code, dst=arr)
+        if arr.shape[:2] != (h, w):
+            raise SlideOpenError(self.path, f"header claims {w}x{h} pixels, the data decodes to "
+                                 f"{arr.shape[1] if arr.ndim > 1 else '?'}x{arr.shape[0]}")
+        return _to_rgb(arr, self.path)
+
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
-        ih, iw = self._arr.shape[:2]
+        arr = self._pixels()
+        ih, iw = arr.shape[:2]
         if x0_level0 >= 0 and y0_level0 >= 0 and x0_level0 + w <= iw and y0_level0 + h <= ih:
-            return self._arr[y0_level0:y0_level0 + h, x0_level0:x0_level0 + w].copy()
+            return arr[y0_level0:y0_level0 + h, x0_level0:x0_level0 + w].copy()
         out = paste_into_background(h, w, self.background_rgb)
         sx0, sy0 = max(x0_level0, 0), max(y0_level0, 0)
         sx1, sy1 = min(x0_level0 + w, iw), min(y0_level0 + h, ih)
         if sx0 < sx1 and sy0 < sy1:
-            out[sy0 - y0_level0:sy1 - y0_level0, sx0 - x0_level0:sx1 - x0_level0] = self._arr[sy0:sy1, sx0:sx1]
+            out[sy0 - y0_level0:sy1 - y0_level0, sx0 - x0_level0:sx1 - x0_level0] = arr[sy0:sy1, sx0:sx1]
         return out
 
     def close(self) -> None:
         self._arr = None
         super().close()
-

@@ -7,8 +7,9 @@ import os
 import numpy as np
 import openslide
 
-from ..errors import SlideError, TileReadError
+from ..errors import SlideOpenError, TileReadError
 from .base import Slide, checked_mpp
+from .tiff_file import check_tiff_data, is_tiff
 
 
 def _parse_hex_colour(value: str | None) -> tuple[int, int, int]:
@@ -44,12 +45,15 @@ class OpenSlideSlide(Slide):
 
     def __init__(self, path: str | os.PathLike[str]):
         super().__init__(path)
+        if os.path.isfile(self.path) and is_tiff(self.path):
+            # OpenSlide allocates what a TIFF's tags claim (and aborts the process when it cannot).
+            check_tiff_data(self.path)
         try:
             self._osr = openslide.OpenSlide(self.path)
         except openslide.OpenSlideUnsupportedFormatError as exc:
-            raise SlideError(self.path, "not a format OpenSlide recognises") from exc
+            raise SlideOpenError(self.path, "not a format OpenSlide recognises") from exc
         except openslide.OpenSlideError as exc:
-            raise SlideError(self.path, f"OpenSlide cannot open it: {exc}") from exc
+            raise SlideOpenError(self.path, f"OpenSlide cannot open it: {exc}") from exc
         props = dict(self._osr.properties)
         self._properties = props
         self._vendor = props.get(openslide.PROPERTY_NAME_VENDOR)

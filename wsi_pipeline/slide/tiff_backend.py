@@ -2,8 +2,9 @@
 
 This is the fast path for tile grids: every stored tile a patch touches is
 read with ``os.pread`` (no shared file position, so worker threads need no
-lock around I/O), decoded once (3-sample JPEG straight with imagecodecs'
-libjpeg-turbo, anything else with the page's own codec) into a slot of a
+lock around I/O), decoded once (3-sample JPEG straight with libjpeg-turbo
+through simplejpeg, which reports corrupt data (see :mod:`.damage`),
+anything else with the page's own codec) into a slot of a
 bounded LRU cache, and copied from there into the patch; only the part of a
 patch outside the level is filled with the background. The overlapping
 patches of a grid (512 px on a 448 px step over 256 px stored tiles: about
@@ -14,7 +15,9 @@ own ARGB conversion; the benchmark ``benchmarks/bench_reader.py`` compares
 the two.
 
 Pyramids are found as tifffile's series levels: successive reduced pages
-(generic pyramidal TIFF) or SubIFDs (OME-TIFF).
+(generic pyramidal TIFF) or SubIFDs (OME-TIFF). Each level's geometry and
+tile table are checked against the file before anything is allocated
+(:mod:`.tiff_file`).
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import Any
 
 import imagecodecs
 import numpy as np
+import simplejpeg
 import tifffile
 
-from ..errors import SlideError, TileReadError
+from ..errors import SlideError, SlideOpenError, TileReadError
 from .base import Slide, checked_mpp
 from .resolution import tiff_page_mpp
+from .tiff_file import check_page_data, open_tifffile
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # With the default size the cache holds at most the stored-tile rows of a band
@@ -55,7 +60,17 @@ class _Level:
     offsets: np.ndarray
     bytecounts: np.ndarray
     jpegtables: bytes | None
-    jpeg_args: dict | None = None
+    # How stored tiles are decoded when not through page.decode: "simplejpeg"
+    # (reports corrupt data), ("imagecodecs", kwargs), or None.
+    decoder: str | tuple[str, dict] | None = None
+
+
+def _with_tables(tables: bytes | None, data: bytes) -> bytes:
+    """A TIFF JPEG tile as a self-contained JPEG stream: the level's JPEGTables spliced in."""
+    if not tables or len(tables) < 4 or len(data) < 2:
+        return data
+    # tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
+    return data[:2] + tables[2:-2] + data[2:]
 
 
 def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
@@ -191,23 +206,20 @@ class TiffSlide(Slide):
 
     def __init__(self, path: str | os.PathLike[str], cache_bytes: int | None = None):
         super().__init__(path)
-        try:
-            self._tif = tifffile.TiffFile(self.path)
-        except (tifffile.TiffFileError, ValueError, OSError) as exc:
-            raise SlideError(self.path, f"not a readable TIFF: {exc}") from exc
+        self._tif = open_tifffile(self.path)
         try:
             self._init_levels()
-        except Exception:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except BaseException:
             self._tif.close()
             raise
-        self._fd = os.open(self.path, os.O_RDONLY)
         try:
             for lv in self._levels:
-                lv.jpeg_args = self._direct_jpeg_args(lv)
-        except OSError as exc:
+                lv.decoder = self._direct_decoder(lv)
+        except BaseException:
             os.close(self._fd)
             self._tif.close()
-            raise SlideError(self.path, f"cannot read tile data: {exc}") from exc
+            raise
         if cache_bytes is None:
             band = max(
                 (-(-CACHE_BAND_PX // lv.tile_h) + 1) * lv.tiles_across * lv.tile_h * lv.tile_w * 3
@@ -220,56 +232,54 @@ class TiffSlide(Slide):
     def _init_levels(self) -> None:
         tif = self._tif
         if not tif.series:
-            raise SlideError(self.path, "TIFF holds no image")
+            raise SlideOpenError(self.path, "TIFF holds no image")
         series = tif.series[0]
         pages = [lvl.keyframe for lvl in series.levels] if series.levels else [series.keyframe]
         file_size = os.path.getsize(self.path)
-        levels: list[_Level] = []
-        for page in pages:
-            if not page.is_tiled:
-                raise SlideError(self.path, "TIFF is not tiled (expected a tiled TIFF for the tile reader)")
-            if page.dtype != np.uint8:
-                raise SlideError(self.path, f"expected 8-bit samples, found {page.dtype}")
-            spp = page.samplesperpixel
-            if spp not in (1, 3, 4) or page.planarconfig != 1 and spp > 1:
-                raise SlideError(
-                    self.path, f"expected 1, 3 or 4 interleaved samples per pixel, found {spp}"
-                )
-            if page.imagedepth != 1:
-                raise SlideError(self.path, "volumetric (tile depth > 1) TIFF is not supported")
-            offsets = np.asarray(page.dataoffsets, np.int64)
-            counts = np.asarray(page.databytecounts, np.int64)
-            th, tw = page.tilelength, page.tilewidth
-            across = math.ceil(page.imagewidth / tw)
-            down = math.ceil(page.imagelength / th)
-            if len(offsets) < across * down:
-                raise SlideError(
-                    self.path,
-                    f"tile table lists {len(offsets)} tiles, expected {across * down} for "
-                    f"{page.imagewidth}x{page.imagelength} in {tw}x{th} tiles",
-                )
-            end = int((offsets + counts).max()) if len(offsets) else 0
-            if end > file_size:
-                raise SlideError(
-                    self.path,
-                    f"file is truncated or claims an impossible size: tile data reaches byte {end} "
-                    f"but the file has {file_size} bytes ({page.imagewidth}x{page.imagelength} claimed)",
-                )
-            levels.append(
-                _Level(page, page.imagewidth, page.imagelength, tw, th, across, down,
-                       offsets, counts, page.jpegtables)
-            )
-        self._levels = levels
+        levels = [self._level(page, file_size) for page in pages]
         w0, h0 = levels[0].width, levels[0].height
+        for i, lv in enumerate(levels[1:], 1):
+            if lv.width > w0 or lv.height > h0:
+                raise SlideOpenError(
+                    self.path, f"pyramid level {i} is {lv.width}x{lv.height}, larger than level 0 "
+                    f"({w0}x{h0}); expected each level no larger than level 0")
+        self._levels = levels
         self._level_dimensions = [(lv.width, lv.height) for lv in levels]
         # OpenSlide's rule: the mean of the two axes' ratios.
         self._level_downsamples = [((w0 / lv.width) + (h0 / lv.height)) / 2 for lv in levels]
         self._vendor = "ome-tiff" if tif.is_ome else ("bigtiff" if tif.is_bigtiff else "tiff")
-        props = {"tiff.compression": str(levels[0].page.compression.name)}
+        compression = levels[0].page.compression
+        props = {"tiff.compression": str(getattr(compression, "name", compression))}
         if levels[0].page.description:
             props["tiff.ImageDescription"] = levels[0].page.description[:4096]
         self._properties = props
         self._mpp = self._find_mpp(levels[0].page)
+
+    def _level(self, page: tifffile.TiffPage, file_size: int) -> _Level:
+        """A pyramid level from its TIFF page, once its geometry and tile table are checked."""
+        def bad(reason: str) -> SlideOpenError:
+            return SlideOpenError(self.path, f"page {page.index}: {reason}")
+
+        if not page.is_tiled:
+            raise bad("TIFF is not tiled (expected a tiled TIFF for the tile reader)")
+        if page.dtype != np.uint8:
+            raise bad(f"expected 8-bit samples, found {page.dtype} ({page.bitspersample} bits per sample)")
+        spp = page.samplesperpixel
+        if spp not in (1, 3, 4) or page.planarconfig != 1 and spp > 1:
+            raise bad(f"expected 1, 3 or 4 interleaved samples per pixel, found {spp}")
+        if page.imagedepth != 1 or page.tiledepth != 1:
+            raise bad("volumetric (depth > 1) TIFF is not supported")
+        if page.compression not in tifffile.TIFF.DECOMPRESSORS:
+            raise bad(f"compression {int(page.compression)} is not one this reader decodes (expected JPEG, "
+                      "deflate, LZW, JPEG 2000, or another codec tifffile knows)")
+        check_page_data(self.path, page, file_size)
+        width, height, tw, th = page.imagewidth, page.imagelength, page.tilewidth, page.tilelength
+        across, down = math.ceil(width / tw), math.ceil(height / th)
+        offsets, counts = page.dataoffsets, page.databytecounts
+        # An empty tile's offset is never read (and may be any 64-bit value).
+        offsets = np.array([o if c else 0 for o, c in zip(offsets, counts, strict=False)], np.int64)
+        return _Level(page, width, height, tw, th, across, down, offsets, np.asarray(counts, np.int64),
+                      page.jpegtables)
 
     def _find_mpp(self, page: tifffile.TiffPage) -> tuple[float, float] | None:
         if self._tif.is_ome:
@@ -284,9 +294,12 @@ class TiffSlide(Slide):
                         if px and py:
                             scale = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3}.get(unit)
                             if scale is not None:
-                                return checked_mpp(self.path, float(px) * scale, float(py) * scale)
+                                try:
+                                    return checked_mpp(self.path, float(px) * scale, float(py) * scale)
+                                except ValueError:
+                                    return checked_mpp(self.path, px, py)  # warns: unreadable
                         break
-            except ET.ParseError:
+            except (ET.ParseError, ValueError):  # unreadable OME-XML: the TIFF tags may still say
                 pass
         mpp = tiff_page_mpp(page)
         return checked_mpp(self.path, *mpp) if mpp else None
@@ -343,20 +356,17 @@ class TiffSlide(Slide):
         lv = self._levels[level]
         if lv.page.compression != tifffile.COMPRESSION.JPEG:
             raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
-        data = self.raw_tile(level, tx, ty)
-        tables = lv.jpegtables
-        if not tables:
-            return data
-        # tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
-        return data[:2] + tables[2:-2] + data[2:]
+        return _with_tables(lv.jpegtables, self.raw_tile(level, tx, ty))
 
-    def _direct_jpeg_args(self, lv: _Level) -> dict | None:
-        """Keyword arguments that decode ``lv``'s JPEG tiles with imagecodecs directly.
+    def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
+        """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper.
 
-        The direct call skips tifffile's per-tile wrapper (segment bookkeeping,
-        reshape and padding). It is used only for 3-sample interleaved JPEG
-        levels, and only after the first stored tile decodes to exactly the
-        pixels ``page.decode`` gives; otherwise None (use ``page.decode``).
+        The direct call skips tifffile's segment bookkeeping, reshape and
+        padding. Only for 3-sample interleaved JPEG levels, and only where the
+        first stored tile decodes to exactly the pixels ``page.decode`` gives:
+        "simplejpeg" (libjpeg-turbo, which reports corrupt data, so damaged
+        tiles are caught), else ("imagecodecs", keyword arguments), else None
+        (``page.decode``).
         """
         page = lv.page
         colorspace_for = getattr(tifffile.tifffile, "jpeg_decode_colorspace", None)
@@ -368,24 +378,56 @@ class TiffSlide(Slide):
             or page.extrasamples
         ):
             return None
-        colorspace, outcolorspace = colorspace_for(
-            page.photometric, page.planarconfig, page.extrasamples, page.is_jfif
-        )
-        kwargs = {"tables": lv.jpegtables, "colorspace": colorspace, "outcolorspace": outcolorspace}
         nonempty = np.flatnonzero(lv.bytecounts)
         if not len(nonempty):
             return None
         i = int(nonempty[0])
         data = os.pread(self._fd, int(lv.bytecounts[i]), int(lv.offsets[i]))
         try:
-            direct = imagecodecs.jpeg8_decode(data, **kwargs)
             ref, _, _ = page.decode(data, i, jpegtables=lv.jpegtables)
+            ref = ref.reshape(lv.tile_h, lv.tile_w, 3)
         except Exception:  # a tile that does not decode: let the general path report it
             return None
-        ref = ref.reshape(ref.shape[-3], ref.shape[-2], 3)
-        if direct.shape != (lv.tile_h, lv.tile_w, 3) or not np.array_equal(direct, ref):
-            return None
-        return kwargs
+        try:
+            if np.array_equal(simplejpeg.decode_jpeg(_with_tables(lv.jpegtables, data), strict=False), ref):
+                return "simplejpeg"
+        except ValueError:
+            pass
+        colorspace, outcolorspace = colorspace_for(
+            page.photometric, page.planarconfig, page.extrasamples, page.is_jfif
+        )
+        kwargs = {"tables": lv.jpegtables, "colorspace": colorspace, "outcolorspace": outcolorspace}
+        try:
+            if np.array_equal(imagecodecs.jpeg8_decode(data, **kwargs), ref):
+                return ("imagecodecs", kwargs)
+        except Exception:
+            pass
+        return None
+
+    def _tile_origin_level0(self, level: int, tx: int, ty: int) -> tuple[int, int]:
+        lv, ds = self._levels[level], self._level_downsamples[level]
+        return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
+
+    def _decode_jpeg_checked(self, level: int, tx: int, ty: int, data: bytes, out: np.ndarray) -> bool:
+        """Decode a JPEG tile into ``out`` with simplejpeg, reporting corrupt data as damage.
+
+        False where it does not decode to a whole tile (the general path then decodes or reports it).
+        """
+        jpeg = _with_tables(self._levels[level].jpegtables, data)
+        damage = None
+        try:
+            img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True)
+        except ValueError as exc:  # corrupt data: decode again, ignoring what can be ignored
+            damage = str(exc)
+            try:
+                img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False)
+            except ValueError:
+                return False
+        if img.shape != out.shape:
+            return False
+        if damage is not None:
+            self._damage.report(level, tx, ty, self._tile_origin_level0(level, tx, ty), damage)
+        return True
 
     def _decode_tile(self, level: int, tx: int, ty: int, out: np.ndarray | None = None) -> np.ndarray:
         """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB.
@@ -402,22 +444,30 @@ class TiffSlide(Slide):
             _fill(out, self.background_rgb)
             return out
         try:
-            if lv.jpeg_args is not None:
+            if lv.decoder == "simplejpeg":
+                if self._decode_jpeg_checked(level, tx, ty, data, out):
+                    return out
+            elif lv.decoder is not None:
                 try:
-                    return imagecodecs.jpeg8_decode(data, out=out, **lv.jpeg_args)
+                    return imagecodecs.jpeg8_decode(data, out=out, **lv.decoder[1])
                 except Exception:  # an odd tile: the general path decodes or reports it
                     pass
             seg, _, _ = lv.page.decode(data, i, jpegtables=lv.jpegtables)
+        except TileReadError:
+            raise
         except Exception as exc:  # codecs raise their own error types
             raise TileReadError(
                 self.path, f"cannot decode stored tile ({tx}, {ty}): {exc}",
-                (int(tx * lv.tile_w * self._level_downsamples[level]),
-                 int(ty * lv.tile_h * self._level_downsamples[level])), level,
+                self._tile_origin_level0(level, tx, ty), level,
             ) from exc
         if seg is None:
-            raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to nothing", None, level)
+            raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to nothing",
+                                self._tile_origin_level0(level, tx, ty), level)
         spp = lv.page.samplesperpixel
-        seg = seg.reshape(seg.shape[-3], seg.shape[-2], spp)
+        if seg.size != lv.tile_h * lv.tile_w * spp:
+            raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to shape {seg.shape}, expected "
+                                f"{lv.tile_h}x{lv.tile_w}x{spp}", self._tile_origin_level0(level, tx, ty), level)
+        seg = seg.reshape(lv.tile_h, lv.tile_w, spp)
         if spp == 1:
             seg = np.repeat(seg, 3, axis=2)
         elif spp == 4:
@@ -477,7 +527,9 @@ class TiffSlide(Slide):
             raise ValueError(
                 f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8"
             )
-        self._assemble(int(location[0]), int(location[1]), level, out)
+        x0, y0 = int(location[0]), int(location[1])
+        with self._reading((x0, y0), level):
+            self._assemble(x0, y0, level, out)
         return out
 
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:

@@ -1,0 +1,561 @@
+"""Seeded mutants of small synthetic slides, and a harness that runs each one in a worker
+process under a time and an address-space limit.
+
+Every case goes through what ``wsi-pipeline info`` and ``wsi-pipeline run`` do with a
+slide file (open with backend detection, describe, tissue thumbnail, read every grid
+tile through the tile loader, overlay thumbnail) and must end in success or in one of
+the project's own errors naming the file: never another exception type, a hang, a
+crash or an allocation past the limit.
+
+Run standalone to print the counts: ``python tests/fuzz_slides.py --cases 300``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+# -- the slides mutated -----------------------------------------------------------
+
+_TIFF_TYPE_SIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4,
+                   16: 8, 17: 8, 18: 8}
+
+
+def _smooth_rgb(h: int, w: int, seed: int):
+    import cv2
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    small = (rng.random((max(2, h // 32), max(2, w // 32), 3)) * 255).astype(np.uint8)
+    img = cv2.resize(small, (w, h), interpolation=cv2.INTER_CUBIC)
+    return np.clip(img.astype(int) + rng.integers(-6, 7, (h, w, 3)), 0, 255).astype(np.uint8)
+
+
+def _write_tiff(path: Path, image, levels: int, tile: int | None, compression: str,
+                bigtiff: bool = False, description: str | None = None, subifds: bool = False) -> None:
+    import cv2
+    import tifffile
+
+    pyramid = [image]
+    for _ in range(levels - 1):
+        p = pyramid[-1]
+        pyramid.append(cv2.resize(p, (p.shape[1] // 2, p.shape[0] // 2), interpolation=cv2.INTER_AREA))
+    kw: dict = dict(compression=compression, photometric="rgb")
+    if tile:
+        kw["tile"] = (tile, tile)
+    if compression == "jpeg":
+        kw["compressionargs"] = {"level": 85}
+    res = dict(resolution=(4e4, 4e4), resolutionunit="CENTIMETER")
+    with tifffile.TiffWriter(path, bigtiff=bigtiff or subifds, ome=subifds) as tw:
+        extra = {"subifds": levels - 1} if subifds else {}
+        meta = {"PhysicalSizeX": 0.25, "PhysicalSizeY": 0.25} if subifds else None
+        tw.write(pyramid[0], description=description, metadata=meta, **res, **kw, **extra)
+        for p in pyramid[1:]:
+            tw.write(p, subfiletype=1, metadata=None, **kw)
+
+
+def make_base_slides(folder: Path) -> dict[str, Path]:
+    """Small valid slides of every kind the readers take, written into ``folder``."""
+    import cv2
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    img = _smooth_rgb(384, 512, seed=3)
+    bases = {
+        "jpeg.tiff": dict(levels=3, tile=128, compression="jpeg"),
+        "jpeg.bigtiff.tiff": dict(levels=3, tile=128, compression="jpeg", bigtiff=True),
+        "deflate.tiff": dict(levels=2, tile=128, compression="zlib"),
+        "single.tiff": dict(levels=1, tile=128, compression="jpeg"),
+        "ome.ome.tiff": dict(levels=3, tile=128, compression="jpeg", subifds=True),
+        "strips.tiff": dict(levels=1, tile=None, compression="zlib"),
+        "aperio.svs": dict(levels=2, tile=128, compression="jpeg",
+                           description="Aperio Image Library v10.0.0\n512x384 [0,0 512x384] (128x128) "
+                                       "JPEG/RGB Q=85|AppMag = 40|MPP = 0.25"),
+    }
+    out = {}
+    for name, kw in bases.items():
+        _write_tiff(folder / name, img, **kw)
+        out[name] = folder / name
+    cv2.imwrite(str(folder / "rgb.png"), img[:200, :300, ::-1])
+    rgba16 = np.concatenate([img[:120, :160], img[:120, :160, :1]], axis=2).astype(np.uint16) * 257
+    cv2.imwrite(str(folder / "rgba16.png"), rgba16)
+    cv2.imwrite(str(folder / "photo.jpg"), img[:200, :300, ::-1], [cv2.IMWRITE_JPEG_QUALITY, 85])
+    for name in ("rgb.png", "rgba16.png", "photo.jpg"):
+        out[name] = folder / name
+    return out
+
+
+# -- TIFF structure ---------------------------------------------------------------
+
+@dataclass
+class _Entry:
+    tag: int
+    type: int
+    count: int
+    pos: int  # byte offset of the entry in the file
+
+
+@dataclass
+class _Ifd:
+    offset: int
+    entries: list[_Entry]
+    next_pos: int  # byte offset of the next-IFD pointer
+
+
+def _parse_tiff(buf: bytes) -> tuple[bool, list[_Ifd]]:
+    """(is_bigtiff, IFDs of the main chain) of a little-endian TIFF."""
+    big = buf[2] == 43
+    ifds: list[_Ifd] = []
+    off = struct.unpack_from("<Q" if big else "<I", buf, 8 if big else 4)[0]
+    seen = set()
+    while off and off not in seen and off + 16 < len(buf):
+        seen.add(off)
+        if big:
+            n = struct.unpack_from("<Q", buf, off)[0]
+            first, size = off + 8, 20
+        else:
+            n = struct.unpack_from("<H", buf, off)[0]
+            first, size = off + 2, 12
+        entries = []
+        for k in range(n):
+            p = first + k * size
+            if big:
+                tag, typ, count = struct.unpack_from("<HHQ", buf, p)
+            else:
+                tag, typ, count = struct.unpack_from("<HHI", buf, p)
+            entries.append(_Entry(tag, typ, count, p))
+        next_pos = first + n * size
+        ifds.append(_Ifd(off, entries, next_pos))
+        off = struct.unpack_from("<Q" if big else "<I", buf, next_pos)[0]
+    return big, ifds
+
+
+def _value_pos(buf: bytes, big: bool, e: _Entry) -> int:
+    """Byte offset of an entry's first value (inline or out of line)."""
+    inline = 8 if big else 4
+    vpos = e.pos + (12 if big else 8)
+    if _TIFF_TYPE_SIZE.get(e.type, 1) * e.count <= inline:
+        return vpos
+    return struct.unpack_from("<Q" if big else "<I", buf, vpos)[0]
+
+
+def _put_uint(buf: bytearray, pos: int, size: int, value: int) -> None:
+    if 0 <= pos and pos + size <= len(buf):
+        buf[pos:pos + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
+
+
+_FORGED_VALUES = {
+    256: [0, 1, 65535, 2**31 - 1, 2**32 - 1, 15_000_000],  # ImageWidth
+    257: [0, 1, 65535, 2**31 - 1, 2**32 - 1, 15_000_000],  # ImageLength
+    322: [0, 1, 7, 16, 65535, 15_000_000, 2**32 - 1],  # TileWidth
+    323: [0, 1, 7, 16, 65535, 15_000_000, 2**32 - 1],  # TileLength
+    258: [0, 1, 2, 12, 16, 32, 64, 65535],  # BitsPerSample
+    277: [0, 1, 2, 4, 5, 255, 65535],  # SamplesPerPixel
+    259: [0, 1, 2, 5, 7, 8, 34712, 52479, 65535],  # Compression
+    262: [0, 1, 3, 4, 5, 6, 8, 32844, 65535],  # Photometric
+    284: [0, 2, 3, 65535],  # PlanarConfiguration
+    296: [0, 1, 2, 3, 65535],  # ResolutionUnit
+    339: [0, 2, 3, 4, 65535],  # SampleFormat
+    324: [0, 1, 8, 2**31 - 1, 2**32 - 1, 2**64 - 16],  # TileOffsets (one element)
+    325: [0, 1, 2**31, 2**32 - 1, 2**64 - 16],  # TileByteCounts (one element)
+    273: [0, 2**32 - 1, 2**64 - 16],  # StripOffsets
+    279: [0, 2**31, 2**32 - 1],  # StripByteCounts
+    278: [0, 1, 2**32 - 1],  # RowsPerStrip
+    282: [(0, 0), (1, 0), (0, 1), (2**32 - 1, 1), (1, 2**32 - 1)],  # XResolution
+    283: [(0, 0), (1, 0), (0, 1), (2**32 - 1, 1)],  # YResolution
+    330: ["ifd0", "self", 0, 2**32 - 1],  # SubIFDs (one element)
+}
+
+
+def _forge_tag(buf: bytearray, rng: random.Random) -> str:
+    big, ifds = _parse_tiff(bytes(buf))
+    cands = [(i, e) for i, ifd in enumerate(ifds) for e in ifd.entries if e.tag in _FORGED_VALUES]
+    i, e = rng.choice(cands)
+    value = rng.choice(_FORGED_VALUES[e.tag])
+    size = _TIFF_TYPE_SIZE.get(e.type, 4)
+    pos = _value_pos(bytes(buf), big, e)
+    if e.count > 1 and e.type != 5:
+        pos += size * rng.randrange(e.count)
+    if isinstance(value, tuple):
+        _put_uint(buf, pos, 4, value[0])
+        _put_uint(buf, pos + 4, 4, value[1])
+    elif value == "ifd0":
+        _put_uint(buf, pos, size, ifds[0].offset)
+    elif value == "self":
+        _put_uint(buf, pos, size, ifds[i].offset)
+    else:
+        if e.type == 3 and value > 65535:  # a SHORT cannot hold it: widen the tag to LONG(8)
+            typ = 16 if big else 4
+            _put_uint(buf, e.pos + 2, 2, typ)
+            size = _TIFF_TYPE_SIZE[typ]
+            if e.count == 1:
+                pos = e.pos + (12 if big else 8)
+        _put_uint(buf, pos, size, value)
+    return f"forge tag {e.tag} of IFD {i} = {value}"
+
+
+def _forge_entry_header(buf: bytearray, rng: random.Random) -> str:
+    big, ifds = _parse_tiff(bytes(buf))
+    i = rng.randrange(len(ifds))
+    e = rng.choice(ifds[i].entries)
+    if rng.random() < 0.5:
+        typ = rng.choice([0, 2, 7, 13, 19, 255])
+        _put_uint(buf, e.pos + 2, 2, typ)
+        return f"forge type of tag {e.tag} of IFD {i} = {typ}"
+    count = rng.choice([0, 2, 2**31, 2**32 - 1] + ([2**40] if big else []))
+    _put_uint(buf, e.pos + 4, 8 if big else 4, count)
+    return f"forge count of tag {e.tag} of IFD {i} = {count}"
+
+
+def _ifd_cycle(buf: bytearray, rng: random.Random) -> str:
+    big, ifds = _parse_tiff(bytes(buf))
+    src = rng.randrange(len(ifds))
+    dst = rng.randrange(src + 1)
+    _put_uint(buf, ifds[src].next_pos, 8 if big else 4, ifds[dst].offset)
+    return f"next IFD of page {src} -> page {dst}"
+
+
+def _tile_bytes(buf: bytearray, rng: random.Random) -> str:
+    big, ifds = _parse_tiff(bytes(buf))
+    i = rng.randrange(len(ifds))
+    by_tag = {e.tag: e for e in ifds[i].entries}
+    off_e, cnt_e = by_tag.get(324) or by_tag.get(273), by_tag.get(325) or by_tag.get(279)
+    if off_e is None or cnt_e is None:
+        return _random_bytes(buf, rng, 0, len(buf))
+    k = rng.randrange(off_e.count)
+    osz, csz = _TIFF_TYPE_SIZE[off_e.type], _TIFF_TYPE_SIZE[cnt_e.type]
+    opos, cpos = _value_pos(bytes(buf), big, off_e) + k * osz, _value_pos(bytes(buf), big, cnt_e) + k * csz
+    start = int.from_bytes(buf[opos:opos + osz], "little")
+    n = int.from_bytes(buf[cpos:cpos + csz], "little")
+    lo = start + min(n // 2, 700) if rng.random() < 0.8 else start
+    return f"tile {k} of IFD {i}: " + _random_bytes(buf, rng, lo, start + n)
+
+
+def _random_bytes(buf: bytearray, rng: random.Random, lo: int, hi: int) -> str:
+    lo, hi = max(0, lo), min(len(buf), hi)
+    if hi <= lo:
+        return "no-op"
+    spots = []
+    for _ in range(rng.randint(1, 8)):
+        p = rng.randrange(lo, hi)
+        buf[p] = rng.randrange(256)
+        spots.append(p)
+    return f"random bytes at {spots}"
+
+
+def _tag_data_bytes(buf: bytearray, rng: random.Random) -> str:
+    """Random bytes inside an out-of-line tag value: JPEGTables, ImageDescription (OME-XML), or a
+    value of the OME-XML's physical pixel size replaced."""
+    big, ifds = _parse_tiff(bytes(buf))
+    text = bytes(buf)
+    at = text.find(b'PhysicalSizeX="')
+    if at >= 0 and rng.random() < 0.3:
+        start = at + len(b'PhysicalSizeX="')
+        end = text.index(b'"', start)
+        value = rng.choice([b"nan", b"inf", b"-1", b"0", b"1e999", b"abc", b"", b"1e-9"])
+        buf[start:end] = value.ljust(end - start)[:max(end - start, len(value))]
+        return f"PhysicalSizeX = {value!r}"
+    cands = [(i, e) for i, ifd in enumerate(ifds) for e in ifd.entries if e.tag in (270, 347)]
+    if not cands:
+        return _random_bytes(buf, rng, 0, len(buf))
+    i, e = rng.choice(cands)
+    pos = _value_pos(text, big, e)
+    return f"tag {e.tag} of IFD {i}: " + _random_bytes(buf, rng, pos, pos + e.count)
+
+
+def _truncate(buf: bytearray, rng: random.Random) -> str:
+    n = rng.randrange(8, len(buf))
+    del buf[n:]
+    return f"truncate to {n} bytes"
+
+
+def _header_bytes(buf: bytearray, rng: random.Random) -> str:
+    big, ifds = _parse_tiff(bytes(buf))
+    ifd = rng.choice(ifds)
+    return "IFD bytes: " + _random_bytes(buf, rng, ifd.offset, ifd.next_pos + 8)
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _forge_png_header(buf: bytearray, rng: random.Random) -> str:
+    w, h = struct.unpack_from(">II", buf, 16)
+    depth, colour = buf[24], buf[25]
+    what = rng.choice(["size", "depth", "colour"])
+    if what == "size":
+        w, h = rng.choice([(0, 0), (30000, 30000), (2**31 - 1, 1), (1, 2**31 - 1), (65536, 65536)])
+    elif what == "depth":
+        depth = rng.choice([0, 1, 3, 16, 255])
+    else:
+        colour = rng.choice([0, 1, 3, 4, 7, 255])
+    ihdr = struct.pack(">IIBBBBB", w, h, depth, colour, 0, 0, 0)
+    buf[8:33] = _png_chunk(b"IHDR", ihdr)
+    return f"PNG header {w}x{h} depth {depth} colour {colour}"
+
+
+def _forge_jpeg_header(buf: bytearray, rng: random.Random) -> str:
+    i = buf.find(b"\xff\xc0")
+    if i < 0:
+        return "no-op"
+    w, h = rng.choice([(0, 0), (65535, 65535), (60000, 1), (1, 65535)])
+    struct.pack_into(">HH", buf, i + 5, h, w)
+    return f"JPEG frame {w}x{h}"
+
+
+def png_bomb(path: Path, width: int, height: int, depth: int, colour: int) -> None:
+    """A valid PNG of zeros whose decoded size is far beyond its file size.
+
+    Identical blocks of rows deflate to identical bytes after a full flush, so
+    one block is compressed and its bytes repeated: seconds for gigabytes.
+    """
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[colour]
+    row = b"\x00" * (1 + -(-width * channels * depth // 8))
+    rows_per_block = max(1, (1 << 22) // len(row))
+    block = row * rows_per_block
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    comp.compress(block)
+    comp.flush(zlib.Z_FULL_FLUSH)
+    repeated = comp.compress(block) + comp.flush(zlib.Z_FULL_FLUSH)
+    full, rest = divmod(height, rows_per_block)
+    tail = comp.compress(row * rest) + comp.flush()
+    adler = 1
+    for _ in range(full):
+        adler = zlib.adler32(block, adler)
+    adler = zlib.adler32(row * rest, adler)
+    idat = b"\x78\xda" + repeated * full + tail + struct.pack(">I", adler)
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat)
+                     + _png_chunk(b"IEND", b""))
+
+
+def _tiff_tile_bomb(path: Path) -> None:
+    """A valid-looking tiled TIFF whose one deflate tile claims 65535 x 65535 pixels."""
+    import numpy as np
+    import tifffile
+
+    with tifffile.TiffWriter(path) as tw:
+        tw.write(np.zeros((256, 256, 3), np.uint8), tile=(256, 256), compression="zlib", photometric="rgb")
+    buf = bytearray(path.read_bytes())
+    _, ifds = _parse_tiff(bytes(buf))
+    for e in ifds[0].entries:
+        if e.tag in (256, 257, 322, 323):
+            _put_uint(buf, e.pos + 2, 2, 4)
+            _put_uint(buf, e.pos + 8, 4, 65535 if e.tag in (322, 323) else 60000)
+    path.write_bytes(bytes(buf))
+
+
+_TIFF_MUTATORS = [(_ifd_cycle, 2), (_forge_tag, 6), (_forge_entry_header, 2), (_truncate, 2),
+                  (_tile_bytes, 4), (_header_bytes, 2), (_tag_data_bytes, 2)]
+_PNG_MUTATORS = [(_forge_png_header, 3), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 8, len(b)), 2)]
+_JPEG_MUTATORS = [(_forge_jpeg_header, 2), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 2, len(b)), 3)]
+
+
+def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[tuple[Path, str]]:
+    """``n`` mutants (plus a few fixed decompression bombs) as (path, what was done)."""
+    rng = random.Random(seed)
+    bases = make_base_slides(folder / "bases")
+    cases: list[tuple[Path, str]] = [(p, "unchanged") for p in bases.values()]
+    names = sorted(bases)
+    for k in range(n):
+        name = rng.choice(names)
+        buf = bytearray(bases[name].read_bytes())
+        if name.endswith(".png"):
+            mutators = _PNG_MUTATORS
+        elif name.endswith(".jpg"):
+            mutators = _JPEG_MUTATORS
+        else:
+            mutators = _TIFF_MUTATORS
+        fn = rng.choices([m for m, _ in mutators], weights=[w for _, w in mutators])[0]
+        what = fn(buf, rng)
+        path = folder / f"case{k:04d}_{name}"
+        path.write_bytes(bytes(buf))
+        cases.append((path, f"{name}: {what}"))
+    if bombs:
+        specs = [("bomb_1bit_30000.png", 30000, 30000, 1, 0), ("bomb_rgba16_16000.png", 16000, 16000, 16, 6),
+                 ("bomb_grey_40000.png", 40000, 40000, 1, 0)]
+        for name, w, h, depth, colour in specs:
+            png_bomb(folder / name, w, h, depth, colour)
+            cases.append((folder / name, f"PNG bomb {w}x{h}, {depth}-bit colour type {colour}"))
+        _tiff_tile_bomb(folder / "bomb_tile_65535.tiff")
+        cases.append((folder / "bomb_tile_65535.tiff", "tile 65535 x 65535 claimed"))
+    return cases
+
+
+# -- one case, in a worker ---------------------------------------------------------
+
+def _exercise(path: str, backend: str) -> None:
+    """What ``info`` and ``run`` do with a slide file, short of inference."""
+    from wsi_pipeline.commands.info import describe
+    from wsi_pipeline.slide import open_slide
+    from wsi_pipeline.tiling.grid import TileGrid
+    from wsi_pipeline.tiling.loader import TileLoader
+    from wsi_pipeline.tiling.tissue import tissue_mask
+
+    describe(path, backend)
+    with open_slide(path, backend) as slide:
+        mask = tissue_mask(slide, "otsu")
+        for level in sorted({0, slide.level_count - 1}):
+            grid = TileGrid(slide, 128, 16, level=level)
+            tiles = grid.select(mask.tile_fractions(grid), 0.0)
+            with TileLoader(slide, tiles, batch_size=4, workers=2) as loader:
+                for _ in loader:
+                    pass
+        slide.get_thumbnail(256)
+
+
+def run_case(path: str) -> dict:
+    """The outcome of :func:`_exercise` with backend detection, and for a TIFF with each backend forced.
+
+    "success" or "clean" (a project error naming the file) as the detected backend ends; any
+    forced backend raising another exception type, or an error that does not name the file,
+    makes the case "error" or "unnamed".
+    """
+    from wsi_pipeline.errors import WSIPipelineError
+
+    with open(path, "rb") as f:
+        tiff = f.read(2) in (b"II", b"MM")
+    outcome: dict = {}
+    for backend in ("auto", "tifffile", "openslide", "image") if tiff else ("auto",):
+        try:
+            _exercise(path, backend)
+            result = {"outcome": "success"}
+        except WSIPipelineError as exc:
+            named = os.path.basename(path) in str(exc)
+            result = {"outcome": "clean" if named else "unnamed", "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        except BaseException as exc:  # noqa: BLE001 - the point is to see what escapes
+            result = {"outcome": "error", "detail": f"{backend}: {type(exc).__name__}: {exc}"[:300]}
+        if backend == "auto":
+            outcome = result
+        elif result["outcome"] in ("error", "unnamed"):
+            return result
+    return outcome
+
+
+def _worker_main(mem_bytes: int) -> None:
+    import resource
+    import warnings
+
+    warnings.simplefilter("ignore")
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything printed goes to stderr, not into the protocol
+    import wsi_pipeline.commands.info  # noqa: F401  (imports paid before the limit)
+    import wsi_pipeline.tiling.loader  # noqa: F401
+
+    if mem_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    proto.write("ready\n")
+    proto.flush()
+    for line in sys.stdin:
+        result = run_case(line.rstrip("\n"))
+        proto.write(json.dumps(result) + "\n")
+        proto.flush()
+
+
+# -- the harness -------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self, mem_bytes: int):
+        env = dict(os.environ, MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(mem_bytes)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+        self.busy: tuple[int, float] | None = None  # (case index, start time)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("fuzz worker did not start")
+
+    def send(self, index: int, path: Path) -> None:
+        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.flush()
+        self.busy = (index, time.monotonic())
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run_cases(cases: list[tuple[Path, str]], workers: int = 2, timeout_s: float = 20.0,
+              mem_bytes: int = 3 << 30) -> list[dict]:
+    """Run every case in worker processes; a hang past ``timeout_s`` or a crash kills the worker."""
+    results: list[dict | None] = [None] * len(cases)
+    pending = list(range(len(cases)))[::-1]
+    pool = [_Worker(mem_bytes) for _ in range(workers)]
+    try:
+        while pending or any(w.busy for w in pool):
+            for w in pool:
+                if w.busy is None and pending:
+                    i = pending.pop()
+                    w.send(i, cases[i][0])
+            busy = [w for w in pool if w.busy]
+            ready, _, _ = select.select([w.proc.stdout for w in busy], [], [], 0.5)
+            for k, w in enumerate(pool):
+                if not w.busy:
+                    continue
+                i, t0 = w.busy
+                if w.proc.stdout in ready:
+                    line = w.proc.stdout.readline()
+                    if line:
+                        results[i] = json.loads(line)
+                        w.busy = None
+                        continue
+                    rc = w.proc.wait()
+                    results[i] = {"outcome": "crash", "detail": f"worker exited with {rc}"}
+                elif time.monotonic() - t0 > timeout_s:
+                    results[i] = {"outcome": "timeout", "detail": f"no answer in {timeout_s:g} s"}
+                else:
+                    continue
+                w.kill()
+                pool[k] = _Worker(mem_bytes)
+    finally:
+        for w in pool:
+            w.kill()
+    for r, (path, what) in zip(results, cases, strict=True):
+        r["case"] = f"{path.name} ({what})"
+    return results  # type: ignore[return-value]
+
+
+def summarize(results: list[dict]) -> Counter:
+    return Counter(r["outcome"] for r in results)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker_main(int(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dir", default="/tmp/wsi_fuzz")
+    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--mem-gib", type=float, default=3.0)
+    ap.add_argument("--no-bombs", action="store_true")
+    ap.add_argument("--report", help="write every case's outcome to this JSON file")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    cases = make_cases(Path(args.dir), args.cases, args.seed, bombs=not args.no_bombs)
+    t1 = time.monotonic()
+    results = run_cases(cases, timeout_s=args.timeout, mem_bytes=int(args.mem_gib * (1 << 30)))
+    for r in results:
+        if r["outcome"] not in ("success", "clean"):
+            print(f"{r['outcome']:8} {r['case']}: {r.get('detail', '')}")
+    if args.report:
+        Path(args.report).write_text(json.dumps(results, indent=1))
+    counts = summarize(results)
+    print(f"tried {len(results)}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+          + f"  (generate {t1 - t0:.1f} s, run {time.monotonic() - t1:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""A few hundred mutants of small slides: each ends in success or a project error naming the file.
+
+No case may hang (each has a time limit), crash the process, allocate past
+the address-space limit, or raise an exception type that is not the
+project's own. The generator and the harness are in ``fuzz_slides.py``.
+"""
+
+from __future__ import annotations
+
+from fuzz_slides import make_cases, run_cases, summarize
+
+N_CASES = 500
+
+
+def test_fuzzed_slides_end_in_success_or_a_project_error(tmp_path):
+    cases = make_cases(tmp_path, N_CASES, seed=14)
+    results = run_cases(cases, workers=2, timeout_s=30.0, mem_bytes=2 << 30)
+    counts = summarize(results)
+    print(f"fuzz: tried {len(results)}, " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    bad = [r for r in results if r["outcome"] not in ("success", "clean")]
+    assert not bad, "\n".join(f"{r['outcome']}: {r['case']}: {r.get('detail', '')}" for r in bad[:20])
+    # The mutants reach both ends: files still read, and files refused.
+    assert counts["success"] >= 30 and counts["clean"] >= 100

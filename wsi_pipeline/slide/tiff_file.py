@@ -1,0 +1,127 @@
+"""Opening a TIFF with tifffile only once its page chain is known to end.
+
+tifffile follows each page's next-IFD pointer as it goes; a pointer set back
+to an earlier page (a damaged or hostile file) makes it list pages for ever.
+:func:`open_tifffile` walks the chain first, reading only the few bytes of
+each IFD's entry count and next pointer, and refuses a chain that loops or
+holds more than :data:`MAX_TIFF_PAGES` pages.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+
+import tifffile
+
+from ..errors import SlideOpenError
+
+# Pyramidal slides hold a few dozen pages; OME-TIFF stacks of planes a few thousand.
+MAX_TIFF_PAGES = 16384
+# A stored tile is decoded whole; larger claimed tiles are refused as forged
+# geometry (real slides use 240 to 2048 px tiles: at most 12 MiB as RGB).
+MAX_TILE_BYTES = 64 * 1024 * 1024
+MAX_TILE_SIDE = 16384
+
+
+def is_tiff(path: str) -> bool:
+    """Whether ``path`` starts with a TIFF or BigTIFF signature."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return magic[:2] in (b"II", b"MM") and magic[2:4] in (b"*\x00", b"\x00*", b"+\x00", b"\x00+")
+
+
+def count_tiff_pages(path: str, max_pages: int = MAX_TIFF_PAGES) -> int:
+    """The number of pages in the main IFD chain of the TIFF or BigTIFF at ``path``.
+
+    The walk stops, as tifffile's does, at a null pointer or one past the end
+    of the file. Raises :class:`SlideOpenError` if the chain comes back to a
+    page already seen or is longer than ``max_pages``.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(16)
+        if len(head) < 8 or head[:2] not in (b"II", b"MM"):
+            raise SlideOpenError(path, f"not a TIFF: expected the byte-order mark II or MM, found {head[:2]!r}")
+        e = "<" if head[:2] == b"II" else ">"
+        magic = struct.unpack(e + "H", head[2:4])[0]
+        if magic == 42:
+            offset = struct.unpack(e + "I", head[4:8])[0]
+            count_fmt, entry_size, next_fmt = e + "H", 12, e + "I"
+        elif magic == 43 and len(head) == 16:
+            offset = struct.unpack(e + "Q", head[8:16])[0]
+            count_fmt, entry_size, next_fmt = e + "Q", 20, e + "Q"
+        else:
+            raise SlideOpenError(path, f"not a TIFF: expected version 42 or 43 (BigTIFF), found {magic}")
+        count_size, next_size = struct.calcsize(count_fmt), struct.calcsize(next_fmt)
+        seen: dict[int, int] = {}
+        while offset and offset + count_size <= size:
+            if offset in seen:
+                raise SlideOpenError(
+                    path, f"TIFF page chain loops: page {len(seen) - 1} points back to page {seen[offset]} "
+                    f"(IFD at byte {offset}); expected each page once and a chain that ends")
+            if len(seen) >= max_pages:
+                raise SlideOpenError(path, f"TIFF has more than {max_pages} pages; expected a slide's pyramid")
+            seen[offset] = len(seen)
+            f.seek(offset)
+            n = struct.unpack(count_fmt, f.read(count_size))[0]
+            next_at = offset + count_size + n * entry_size
+            if next_at + next_size > size:
+                break
+            f.seek(next_at)
+            offset = struct.unpack(next_fmt, f.read(next_size))[0]
+    return len(seen)
+
+
+def open_tifffile(path: str) -> tifffile.TiffFile:
+    """``tifffile.TiffFile(path)`` once its page chain is checked; its errors as :class:`SlideOpenError`."""
+    count_tiff_pages(path)
+    try:
+        return tifffile.TiffFile(path)
+    except Exception as exc:  # tifffile raises many types on a damaged header
+        raise SlideOpenError(path, f"not a readable TIFF: {exc}") from exc
+
+
+def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
+    """Refuse a page whose claimed geometry its own tile or strip table cannot back.
+
+    Checks, before any pixel is allocated: a size of at least 1 x 1, tiles
+    of at most :data:`MAX_TILE_SIDE` px a side and :data:`MAX_TILE_BYTES`
+    decoded, a table with an entry for every
+    tile or strip the size needs, and data that ends inside the file.
+    """
+    def bad(reason: str) -> SlideOpenError:
+        return SlideOpenError(path, f"page {page.index}: {reason}")
+
+    width, height, spp = page.imagewidth, page.imagelength, max(1, page.samplesperpixel)
+    if width < 1 or height < 1:
+        raise bad(f"image claims {width}x{height} pixels")
+    planes = spp if page.planarconfig == 2 else 1
+    if page.is_tiled:
+        tw, th = page.tilewidth, page.tilelength
+        sample_bytes = max(1, -(-page.bitspersample // 8))
+        if not (1 <= tw <= MAX_TILE_SIDE and 1 <= th <= MAX_TILE_SIDE
+                and tw * th * max(spp, 3) * sample_bytes <= MAX_TILE_BYTES):
+            raise bad(f"tiles claim {tw}x{th} pixels; expected sides of at most {MAX_TILE_SIDE} px and at most "
+                      f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged tile geometry)")
+        what, expected = f"{tw}x{th} tiles", math.ceil(width / tw) * math.ceil(height / th) * planes
+    else:
+        rows = min(page.rowsperstrip or height, height)
+        what, expected = f"strips of {rows} rows", math.ceil(height / rows) * planes
+    offsets, counts = page.dataoffsets, page.databytecounts
+    listed = min(len(offsets), len(counts))
+    if listed < expected:
+        raise bad(f"its table lists {listed} tiles or strips, expected {expected} for {width}x{height} in {what}")
+    end = max((o + c for o, c in zip(offsets, counts, strict=False) if c), default=0)
+    if end > file_size:
+        raise bad(f"file is truncated or claims an impossible size: image data reaches byte {end} but the "
+                  f"file has {file_size} bytes ({width}x{height} claimed)")
+
+
+def check_tiff_data(path: str) -> None:
+    """:func:`check_page_data` for every page of the TIFF at ``path`` (a file another library will read)."""
+    size = os.path.getsize(path)
+    with open_tifffile(path) as tif:
+        for page in tif.pages:
+            check_page_data(path, page, size)
