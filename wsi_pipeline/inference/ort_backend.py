@@ -67,6 +67,11 @@ class OrtBackend:
         if intra_op_threads is not None:
             opts.intra_op_num_threads = int(intra_op_threads)
         opts.inter_op_num_threads = int(inter_op_threads)
+        if self.card.precision == "int8":
+            # Integer kernels on x86 CPUs without VNNI (AVX2, AVX-512F) saturate 16-bit sums of
+            # u8 x s8 products, which loses objects; this option keeps int8 results the same on
+            # every CPU, at some cost in speed where it applies.
+            opts.add_session_config_entry("session.x64quantprecision", "1")
         try:
             self.session = ort.InferenceSession(
                 str(self.card.model_path), opts, providers=list(providers or ["CPUExecutionProvider"]))
