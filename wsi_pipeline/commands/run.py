@@ -12,14 +12,15 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
+from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
+from ..batch_folder import BatchLogHandler, lock_output_folder, printable
 from ..config import BACKEND_CHOICES, MERGE_CHOICES, TISSUE_CHOICES, RunConfig, load_config
 from ..errors import ConfigError, ModelError, UsageError
 
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "streams", "score_threshold", "nms_iou", "merge", "blend",
-                "overlay_size", "dask")
+                "overlay_size", "dask", "slide_timeout")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=float, help="read at this resolution, um/px (default: the model's)")
     res.add_argument("--level", type=int, help="read this pyramid level as it is")
-    p.add_argument("--tissue", choices=TISSUE_CHOICES, help="tissue detection (auto: otsu, or all without mpp)")
+    p.add_argument("--tissue", choices=TISSUE_CHOICES,
+                   help="which tiles to read: otsu (tissue found on a thumbnail), all, or file (--mask); "
+                        "default auto: otsu for a model with an mpp (pathology), all for one without (industrial)")
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
@@ -49,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
+    p.add_argument("--slide-timeout", type=float, metavar="SECONDS",
+                   help="stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
+                        "of slide file; 0: no limit, slides run in this process)")
     p.add_argument("--force", action="store_true", help="redo slides already done")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -72,9 +78,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _setup_logging(out: Path) -> logging.Handler:
-    out.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / LOG_FILE, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler = BatchLogHandler(out / LOG_FILE)
     logger = logging.getLogger("wsi_pipeline")
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
@@ -85,9 +89,13 @@ def _setup_logging(out: Path) -> logging.Handler:
 
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
-    from ..pipeline import DEFAULT_MODEL, Pipeline
+    from ..pipeline import DEFAULT_MODEL
 
     config = build_config(args)
+    if config.dask:
+        from ..distributed import check_address
+
+        check_address(config.dask)
     out = Path(args.out)
     slides = expand_inputs(args.inputs, exclude=out)
     if not slides:
@@ -99,27 +107,22 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
-    handler = _setup_logging(out)
-    log = logging.getLogger("wsi_pipeline")
-    log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key, config.as_dict())
-    try:
-        def factory() -> Pipeline:
-            try:
-                return Pipeline(card, backend=config.backend, config=config)
-            except (ConfigError, ModelError) as exc:
-                raise UsageError(str(exc)) from exc
-
-        with warnings.catch_warnings():
-            # Per-slide warnings (unknown resolution ...) go to run.log; the bars stay readable.
-            warnings.simplefilter("default")
-            report = run_batch(slides, out, factory, config, key, force=args.force,
-                               progress=not args.no_progress and sys.stderr.isatty(), dask=config.dask)
-    finally:
-        logging.getLogger("wsi_pipeline").removeHandler(handler)
-        logging.getLogger("py.warnings").removeHandler(handler)
-        handler.close()
+    with lock_output_folder(out):
+        handler = _setup_logging(out)
+        log = logging.getLogger("wsi_pipeline")
+        log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
+        try:
+            with warnings.catch_warnings():
+                # Per-slide warnings (unknown resolution ...) go to run.log; the bars stay readable.
+                warnings.simplefilter("default")
+                report = run_batch(slides, out, PipelineFactory(config, card), config, key, force=args.force,
+                                   progress=not args.no_progress and sys.stderr.isatty(), dask=config.dask)
+        finally:
+            logging.getLogger("wsi_pipeline").removeHandler(handler)
+            logging.getLogger("py.warnings").removeHandler(handler)
+            handler.close()
     print(report.table())
     n_failed = len(report.failed)
-    print(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in {out}/"
-          f" (manifest.json, {LOG_FILE})")
+    print(printable(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
+                    f"{out}/slides/ ({LOG_FILE} and manifest.json in {out}/)"))
     return report.exit_code
