@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from .batch_folder import slide_dir
 from .cli import main as cli_main
 from .slide.synthetic import write_synthetic_slide
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     code = cli_main(["run", str(slide), "--out", str(results)])
     if code != 0:
         return code
-    folder = results / "demo_slide"
+    folder = slide_dir(results, "demo_slide")
     with open(folder / "summary.json", encoding="utf-8") as f:
         summary = json.load(f)
     tumour = (summary.get("heatmap_scores") or {}).get("tumour", {})
@@ -45,7 +46,7 @@ outputs in {folder}{os.sep}:
   heatmap.ome.tif      QuPath / Fiji (Bio-Formats) / tifffile: the per-class probability pyramid
   detections.csv       x0, y0, x1, y1, score, label in level-0 pixels: pandas, a spreadsheet
   summary.json         counts, areas, slide-level scores, timings, settings
-review them in Jupyter: notebooks/02_review_results.ipynb with RUN_DIR = "{results}"
+review them in Jupyter: notebooks/02_review_results.ipynb with RUN_DIR = "{folder.resolve()}"
 """)
     return 0
 
