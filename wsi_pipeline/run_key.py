@@ -63,13 +63,13 @@ class RunKey:
 
     @classmethod
     def of(cls, config: RunConfig, card: ModelCard) -> RunKey:
-        """The key of ``config`` and ``card`` (reads the mask file of ``tissue = "file"``)."""
+        """The key of ``config`` and ``card`` (reads the mask file, UsageError when it is not one)."""
         settings = config.result_key()
         for k in ("model", "mask"):  # paths do not matter, contents do
             settings.pop(k, None)
         card_doc = card.to_dict()
         parts = {"settings": _digest(settings), "card": _digest(card_doc), "model": card.sha256[:16]}
-        if config.tissue == "file" and config.mask:
+        if config.mask:
             parts["mask"] = mask_sha256(config.mask)[:16]
         return cls(parts)
 

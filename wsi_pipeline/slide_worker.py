@@ -13,8 +13,9 @@ half-written folder, records the slide as failed and starts a new child for
 the next slide. The cost of the isolation is the child's start and model
 load, paid once per batch and again after each slide that is stopped.
 
-The child ignores Ctrl-C (the parent stops it and records the slide as
-interrupted) and exits when its parent is gone. Its log records and warnings
+The child runs in its own session, so Ctrl-C reaches only the parent, which
+stops the child and records the slide as interrupted; the child exits when
+its parent is gone (killed). Its log records and warnings
 are sent to the parent, which logs them as its own.
 
 With ``slide_timeout = 0`` slides run in the calling process, without a limit
@@ -98,15 +99,21 @@ class ChildProcessRunner:
         from_child_r, from_child_w = os.pipe()
         cmd = [sys.executable, "-m", "wsi_pipeline.slide_worker", str(to_child_r), str(from_child_w)]
         try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w))
+            # Its own session: Ctrl-C at the terminal reaches only the parent, which stops the child.
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w),
+                                         start_new_session=True)
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
         self.send_conn = Connection(to_child_w, readable=False)
         self.recv_conn = Connection(from_child_r, writable=False)
         levels = {n: logging.getLogger(n).level for n in _LOGGERS}
-        self.send_conn.send(("init", list(sys.path), levels, pickle.dumps(self.factory), self.progress))
-        reply = self._receive(None)
+        try:
+            self.send_conn.send(("init", list(sys.path), levels, pickle.dumps(self.factory), self.progress))
+            reply = self._receive(None)
+        except BaseException:  # Ctrl-C while the model loads
+            self._stop()
+            raise
         if reply is None:
             raise WSIPipelineError(f"the process that runs slides ended while loading the model "
                                    f"(exit code {self._stop()})")
