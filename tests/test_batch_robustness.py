@@ -93,6 +93,13 @@ class FakeFactory:
         return FakePipeline()
 
 
+class BrokenFactory:
+    """A pipeline that cannot be built (a backend this machine lacks, say)."""
+
+    def __call__(self):
+        raise UsageError("no such backend here")
+
+
 def _slides(folder: Path, *names: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -121,6 +128,17 @@ def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
     m = _manifest(tmp_path / "out")
     assert [m[n]["status"] for n in ("hang", "crash", "good")] == ["failed", "failed", "done"]
     assert os.listdir(tmp_path / "out" / "slides") == ["good"]  # no half-written folder left
+
+
+@pytest.mark.parametrize("slide_timeout", [0, None])
+def test_a_pipeline_that_cannot_be_built_stops_the_batch_with_no_slide_running(tmp_path, slide_timeout):
+    paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=slide_timeout)
+    with pytest.raises(UsageError, match="no such backend here"):
+        run_batch(paths, tmp_path / "out", BrokenFactory(), config, _key(config), progress=False)
+    manifest = tmp_path / "out" / "manifest.json"
+    statuses = {rec["status"] for rec in _manifest(tmp_path / "out").values()} if manifest.exists() else set()
+    assert "running" not in statuses
 
 
 def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):

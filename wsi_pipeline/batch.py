@@ -38,6 +38,7 @@ from typing import Any
 from .batch_folder import (
     LOG_FILE,
     MANIFEST,
+    SLIDES_DIR,
     OutputFolderError,
     clean_leftovers,
     lock_output_folder,
@@ -201,9 +202,14 @@ class Manifest:
         if self.path.is_file():
             try:
                 with open(self.path, encoding="utf-8") as f:
-                    self.slides = dict(json.load(f).get("slides", {}))
+                    doc = json.load(f)
+                self.slides = dict(doc.get("slides", {}))
             except (OSError, ValueError, AttributeError, TypeError):
                 log.warning("%s: unreadable, starting a new manifest (finished slide folders are kept)", self.path)
+            else:
+                if doc.get("format") == 1:
+                    log.warning("%s: written by an older version, whose slide folders (DIR/<name>/) are not "
+                                "reused; slides now go to DIR/%s/<name>/", self.path, SLIDES_DIR)
 
     def update(self, name: str, **fields: Any) -> None:
         self.update_many([name], **fields)
@@ -289,13 +295,14 @@ def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_di
     except Exception as exc:
         remove_or_warn(partial, "the outputs of a failed slide")
         log.debug("slide %s failed", path, exc_info=True)
-        return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0, error=_describe(exc, path))
+        return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
+                            error=_describe(exc, path, folder))
 
 
-def _describe(exc: BaseException, path: Any) -> str:
+def _describe(exc: BaseException, path: Any, folder: Path) -> str:
     msg = str(exc) or type(exc).__name__
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        msg = f"out of disk space: {msg}"
+        msg = f"out of disk space writing into {folder}: {msg}"
     text = msg if str(path) in msg else f"{path}: {msg}"
     return text if type(exc).__module__.startswith("wsi_pipeline") else f"{type(exc).__name__}: {text}"
 
@@ -428,6 +435,7 @@ def _run_local(todo: list[tuple[Path, str]], out: Path, factory: Callable[[], An
     runner = make_runner(factory, config, progress)
     try:
         for path, name in todo:
+            runner.prepare()  # the model loads before the slide counts as running, and outside its limit
             manifest.update(name, status="running", started=_now())
             yield runner.run(path, name, out, key, slide_time_limit(config, path))
     finally:

@@ -71,11 +71,15 @@ class InProcessRunner:
         self.factory, self.progress = factory, progress
         self.pipeline: Any = None
 
+    def prepare(self) -> None:
+        """Build the pipeline (raises what the factory raises)."""
+        if self.pipeline is None:
+            self.pipeline = self.factory()
+
     def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
         from .batch import process_slide
 
-        if self.pipeline is None:
-            self.pipeline = self.factory()
+        self.prepare()
         return process_slide(self.pipeline, path, name, out_dir, key, progress=self.progress)
 
     def close(self) -> None:
@@ -156,11 +160,15 @@ class ChildProcessRunner:
             return msg
 
     # -- slides ------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Start the child and let it build the pipeline, if not done (raises what the factory raises)."""
+        if self.proc is None:
+            self._start()
+
     def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
         from .batch import SlideOutcome
 
-        if self.proc is None:
-            self._start()
+        self.prepare()
         assert self.send_conn is not None and self.proc is not None
         pid = self.proc.pid
         t0 = time.perf_counter()
