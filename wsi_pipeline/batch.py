@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,16 +174,18 @@ def run_key(config: RunConfig, card: ModelCard) -> RunKey:
     return RunKey.of(config, card)
 
 
-def redo_reason(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> str | None:
-    """Why the slide at ``path`` with the outputs ``folder`` needs running; None when they are its result."""
+def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None,
+                                                                                 str | None]:
+    """(summary, why the slide at ``path`` needs running) for its outputs ``folder``; the reason is None
+    when they are its result under ``key``."""
     from .pipeline import OUTPUT_FILES
 
     if not folder.is_dir():
-        return "not run yet"
+        return None, "not run yet"
     summary = read_summary(folder)
     required = [n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None]
     missing = [n for n in required if not (folder / n).is_file()]
-    return why_redo(summary, key, input_identity(path), missing)
+    return summary, why_redo(summary, key, input_identity(path), missing)
 
 
 # -- manifest -------------------------------------------------------------------
@@ -212,11 +214,12 @@ class Manifest:
                                 "reused; slides now go to DIR/%s/<name>/", self.path, SLIDES_DIR)
 
     def update(self, name: str, **fields: Any) -> None:
-        self.update_many([name], **fields)
+        self.update_records({name: fields})
 
-    def update_many(self, names: list[str], **fields: Any) -> None:
+    def update_records(self, records: dict[str, dict[str, Any]]) -> None:
+        """Update several slides' records in one save."""
         with self._lock:
-            for name in names:
+            for name, fields in records.items():
                 self.slides.setdefault(name, {}).update(fields)
             try:
                 write_json(self.path, {"format": 2, "updated": _now(), "slides": self.slides})
@@ -346,13 +349,11 @@ def plan(slides: list[Path], out_dir: Path, key: RunKey, force: bool) -> tuple[l
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
     for path, name in zip(slides, output_names(slides), strict=True):
-        folder = slide_dir(out_dir, name)
-        reason = "--force" if force else redo_reason(folder, key, path)
+        summary, reason = (None, "--force") if force else resume_state(slide_dir(out_dir, name), key, path)
         if reason is None:
-            summary = read_summary(folder) or {}
-            done.append(SlideOutcome(name, str(path), "skipped", counts=summary.get("counts", {})))
+            done.append(SlideOutcome(name, str(path), "skipped", counts=(summary or {}).get("counts", {})))
             continue
-        if reason != "not run yet" and os.path.lexists(folder):
+        if reason != "not run yet":
             log.info("%s: redone: %s", path, reason)
         todo.append((path, name))
     return todo, done
@@ -385,10 +386,10 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
         todo, done = plan(slides, out, key, force)
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
-            manifest.update(o.name, path=o.path, status="done", run_key=key.value, counts=o.counts)
             log.info("%s: already done with these settings, skipped", o.path)
-        for path, name in todo:
-            manifest.update(name, path=str(path), status="pending", run_key=key.value, error=None)
+        manifest.update_records({
+            **{o.name: dict(path=o.path, status="done", run_key=key.value, counts=o.counts) for o in done},
+            **{name: dict(path=str(path), status="pending", run_key=key.value, error=None) for path, name in todo}})
 
         def record(o: SlideOutcome) -> None:
             outcomes[o.name] = o
@@ -406,7 +407,7 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
             bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
         try:
-            if dask:
+            if dask and todo:
                 from .distributed import run_on_dask
 
                 results: Generator[SlideOutcome, None, None] = run_on_dask(dask, todo, out, config, key)
@@ -421,7 +422,7 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
             # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
             stopped = [n for _, n in todo if n not in outcomes and (
                 dask or manifest.slides.get(n, {}).get("status") == "running")]
-            manifest.update_many(stopped, status="interrupted", finished=_now())
+            manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
             raise
         finally:
             if bar is not None:
@@ -431,7 +432,9 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
 
 def _run_local(todo: list[tuple[Path, str]], out: Path, factory: Callable[[], Any], config: RunConfig,
-               key: RunKey, progress: bool, manifest: Manifest) -> Iterator[SlideOutcome]:
+               key: RunKey, progress: bool, manifest: Manifest) -> Generator[SlideOutcome, None, None]:
+    if not todo:
+        return
     runner = make_runner(factory, config, progress)
     try:
         for path, name in todo:
