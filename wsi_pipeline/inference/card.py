@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import MAX_TILE
 from ..errors import ConfigError, ModelError
 
 CARD_SUFFIX = ".card.json"
@@ -36,7 +37,7 @@ OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
 # A card is a few KB; anything far larger is not one.
 MAX_CARD_BYTES = 1 << 20
 # The largest model input side accepted (pixels): a tile is read, held and batched whole.
-MAX_INPUT_SIDE = 4096
+MAX_INPUT_SIDE = MAX_TILE
 
 # ONNX TensorProto element types -> card dtype names.
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
