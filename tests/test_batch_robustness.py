@@ -116,17 +116,17 @@ def _key(config: RunConfig) -> RunKey:
 # -- time limit, crashes, Ctrl-C ---------------------------------------------------------------------
 
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
-    paths = _slides(tmp_path / "in", "hang.tiff", "crash.tiff", "good.tiff")
+    paths = _slides(tmp_path / "in", "hang[1].tiff", "crash.tiff", "good.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=3)
     t0 = time.monotonic()
     report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
     assert time.monotonic() - t0 < 60
     hang, crash, good = report.outcomes
-    assert hang.status == "failed" and "did not finish within 3 s" in hang.error and "hang.tiff" in hang.error
+    assert hang.status == "failed" and "did not finish within 3 s" in hang.error and "hang[1].tiff" in hang.error
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
     assert good.status == "done"
     m = _manifest(tmp_path / "out")
-    assert [m[n]["status"] for n in ("hang", "crash", "good")] == ["failed", "failed", "done"]
+    assert [m[n]["status"] for n in ("hang[1]", "crash", "good")] == ["failed", "failed", "done"]
     assert os.listdir(tmp_path / "out" / "slides") == ["good"]  # no half-written folder left
 
 

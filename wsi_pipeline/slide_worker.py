@@ -25,6 +25,7 @@ With ``slide_timeout = 0`` slides run in the calling process, without a limit
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import pickle
@@ -195,7 +196,7 @@ class ChildProcessRunner:
 
     @staticmethod
     def _remove_partials(out_dir: Path, name: str, pid: int) -> None:
-        for p in slides_dir(out_dir).glob(f".{name}.partial-{pid}-*"):
+        for p in slides_dir(out_dir).glob(f".{glob.escape(name)}.partial-{pid}-*"):
             remove_or_warn(p, "the outputs of a stopped slide")
 
     def close(self) -> None:
