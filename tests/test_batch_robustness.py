@@ -527,3 +527,41 @@ def test_a_label_past_the_card_classes_fails_the_slide():
         decode(outputs, one_class)
     assert len(decode(outputs, dataclasses.replace(card, classes=card.classes * 2))[0]) == 2
 
+
+
+def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, capsys):
+    import logging
+
+    from wsi_pipeline.batch_folder import BatchLogHandler
+
+    handler = BatchLogHandler(tmp_path / "run.log")
+    logger = logging.getLogger("wsi_pipeline.test_full_disk")
+    logger.addHandler(handler)
+    try:
+        logger.warning("before: %s", os.fsdecode(b"caf\xe9"))
+        handler.flush()
+
+        def full(text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handler.stream.write = full
+        logger.warning("lost 1")
+        logger.warning("lost 2")
+    finally:
+        logger.removeHandler(handler)
+        vars(handler.stream).pop("write", None)
+        handler.close()
+    err = capsys.readouterr().err
+    assert err.count("cannot write the log") == 1 and "No space left" in err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert "before: caf\\udce9" in (tmp_path / "run.log").read_text(encoding="utf-8")
+
+
+def test_load_run_on_a_batch_folder_of_several_slides_names_them(tmp_path):
+    from wsi_pipeline.errors import WSIPipelineError
+    from wsi_pipeline.review import load_run
+
+    for name in ("a", "b"):
+        (tmp_path / "slides" / name).mkdir(parents=True)
+    with pytest.raises(WSIPipelineError, match=r"a batch folder of 2 slides.*\(names: a, b\)"):
+        load_run(tmp_path)
