@@ -368,6 +368,28 @@ def test_resume_redoes_a_slide_when_the_card_the_slide_or_the_mask_changed(tmp_p
     assert "the mask file changed" in caplog.text
 
 
+def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
+    from wsi_pipeline.run_key import input_identity
+
+    big = tmp_path / "big.svs"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    first = input_identity(big)
+    assert first == input_identity(big) and first["size"] == 4 << 20
+    for offset in (10, (4 << 20) - 10):  # the header, the tail
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        big.write_bytes(bytes(changed))
+        assert input_identity(big)["fingerprint"] != first["fingerprint"]
+    folder = tmp_path / "dicom_slide"
+    folder.mkdir()
+    (folder / "a.dcm").write_bytes(b"a" * 10)
+    before = input_identity(folder)
+    (folder / "a.dcm").write_bytes(b"a" * 11)
+    assert input_identity(folder) != before
+    assert input_identity(tmp_path / "missing.svs") is None
+
+
 # -- usage errors before any slide runs --------------------------------------------------------------------
 
 @pytest.mark.parametrize("values, message", [

@@ -4,8 +4,9 @@ A slide's ``summary.json`` records its :class:`RunKey` (a hash of the
 result-deciding settings, of the whole model card with its model's SHA-256,
 and of the mask file's content) and its input's identity (size and a
 fingerprint of the file's first and last 64 KiB and 16 blocks of 4 KiB
-spread between them). A rerun keeps the slide only when both still match,
-and otherwise says why it is redone.
+spread between them; for a slide that is a folder, its files' names and
+sizes). A rerun keeps the slide only when both still match, and otherwise
+says why it is redone.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ class RunKey:
 
 
 def input_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``{"size", "fingerprint"}`` of a slide file, or None when it cannot be read (the run then fails it)."""
+    """``{"size", "fingerprint"}`` of a slide file (or of a folder slide: its files' names and sizes),
+    or None when it cannot be read (the run then fails it)."""
+    if os.path.isdir(path):
+        return _folder_identity(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -103,6 +107,20 @@ def input_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return {"size": size, "fingerprint": h.hexdigest()[:32]}
+
+
+def _folder_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    entries = []
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            try:
+                entries.append((os.path.relpath(full, path), os.path.getsize(full)))
+            except OSError:
+                continue
+    entries.sort()
+    listing = json.dumps(entries).encode("utf-8", "surrogateescape")
+    return {"size": sum(n for _, n in entries), "fingerprint": hashlib.sha256(listing).hexdigest()[:32]}
 
 
 def why_redo(summary: dict[str, Any] | None, key: RunKey, identity: dict[str, Any] | None,
