@@ -380,7 +380,11 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
         check_address(dask)
     with lock_output_folder(out):
-        slides_dir(out).mkdir(exist_ok=True)
+        try:
+            slides_dir(out).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputFolderError(f"{slides_dir(out)}: cannot make the folder of the slides' outputs: "
+                                    f"{exc.strerror or exc}") from None
         clean_leftovers(out)
         manifest = Manifest(out)
         todo, done = plan(slides, out, key, force)
