@@ -24,10 +24,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from wsi_pipeline.batch import run_batch, run_key
+from wsi_pipeline.batch import PipelineFactory, run_batch, run_key
+from wsi_pipeline.batch_folder import slide_dir
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.inference.card import load_card
-from wsi_pipeline.pipeline import DEFAULT_MODEL, Pipeline
+from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.slide.synthetic import write_synthetic_slide
 
 
@@ -66,13 +67,12 @@ def main() -> None:
         out = work / label.replace(" ", "_")
         shutil.rmtree(out, ignore_errors=True)
         t = time.perf_counter()
-        report = run_batch(slides, out, lambda: Pipeline(config=config, backend=args.backend), config, key,
-                           progress=False, dask=dask)
+        report = run_batch(slides, out, PipelineFactory(config), config, key, progress=False, dask=dask)
         seconds = time.perf_counter() - t
         assert report.exit_code == 0, report.table()
-        tiles = sum(json.loads((out / o.name / "summary.json").read_text())["tiles"]["read"]
+        tiles = sum(json.loads((slide_dir(out, o.name) / "summary.json").read_text())["tiles"]["read"]
                     for o in report.outcomes)
-        backend = json.loads((out / report.outcomes[0].name / "summary.json").read_text())["backend"]
+        backend = json.loads((slide_dir(out, report.outcomes[0].name) / "summary.json").read_text())["backend"]
         # Steady state: the slides' own times, without start-up (cluster, worker imports, model load),
         # leaving out each worker's first slide (it also builds that worker's pipeline).
         per_worker: dict[str, list[float]] = {}

@@ -19,6 +19,7 @@ from wsi_pipeline.config import RunConfig
 from wsi_pipeline.errors import ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.run_key import RunKey
 from wsi_pipeline.slide.synthetic import write_synthetic_slide
 
 
@@ -39,7 +40,7 @@ def slides(tmp_path_factory):
 
 
 def _mtimes(out: Path, name: str) -> dict[str, int]:
-    return {f: (out / name / f).stat().st_mtime_ns for f in OUTPUT_FILES}
+    return {f: (out / "slides" / name / f).stat().st_mtime_ns for f in OUTPUT_FILES}
 
 
 def _manifest(out: Path) -> dict:
@@ -83,8 +84,8 @@ def test_batch_outputs_failures_resume_and_force(slides, tmp_path):
     assert r.returncode == 1, r.stderr  # one slide failed
     assert "Traceback" not in r.stderr + r.stdout
     for name in ("a", "b"):
-        assert sorted(os.listdir(out / name)) == sorted(OUTPUT_FILES)
-    assert not (out / "garbage").exists()  # nothing that looks like a result
+        assert sorted(os.listdir(out / "slides" / name)) == sorted(OUTPUT_FILES)
+    assert not (out / "slides" / "garbage").exists()  # nothing that looks like a result
     m = _manifest(out)
     assert m["a"]["status"] == m["b"]["status"] == "done"
     assert m["garbage"]["status"] == "failed" and "garbage.svs" in m["garbage"]["error"]
@@ -105,7 +106,7 @@ def test_batch_outputs_failures_resume_and_force(slides, tmp_path):
     changed = _mtimes(out, "a")
     r = _cli("run", slides / "a.tiff", "--out", out, "--min-tissue", "0.2", "--force")
     assert r.returncode == 0 and _mtimes(out, "a") != changed
-    assert not [p for p in out.iterdir() if ".partial" in p.name or ".old" in p.name]
+    assert not [p for p in (out / "slides").iterdir() if ".partial" in p.name or ".old" in p.name]
 
 
 def test_corrupt_tile_fails_only_that_slide(slides, tmp_path):
@@ -118,7 +119,8 @@ def test_corrupt_tile_fails_only_that_slide(slides, tmp_path):
     m = _manifest(out)
     assert m["broken"]["status"] == "failed" and "cannot decode stored tile" in m["broken"]["error"]
     assert m["a"]["status"] == "done"
-    assert sorted(p.name for p in out.iterdir()) == ["a", "manifest.json", "run.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "run.lock", "run.log", "slides"]
+    assert [p.name for p in (out / "slides").iterdir()] == ["a"]
 
 
 def test_resume_after_kill_9(tmp_path):
@@ -130,14 +132,14 @@ def test_resume_after_kill_9(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "wsi_pipeline", "run", str(src), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (out / "s0" / "summary.json").exists():
+    while time.monotonic() < deadline and not (out / "slides" / "s0" / "summary.json").exists():
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    finished = [n for n in ("s0", "s1", "s2", "s3") if (out / n).exists()]
+    finished = [n for n in ("s0", "s1", "s2", "s3") if (out / "slides" / n).exists()]
     assert "s0" in finished and len(finished) < 4, finished
     for n in finished:  # a slide folder is complete or absent
-        assert sorted(os.listdir(out / n)) == sorted(OUTPUT_FILES)
+        assert sorted(os.listdir(out / "slides" / n)) == sorted(OUTPUT_FILES)
     kept = {n: _mtimes(out, n) for n in finished}
     r = _cli("run", src, "--out", out)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -145,7 +147,7 @@ def test_resume_after_kill_9(tmp_path):
         assert _mtimes(out, n) == m  # finished slides are not redone
     m = _manifest(out)
     assert all(m[f"s{i}"]["status"] == "done" for i in range(4))
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in (out / "slides").iterdir() if p.name.startswith(".")]
 
 
 # -- failures inside a slide, without the CLI -------------------------------------------
@@ -168,20 +170,21 @@ class _Failing:
 
 def test_out_of_disk_leaves_nothing_that_looks_complete(tmp_path):
     exc = OSError(errno.ENOSPC, "No space left on device")
-    o = process_slide(_Failing(exc), tmp_path / "x.tiff", "x", tmp_path, "key")
+    o = process_slide(_Failing(exc), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}))
     assert o.status == "failed" and "out of disk space" in o.error
-    assert list(tmp_path.iterdir()) == []
+    assert list((tmp_path / "slides").iterdir()) == []
 
 
 def test_model_failure_is_recorded_and_the_batch_goes_on(slides, tmp_path):
-    config = RunConfig(model=str(DEFAULT_MODEL))
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)  # in this process: the fake is not picklable
     key = run_key(config, load_card(DEFAULT_MODEL))
     fake = _Failing(ModelError("the model produced NaN"))
     report = run_batch([slides / "a.tiff", slides / "sub" / "b.tiff"], tmp_path, lambda: fake, config, key,
                        progress=False)
     assert [o.status for o in report.outcomes] == ["failed", "failed"]
     assert "NaN" in report.outcomes[1].error and report.exit_code == 1 and fake.closed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "run.lock", "slides"]
+    assert list((tmp_path / "slides").iterdir()) == []
 
 
 # -- usage errors: exit code 2 ---------------------------------------------------------------
@@ -212,7 +215,7 @@ def test_config_file_mirrors_the_flags_and_flags_win(slides, tmp_path):
     out = tmp_path / "out"
     r = _cli("run", slides / "a.tiff", "--out", out, "--config", cfg, "--overlap", "96")
     assert r.returncode == 0, r.stderr
-    params = json.loads((out / "a" / "summary.json").read_text())["parameters"]
+    params = json.loads((out / "slides" / "a" / "summary.json").read_text())["parameters"]
     assert params["min_tissue"] == 0.5 and params["merge"] == "ownership" and params["overlap"] == 96
 
 
@@ -225,9 +228,10 @@ def test_dask_local_cluster_matches_a_local_run(slides, tmp_path):
     r = _cli("run", slides, "--out", dist, "--dask", "local:2", timeout=420)
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("a", "b"):
-        assert (local / name / "detections.csv").read_bytes() == (dist / name / "detections.csv").read_bytes()
-        s_local = json.loads((local / name / "summary.json").read_text())
-        s_dist = json.loads((dist / name / "summary.json").read_text())
+        one, other = local / "slides" / name, dist / "slides" / name
+        assert (one / "detections.csv").read_bytes() == (other / "detections.csv").read_bytes()
+        s_local = json.loads((one / "summary.json").read_text())
+        s_dist = json.loads((other / "summary.json").read_text())
         assert s_local["counts"] == s_dist["counts"] and s_local["run_key"] == s_dist["run_key"]
         for cls, scores in s_local["heatmap_scores"].items():
             assert scores == pytest.approx(s_dist["heatmap_scores"][cls])

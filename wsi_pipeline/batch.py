@@ -1,44 +1,60 @@
 """Batch runs: inputs to slides, one output folder per slide, a manifest, resume.
 
-Layout of an output folder ``DIR``::
+The output folder's layout is in :mod:`.batch_folder`: ``DIR/manifest.json``,
+``DIR/run.log`` and one folder per slide under ``DIR/slides/``. One run at a
+time writes into a folder (``DIR/run.lock``).
 
-    DIR/manifest.json        every slide's status, error, counts, times
-    DIR/run.log              the log of every run into DIR
-    DIR/<name>/              one finished slide (see pipeline.OUTPUT_FILES)
-
-A slide is processed into ``DIR/.<name>.partial-<pid>-<n>/`` and that folder
-is renamed to ``DIR/<name>/`` only when every file is written, so a folder
-with a slide's name is always complete; a killed run leaves only a
-``.partial`` folder, removed by the next run. A slide counts as done when
-its folder's ``summary.json`` carries the run key of the current settings
-and model (:func:`run_key`): a rerun skips it (``force`` redoes it), and a
-change of settings or model redoes it. The manifest is rewritten atomically
-after every slide, so it is never half-written; where it and the folders
-disagree (a kill between the two), the folders win.
+A slide is processed into ``DIR/slides/.<name>.partial-<pid>-<n>/`` and that
+folder is renamed to ``DIR/slides/<name>/`` only when every file is written,
+so a folder with a slide's name is always complete; a killed run leaves only a
+``.partial`` folder, removed by the next run. Slides run in a child process,
+each under a wall-clock limit (:mod:`.slide_worker`). A slide counts as done
+when its folder's ``summary.json`` carries the current run key (settings,
+model card, model, mask: :class:`.run_key.RunKey`) and its slide file's
+identity: a rerun skips it (``force`` redoes it); otherwise it is redone and
+the log says why. The manifest is rewritten atomically after every change,
+so it is never half-written; where it and the folders disagree (a kill
+between the two), the folders win. When the manifest cannot be written (a
+full disk), the run stops with an :class:`~.batch_folder.OutputFolderError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import glob
-import hashlib
 import itertools
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 import unicodedata
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .batch_folder import (
+    LOG_FILE,
+    MANIFEST,
+    SLIDES_DIR,
+    OutputFolderError,
+    clean_leftovers,
+    lock_output_folder,
+    output_names,
+    printable,
+    remove_or_warn,
+    slide_dir,
+    slides_dir,
+)
 from .config import RunConfig
-from .errors import UsageError
+from .errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 from .inference.card import ModelCard
 from .io.atomic import write_json
+from .run_key import RunKey, input_identity, read_summary, why_redo
+from .slide_worker import make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -48,9 +64,9 @@ SLIDE_EXTENSIONS = (
     ".png", ".jpg", ".jpeg", ".bmp",
 )
 LIST_EXTENSIONS = (".txt", ".csv")
-MANIFEST = "manifest.json"
-LOG_FILE = "run.log"
 _counter = itertools.count()
+__all__ = ["LOG_FILE", "MANIFEST", "BatchReport", "Manifest", "PipelineFactory", "SlideOutcome", "expand_inputs",
+           "output_names", "process_slide", "run_batch", "run_key"]
 
 
 # -- inputs ---------------------------------------------------------------------
@@ -64,21 +80,40 @@ def _read_list(path: Path) -> list[Path]:
     """Paths in a .txt (one per line, # comments) or .csv (a ``path``/``slide`` column, else the first)."""
     base = path.parent
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
-        raise UsageError(f"{path}: cannot read the list of slides: {exc}") from exc
+        raise UsageError(f"{path}: cannot read the list of slides: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: the list of slides is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                         f"offset {exc.start})") from None
+    if "\x00" in text:
+        line = text[: text.index("\x00")].count("\n") + 1
+        raise UsageError(f"{path}: line {line}: the list of slides holds a NUL byte (expected text)")
     rows: list[str] = []
     if path.suffix.lower() == ".csv":
-        reader = list(csv.reader(text.splitlines()))
+        try:
+            reader = list(csv.reader(text.splitlines()))
+        except csv.Error as exc:
+            raise UsageError(f"{path}: not a readable CSV list of slides: {exc}") from None
         if not reader:
             return []
         header = [h.strip().lower() for h in reader[0]]
         col = next((header.index(k) for k in ("path", "slide", "file") if k in header), None)
         body = reader[1:] if col is not None else reader
-        rows = [r[col or 0].strip() for r in body if r and r[col or 0].strip()]
+        rows = [r[col or 0].strip() for r in body if len(r) > (col or 0) and r[col or 0].strip()]
     else:
         rows = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     return [(base / r) if not os.path.isabs(r) else Path(r) for r in rows]
+
+
+def _is_link_loop(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
@@ -87,17 +122,20 @@ def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.Pa
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
     folder); paths it names that do not exist are kept, to fail as slides.
-    An input that names nothing (no such file, folder or glob match) is a
-    usage error. ``exclude``: a folder whose files never count (the output
-    folder). Order is kept; duplicates are dropped, and so are the other
-    files of a DICOM series (:func:`one_file_per_dicom_series`).
+    An input that names nothing (no such file, folder or glob match), a list
+    that is not UTF-8 text, and a symbolic link that loops are usage errors.
+    ``exclude``: a folder whose files never count (the output folder). Order
+    is kept; duplicates are dropped, and so are the other files of a DICOM
+    series (:func:`one_file_per_dicom_series`).
     """
     out: list[Path] = []
     seen: set[str] = set()
-    skip = str(Path(exclude).resolve()) + os.sep if exclude is not None else None
+    skip = os.path.realpath(exclude) + os.sep if exclude is not None else None
 
     def add(p: Path) -> None:
-        key = str(p.resolve())
+        if _is_link_loop(p):
+            raise UsageError(f"{p}: a symbolic link that loops (it never reaches a file)")
+        key = os.path.realpath(p)
         if key in seen or (skip is not None and key.startswith(skip)):
             return
         seen.add(key)
@@ -167,55 +205,35 @@ def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
     return kept
 
 
-def output_names(paths: list[Path]) -> list[str]:
-    """A folder name per slide: its stem, with a short hash of the path where stems collide."""
-    def stem(p: Path) -> str:
-        name = p.name
-        for ext in (".ome.tiff", ".ome.tif"):
-            if name.lower().endswith(ext):
-                return name[: -len(ext)]
-        return p.stem or name
-
-    stems = [stem(p) for p in paths]
-    counts: dict[str, int] = {}
-    for s in stems:
-        counts[s] = counts.get(s, 0) + 1
-    names = []
-    for p, s in zip(paths, stems, strict=True):
-        if counts[s] > 1:
-            s = f"{s}-{hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:8]}"
-        names.append(s)
-    return names
-
-
 # -- resume key -----------------------------------------------------------------
 
-def run_key(config: RunConfig, card: ModelCard) -> str:
-    """A hash of everything that decides a slide's outputs: the settings and the model's SHA-256."""
-    key = config.result_key()
-    key.pop("model", None)  # the path does not matter, the weights do
-    doc = {"config": key, "model_sha256": card.sha256, "model_name": card.name, "format": 1}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def run_key(config: RunConfig, card: ModelCard) -> RunKey:
+    """The key of everything besides the slide that decides its outputs (see :mod:`.run_key`)."""
+    return RunKey.of(config, card)
 
 
-def done_summary(folder: Path, key: str) -> dict[str, Any] | None:
-    """The summary of a finished slide of run key ``key`` in ``folder``, or None when it is not one."""
+def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None,
+                                                                                 str | None]:
+    """(summary, why the slide at ``path`` needs running) for its outputs ``folder``; the reason is None
+    when they are its result under ``key``."""
     from .pipeline import OUTPUT_FILES
 
-    try:
-        with open(folder / "summary.json", encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return None
-    required = [n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or summary.get("heatmap_scores") is not None]
-    done = summary.get("run_key") == key and all((folder / n).is_file() for n in required)
-    return summary if done else None
+    if not folder.is_dir():
+        return None, "not run yet"
+    summary = read_summary(folder)
+    required = [n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None]
+    missing = [n for n in required if not (folder / n).is_file()]
+    return summary, why_redo(summary, key, input_identity(path), missing)
 
 
 # -- manifest -------------------------------------------------------------------
 
 class Manifest:
-    """``DIR/manifest.json``: one record per slide name, saved atomically on every change."""
+    """``DIR/manifest.json``: one record per slide name, saved atomically on every change.
+
+    A failed save raises :class:`OutputFolderError`: the batch can no longer
+    record what it does, so it stops.
+    """
 
     def __init__(self, out_dir: Path):
         self.path = out_dir / MANIFEST
@@ -224,15 +242,29 @@ class Manifest:
         if self.path.is_file():
             try:
                 with open(self.path, encoding="utf-8") as f:
-                    self.slides = dict(json.load(f).get("slides", {}))
-            except (OSError, json.JSONDecodeError, AttributeError):
+                    doc = json.load(f)
+                self.slides = dict(doc.get("slides", {}))
+            except (OSError, ValueError, AttributeError, TypeError):
                 log.warning("%s: unreadable, starting a new manifest (finished slide folders are kept)", self.path)
+            else:
+                if doc.get("format") == 1:
+                    log.warning("%s: written by an older version, whose slide folders (DIR/<name>/) are not "
+                                "reused; slides now go to DIR/%s/<name>/", self.path, SLIDES_DIR)
 
     def update(self, name: str, **fields: Any) -> None:
+        self.update_records({name: fields})
+
+    def update_records(self, records: dict[str, dict[str, Any]]) -> None:
+        """Update several slides' records in one save."""
         with self._lock:
-            rec = self.slides.setdefault(name, {})
-            rec.update(fields)
-            write_json(self.path, {"format": 1, "updated": _now(), "slides": self.slides})
+            for name, fields in records.items():
+                self.slides.setdefault(name, {}).update(fields)
+            try:
+                write_json(self.path, {"format": 2, "updated": _now(), "slides": self.slides})
+            except OSError as exc:
+                raise OutputFolderError(
+                    f"{self.path}: cannot record the batch's progress ({exc.strerror or exc}); the run stops. "
+                    "Finished slides are kept: free space or fix the folder, then run again") from None
 
 
 def _now() -> str:
@@ -270,46 +302,66 @@ def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
     return {"path": os.path.abspath(path), "path_as_given": os.fspath(path)}
 
 
-def _remove_tree(path: Path) -> None:
-    """Remove a folder with its contents, or a file (a manifest's ``.partial`` left by a kill)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+@dataclass(frozen=True)
+class PipelineFactory:
+    """Builds a batch's pipeline (picklable, so that the process that runs the slides builds its own).
+
+    ``card``: a validated card, or None for ``config.model``.
+    """
+
+    config: RunConfig
+    card: ModelCard | None = None
+
+    def __call__(self) -> Any:
+        from .pipeline import Pipeline
+
+        try:
+            return Pipeline(self.card or self.config.model, backend=self.config.backend, config=self.config)
+        except (ConfigError, ModelError) as exc:
+            raise UsageError(str(exc)) from exc
+        except BackendUnavailableError as exc:
+            if self.config.backend == "auto":
+                raise
+            raise UsageError(f"backend {self.config.backend}: {exc}; --backend ort runs on the CPU, "
+                             "--backend auto takes the best this machine has") from exc
 
 
 def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
-                  key: str, progress: bool | Callable[[int], None] = False) -> SlideOutcome:
-    """Run ``pipeline`` on one slide into ``out_dir/name`` (atomically); never raises for a bad slide."""
-    out = Path(out_dir)
-    final = out / name
-    partial = out / f".{name}.partial-{os.getpid()}-{next(_counter)}"
+                  key: RunKey, progress: bool | Callable[[int], None] = False) -> SlideOutcome:
+    """Run ``pipeline`` on one slide into ``out_dir/slides/name`` (atomically); never raises for a bad
+    slide, a failed write included (a full disk fails the slide)."""
+    folder = slides_dir(out_dir)
+    final = slide_dir(out_dir, name)
+    partial = folder / f".{name}.partial-{os.getpid()}-{next(_counter)}"
     t0 = time.perf_counter()
     try:
-        result = pipeline.run(path, out_dir=partial, progress=progress, keep_heatmap=False,
-                              extra_summary={"run_key": key, "name": name})
-        if final.exists():
-            old = out / f".{name}.old-{os.getpid()}-{next(_counter)}"
+        extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
+        folder.mkdir(parents=True, exist_ok=True)
+        result = pipeline.run(path, out_dir=partial, progress=progress, keep_heatmap=False, extra_summary=extra)
+        if os.path.lexists(final):
+            # Whatever is there (an older result, a file, a read-only folder) gives way to the new result.
+            old = folder / f".{name}.old-{os.getpid()}-{next(_counter)}"
             os.replace(final, old)
             os.replace(partial, final)
-            _remove_tree(old)
+            remove_or_warn(old, "the slide's previous outputs")
         else:
             os.replace(partial, final)
         return SlideOutcome(name, str(path), "done", time.perf_counter() - t0, dict(result.summary["counts"]),
                             tiles=result.summary["tiles"]["read"])
     except KeyboardInterrupt:
-        _remove_tree(partial)
+        remove_or_warn(partial, "the outputs of an interrupted slide")
         raise
     except Exception as exc:
-        _remove_tree(partial)
+        remove_or_warn(partial, "the outputs of a failed slide")
         log.debug("slide %s failed", path, exc_info=True)
-        return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0, error=_describe(exc, path))
+        return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
+                            error=_describe(exc, path, folder))
 
 
-def _describe(exc: BaseException, path: Any) -> str:
+def _describe(exc: BaseException, path: Any, folder: Path) -> str:
     msg = str(exc) or type(exc).__name__
-    if isinstance(exc, OSError) and exc.errno == 28:
-        msg = f"out of disk space: {msg}"
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        msg = f"out of disk space writing into {folder}: {msg}"
     text = msg if str(path) in msg else f"{path}: {msg}"
     return text if type(exc).__module__.startswith("wsi_pipeline") else f"{type(exc).__name__}: {text}"
 
@@ -344,108 +396,121 @@ class BatchReport:
         for o in self.outcomes:
             counts = ", ".join(f"{k} {v}" for k, v in o.counts.items()) if o.counts else "-"
             status = "done earlier" if o.status == "skipped" else o.status
-            rows.append((o.name, status, counts, f"{o.seconds:.1f}"))
+            rows.append((printable(o.name), status, counts, f"{o.seconds:.1f}"))
         widths = [max(display_width(r[i]) for r in rows) for i in range(4)]
         lines = ["  ".join(c + " " * (w - display_width(c)) for c, w in zip(r, widths, strict=True)).rstrip()
                  for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         for o in self.failed:
-            lines.append(f"failed: {o.name}: {o.error}")
+            lines.append(printable(f"failed: {o.name}: {o.error}"))
         return "\n".join(lines)
 
 
-def clean_partials(out_dir: Path) -> None:
-    """Remove the ``.partial``/``.old`` folders a killed run left behind."""
-    for p in out_dir.glob(".*.partial-*"):
-        _remove_tree(p)
-    for p in out_dir.glob(".*.old-*"):
-        _remove_tree(p)
-
-
-def plan(slides: list[Path], out_dir: Path, key: str, force: bool) -> tuple[list[tuple[Path, str]],
-                                                                            list[SlideOutcome]]:
-    """Split slides into (to run, already done) by their folders' run keys."""
+def plan(slides: list[Path], out_dir: Path, key: RunKey, force: bool) -> tuple[list[tuple[Path, str]],
+                                                                              list[SlideOutcome]]:
+    """Split slides into (to run, already done) by their folders' run keys and input identities;
+    log why each slide that has outputs is redone."""
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
     for path, name in zip(slides, output_names(slides), strict=True):
-        summary = None if force else done_summary(out_dir / name, key)
-        if summary is not None:
-            done.append(SlideOutcome(name, str(path), "skipped", counts=summary.get("counts", {})))
-        else:
-            todo.append((path, name))
+        summary, reason = (None, "--force") if force else resume_state(slide_dir(out_dir, name), key, path)
+        if reason is None:
+            done.append(SlideOutcome(name, str(path), "skipped", counts=(summary or {}).get("counts", {})))
+            continue
+        if reason != "not run yet":
+            log.info("%s: redone: %s", path, reason)
+        todo.append((path, name))
     return todo, done
 
 
 def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_factory: Callable[[], Any],
-              config: RunConfig, key: str, force: bool = False, progress: bool = True,
+              config: RunConfig, key: RunKey, force: bool = False, progress: bool = True,
               dask: str | None = None, on_outcome: Callable[[SlideOutcome], None] | None = None) -> BatchReport:
     """Run every slide not already done; record each in the manifest as it ends.
 
-    ``pipeline_factory`` builds the local pipeline (called once, and only
-    when a slide needs running); with ``dask`` the slides run as tasks on a
-    cluster instead (:mod:`.distributed`), each worker building its own
-    pipeline from ``config``.
+    ``pipeline_factory`` builds the pipeline (once, and only when a slide
+    needs running) in the process that runs the slides: a child process
+    (:mod:`.slide_worker`; the factory must then be picklable, as
+    :class:`PipelineFactory` is), or this one with ``config.slide_timeout =
+    0``. With ``dask`` the slides run as tasks on a cluster instead
+    (:mod:`.distributed`), each worker building its own pipeline from
+    ``config``. Raises UsageError when another run writes into ``out_dir``,
+    :class:`OutputFolderError` when the manifest cannot be written; Ctrl-C
+    records the slides in progress as interrupted.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    clean_partials(out)
-    manifest = Manifest(out)
-    todo, done = plan(slides, out, key, force)
-    outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
-    for o in done:
-        manifest.update(o.name, **path_record(o.path), status="done", run_key=key, counts=o.counts)
-        log.info("%s: already done with these settings, skipped", o.path)
-    # Built (or connected) before any slide is marked pending: a model, backend or cluster that
-    # cannot start is the command's error, not every slide's.
-    pipeline = connection = None
-    if todo and dask:
-        from .distributed import connect, run_on_dask
+    if dask:
+        from .distributed import check_address
 
-        connection = connect(dask)
-    elif todo:
-        pipeline = pipeline_factory()
-    for path, name in todo:
-        manifest.update(name, **path_record(path), status="pending", run_key=key, error=None)
+        check_address(dask)
+    with lock_output_folder(out):
+        try:
+            slides_dir(out).mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputFolderError(f"{slides_dir(out)}: cannot make the folder of the slides' outputs: "
+                                    f"{exc.strerror or exc}") from None
+        clean_leftovers(out)
+        manifest = Manifest(out)
+        todo, done = plan(slides, out, key, force)
+        outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
+        for o in done:
+            log.info("%s: already done with these settings, skipped", o.path)
+        manifest.update_records({
+            **{o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts)
+               for o in done},
+            **{name: dict(**path_record(path), status="pending", run_key=key.value, error=None)
+               for path, name in todo}})
 
-    def record(o: SlideOutcome) -> None:
-        outcomes[o.name] = o
-        manifest.update(o.name, **o.as_record(), run_key=key, finished=_now())
-        if o.status == "failed":
-            log.error("%s: failed: %s", o.path, o.error)
-        else:
-            log.info("%s", o.describe())
-        if on_outcome is not None:
-            on_outcome(o)
+        def record(o: SlideOutcome) -> None:
+            outcomes[o.name] = o
+            if o.status == "failed":
+                log.error("%s: failed: %s", o.path, o.error)
+            else:
+                log.info("%s", o.describe())
+            manifest.update(o.name, **o.as_record(), run_key=key.value, finished=_now())
+            if on_outcome is not None:
+                on_outcome(o)
 
-    bar = None
-    if progress and todo:
-        from tqdm.auto import tqdm
+        bar = None
+        if progress and todo:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
-    try:
-        if connection is not None:
-            for o in run_on_dask(connection, todo, out, config, key):
-                record(o)
-                if bar is not None:
-                    bar.update(1)
-        elif todo:
-            for o in _run_local(todo, out, pipeline, key, progress, manifest):
-                record(o)
-                if bar is not None:
-                    bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
+            bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
+        try:
+            if dask and todo:
+                from .distributed import run_on_dask
+
+                results: Generator[SlideOutcome, None, None] = run_on_dask(dask, todo, out, config, key)
+            else:
+                results = _run_local(todo, out, pipeline_factory, config, key, progress, manifest)
+            with contextlib.closing(results):  # a stop ends the slide runner too
+                for o in results:
+                    record(o)
+                    if bar is not None:
+                        bar.update(1)
+        except KeyboardInterrupt:
+            # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
+            stopped = [n for _, n in todo if n not in outcomes and (
+                dask or manifest.slides.get(n, {}).get("status") == "running")]
+            manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
     order = output_names(slides)
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 
-def _run_local(todo: list[tuple[Path, str]], out: Path, pipeline: Any, key: str, progress: bool,
-               manifest: Manifest) -> Iterator[SlideOutcome]:
+def _run_local(todo: list[tuple[Path, str]], out: Path, factory: Callable[[], Any], config: RunConfig,
+               key: RunKey, progress: bool, manifest: Manifest) -> Generator[SlideOutcome, None, None]:
+    if not todo:
+        return
+    runner = make_runner(factory, config, progress)
     try:
         for i, (path, name) in enumerate(todo, 1):
+            runner.prepare()  # the model loads before the slide counts as running, and outside its limit
             manifest.update(name, status="running", started=_now())
             log.info("%s: started (%d of %d)", path, i, len(todo))
-            yield process_slide(pipeline, path, name, out, key, progress=progress)
+            yield runner.run(path, name, out, key, slide_time_limit(config, path))
     finally:
-        pipeline.close()
+        runner.close()

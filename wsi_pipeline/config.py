@@ -10,13 +10,16 @@ A config file holds the same names as ``wsi-pipeline run``'s flags (with
     mpp = 0.5
     min_tissue = 0.05
 
-Unknown keys, wrong types and impossible values (an overlap as large as the
-tile) are refused with the file and key named.
+Relative paths in a config file (``model``, ``mask``) are relative to the
+file's folder. Unknown keys, wrong types and impossible values (an overlap as
+large as the tile, a NaN resolution, a batch of 100,000 tiles) are refused
+with the file and key named.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import types
@@ -33,6 +36,16 @@ BLEND_CHOICES = ("gaussian", "hann", "linear", "constant")
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 # What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
 DAMAGED_TILE_CHOICES = ("warn", "fail")
+
+# Upper bounds of the sizing settings: far above any useful value, low enough
+# that a typo cannot ask for thousands of threads or a batch of gigabytes.
+MAX_TILE = 4096
+MAX_BATCH_SIZE = 1024
+MAX_STREAMS = 32
+MAX_WORKERS = 256
+MAX_OVERLAY_SIZE = 16384
+# Settings that name files: a relative path in a config file is relative to that file's folder.
+PATH_KEYS = ("model", "mask")
 
 
 @dataclass
@@ -62,6 +75,8 @@ class RunConfig:
     overlay_size: int = 2048
     on_damaged_tile: str = "warn"  # warn: log it and list it in the summary; fail: the slide fails
     dask: str | None = None
+    # Wall-clock limit of one slide in seconds; None: 1 h plus 1 h per GiB of slide file; 0: no limit.
+    slide_timeout: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,7 +106,9 @@ class RunConfig:
             raise bad("overlap", "at least 0", self.overlap)
         if self.tile is not None and self.overlap >= self.tile:
             raise bad("overlap", f"less than the tile size {self.tile}", self.overlap)
-        if self.mpp is not None and self.mpp <= 0:
+        if self.tile is not None and self.tile > MAX_TILE:
+            raise bad("tile", f"at most {MAX_TILE} pixels", self.tile)
+        if self.mpp is not None and not (math.isfinite(self.mpp) and self.mpp > 0):
             raise bad("mpp", "a positive number of micrometres per pixel", self.mpp)
         if self.mpp is not None and self.level is not None:
             raise ConfigError(f"{source}: give mpp or level, not both")
@@ -101,17 +118,26 @@ class RunConfig:
             raise bad("min_tissue", "a fraction in [0, 1]", self.min_tissue)
         if self.tissue == "file" and not self.mask:
             raise ConfigError(f"{source}: tissue = 'file' needs mask = PATH")
-        for key in ("workers", "batch_size", "streams", "overlay_size"):
+        for key, most in (("workers", MAX_WORKERS), ("batch_size", MAX_BATCH_SIZE), ("streams", MAX_STREAMS),
+                          ("overlay_size", MAX_OVERLAY_SIZE)):
             v = getattr(self, key)
-            if v is not None and v < 1:
-                raise bad(key, "at least 1", v)
+            if v is not None and not 1 <= v <= most:
+                raise bad(key, f"between 1 and {most}", v)
         if not 0 <= self.nms_iou <= 1:
             raise bad("nms_iou", "a value in [0, 1]", self.nms_iou)
         if self.score_threshold is not None and not 0 <= self.score_threshold <= 1:
             raise bad("score_threshold", "a value in [0, 1]", self.score_threshold)
+        if not (math.isfinite(self.sigma_scale) and self.sigma_scale > 0):
+            raise bad("sigma_scale", "a positive fraction of the tile size", self.sigma_scale)
+        if self.slide_timeout is not None and not (math.isfinite(self.slide_timeout) and self.slide_timeout >= 0):
+            raise bad("slide_timeout", "seconds >= 0 (0: no limit)", self.slide_timeout)
+        for key in PATH_KEYS + ("dask",):
+            v = getattr(self, key)
+            if v is not None and ("\x00" in v or not v.strip()):
+                raise bad(key, "a path", v)
 
     # Keys that change how a run goes but not what it produces.
-    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "extra")
+    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "extra")
 
     def result_key(self) -> dict[str, Any]:
         """The settings that determine the outputs (resume compares these)."""
@@ -173,13 +199,21 @@ def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
 
 
 def load_config(path: str | os.PathLike[str]) -> RunConfig:
-    """Read a TOML config file (keys at top level or under ``[run]``)."""
+    """Read a TOML config file (keys at top level or under ``[run]``).
+
+    Relative paths in it (``model``, ``mask``) are relative to the file's folder.
+    """
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: expected UTF-8 text, found byte "
+                          f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     if "run" in doc and isinstance(doc["run"], dict):
@@ -187,4 +221,9 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
         if extra:
             raise ConfigError(f"{path}: unknown section or key {sorted(extra)[0]!r} beside [run]")
         doc = doc["run"]
+    folder = os.path.dirname(os.path.abspath(path))
+    for key in PATH_KEYS:
+        value = doc.get(key)
+        if isinstance(value, str) and value and "\x00" not in value and not os.path.isabs(value):
+            doc[key] = os.path.join(folder, os.path.expanduser(value))
     return RunConfig.from_mapping(doc, path)

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from .batch_folder import slide_dir
 from .cli import main as cli_main
 from .slide.synthetic import write_synthetic_slide
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     code = cli_main(["run", str(slide), "--out", str(results)])
     if code != 0:
         return code
-    folder = (results / "demo_slide").resolve()  # absolute: the notebook runs from notebooks/
+    folder = slide_dir(results, "demo_slide").resolve()  # absolute: the notebook runs from notebooks/
     with open(folder / "summary.json", encoding="utf-8") as f:
         summary = json.load(f)
     tumour = (summary.get("heatmap_scores") or {}).get("tumour", {})

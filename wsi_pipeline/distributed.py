@@ -9,14 +9,17 @@ built from plain dask Nannies otherwise). Any other address
 a running cluster. Workers must see the same file system as the client: the
 slides and the output folder are paths.
 
-Each worker process builds its pipeline once (the first task it runs) and
-keeps it for the tasks after; a task writes the slide's folder exactly as a
-local run does (:func:`~.batch.process_slide`), and the client records each
-outcome in the manifest as it arrives.
+Each worker process runs its slides as a local run does: in a child process
+that builds the pipeline once (the first task it runs) and keeps it for the
+tasks after, each slide under its time limit (:mod:`.slide_worker`); a task
+writes the slide's folder exactly as a local run does
+(:func:`~.batch.process_slide`), and the client records each outcome in the
+manifest as it arrives.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -24,15 +27,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .batch import SlideOutcome, process_slide
+from .batch import PipelineFactory, SlideOutcome
 from .config import RunConfig
 from .errors import UsageError
 from .pipeline import default_reader_workers
+from .run_key import RunKey
+from .slide_worker import make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")
 
 _worker_lock = threading.Lock()
-_worker_pipelines: dict[str, Any] = {}
+_worker_runners: dict[str, Any] = {}
 
 
 def _cuda_device_count() -> int:
@@ -87,17 +92,30 @@ def start_local_cluster(n_workers: int, gpus: int | None = None):
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
 
 
+def check_address(address: str) -> int | None:
+    """UsageError unless dask.distributed is installed and ``address`` is usable; N of ``local:N``."""
+    try:
+        import dask.distributed  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--dask {address}: dask.distributed is not installed: "
+                         "pip install 'wsi-pipeline[dask]'") from None
+    if not address.startswith("local:"):
+        return None
+    try:
+        n = int(address.split(":", 1)[1])
+    except ValueError:
+        raise UsageError(f"--dask {address}: expected local:N with N a number of workers") from None
+    if n < 1:
+        raise UsageError(f"--dask local:N: expected N >= 1, found {n}")
+    return n
+
+
 def connect(address: str):
     """(client, cluster or None) for ``address`` (see the module docstring)."""
-    try:
-        from dask.distributed import Client
-    except ImportError as exc:
-        raise UsageError("--dask needs dask.distributed: pip install 'wsi-pipeline[dask]'") from exc
-    if address.startswith("local:"):
-        try:
-            n = int(address.split(":", 1)[1])
-        except ValueError:
-            raise UsageError(f"--dask {address}: expected local:N with N a number of workers") from None
+    from dask.distributed import Client
+
+    n = check_address(address)
+    if n is not None:
         cluster = start_local_cluster(n)
         return Client(cluster), cluster
     try:
@@ -108,43 +126,44 @@ def connect(address: str):
         raise UsageError(f"--dask {address}: cannot reach the scheduler: {exc}") from exc
 
 
-def _worker_pipeline(config_doc: dict[str, Any]) -> Any:
-    """This worker process's pipeline for ``config_doc`` (built on first use)."""
-    import json
-
-    from .pipeline import Pipeline
-
+def _worker_runner(config_doc: dict[str, Any]) -> Any:
+    """This worker process's slide runner for ``config_doc`` (its pipeline is built on first use)."""
     key = json.dumps(config_doc, sort_keys=True)
     with _worker_lock:
-        pipe = _worker_pipelines.get(key)
-        if pipe is None:
+        runner = _worker_runners.get(key)
+        if runner is None:
             config = RunConfig.from_mapping(config_doc, "task")
-            pipe = Pipeline(config.model, backend=config.backend, config=config)
-            _worker_pipelines[key] = pipe
-        return pipe
+            runner = make_runner(PipelineFactory(config), config, progress=False)
+            _worker_runners[key] = runner
+        return runner
 
 
-def slide_task(path: str, name: str, out_dir: str, config_doc: dict[str, Any], key: str) -> dict[str, Any]:
-    """One slide on a worker; returns the outcome as a plain dict (never raises for a bad slide)."""
+def slide_task(path: str, name: str, out_dir: str, config_doc: dict[str, Any], key: RunKey) -> dict[str, Any]:
+    """One slide on a worker, under the same time limit as a local run; returns the outcome as a plain
+    dict (never raises for a bad slide)."""
     import socket
 
+    config = RunConfig.from_mapping(config_doc, "task")
     try:
-        pipe = _worker_pipeline(config_doc)
+        outcome = _worker_runner(config_doc).run(Path(path), name, Path(out_dir), key,
+                                                 slide_time_limit(config, path))
     except Exception as exc:
+        with _worker_lock:
+            runner = _worker_runners.pop(json.dumps(config_doc, sort_keys=True), None)
+        if runner is not None:
+            runner.close()
         return {**SlideOutcome(name, path, "failed", error=f"worker could not build the pipeline: {exc}")
                 .as_record(), "name": name}
-    outcome = process_slide(pipe, path, name, out_dir, key)
     outcome.worker = f"{socket.gethostname()}:{os.getpid()}"
     return {**outcome.as_record(), "name": name}
 
 
-def run_on_dask(connection: tuple[Any, Any], todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
-                key: str) -> Iterator[SlideOutcome]:
-    """Submit every slide as a task on ``connection`` (:func:`connect`'s, closed at the end);
-    yield outcomes as they finish."""
+def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
+                key: RunKey) -> Iterator[SlideOutcome]:
+    """Submit every slide as a task; yield outcomes as they finish."""
     from dask.distributed import as_completed
 
-    client, cluster = connection
+    client, cluster = connect(address)
     try:
         if cluster is not None and config.workers is None:
             # Worker processes on this host share its cores: split the tile readers between them.
@@ -155,7 +174,7 @@ def run_on_dask(connection: tuple[Any, Any], todo: list[tuple[Path, str]], out_d
         where: dict[str, tuple[Path, str]] = {}
         for path, name in todo:
             fut = client.submit(slide_task, str(path), name, str(out_dir), doc, key, pure=False,
-                                key=f"slide-{name}-{key}")
+                                key=f"slide-{name}-{key.value}")
             futures.append(fut)
             where[fut.key] = (path, name)
         for fut in as_completed(futures):

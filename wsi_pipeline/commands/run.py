@@ -8,7 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..batch import LOG_FILE, expand_inputs, run_batch, run_key
+from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
+from ..batch_folder import lock_output_folder, printable
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,
@@ -19,7 +20,7 @@ from ..config import (
     RunConfig,
     load_config,
 )
-from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from ..errors import ConfigError, ModelError, UsageError
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
 DESCRIPTION = """\
@@ -31,7 +32,7 @@ failed, 2 when the command line or config cannot start a run.
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
-                "overlay_size", "on_damaged_tile", "dask")
+                "overlay_size", "on_damaged_tile", "dask", "slide_timeout")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=float, help="read at this resolution, um/px (default: the model's)")
     res.add_argument("--level", type=int, help="read this pyramid level as it is")
-    p.add_argument("--tissue", choices=TISSUE_CHOICES, help="tissue detection (auto: otsu, or all without mpp)")
+    p.add_argument("--tissue", choices=TISSUE_CHOICES,
+                   help="which tiles to read: otsu (tissue found on a thumbnail), all, or file (--mask); "
+                        "default auto: otsu for a model with an mpp (pathology), all for one without (industrial)")
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
@@ -72,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "summary.json) or fail the slide")
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
+    p.add_argument("--slide-timeout", type=float, metavar="SECONDS",
+                   help="stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
+                        "of slide file; 0: no limit, slides run in this process)")
     p.add_argument("--force", action="store_true", help="redo slides already done")
     p.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto",
                    help="what stderr shows while slides run: bar (progress bars), log (a line when each slide "
@@ -104,9 +110,13 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
-    from ..pipeline import DEFAULT_MODEL, Pipeline
+    from ..pipeline import DEFAULT_MODEL
 
     config = build_config(args)
+    if config.dask:
+        from ..distributed import check_address
+
+        check_address(config.dask)
     out = Path(args.out)
     slides = expand_inputs(args.inputs, exclude=out)
     if not slides:
@@ -118,31 +128,21 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
-    mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
-    handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
-    log = logging.getLogger("wsi_pipeline")
-    log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key, config.as_dict())
-    try:
-        def factory() -> Pipeline:
-            try:
-                return Pipeline(card, backend=config.backend, config=config)
-            except (ConfigError, ModelError) as exc:
-                raise UsageError(str(exc)) from exc
-            except BackendUnavailableError as exc:
-                if config.backend == "auto":
-                    raise
-                raise UsageError(f"backend {config.backend}: {exc}; --backend ort runs on the CPU, "
-                                 "--backend auto takes the best this machine has") from exc
-
-        with warnings.catch_warnings():
-            # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
-            warnings.simplefilter("default")
-            report = run_batch(slides, out, factory, config, key, force=args.force, progress=mode == "bar",
-                               dask=config.dask)
-    finally:
-        remove_logging(handlers)
+    with lock_output_folder(out):
+        mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
+        handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
+        log = logging.getLogger("wsi_pipeline")
+        log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
+        try:
+            with warnings.catch_warnings():
+                # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
+                warnings.simplefilter("default")
+                report = run_batch(slides, out, PipelineFactory(config, card), config, key, force=args.force,
+                                   progress=mode == "bar", dask=config.dask)
+        finally:
+            remove_logging(handlers)
     print(report.table())
     n_failed = len(report.failed)
-    print(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in {out}/"
-          f" (manifest.json, {LOG_FILE})")
+    print(printable(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
+                    f"{out}/slides/ ({LOG_FILE} and manifest.json in {out}/)"))
     return report.exit_code

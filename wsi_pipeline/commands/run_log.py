@@ -14,6 +14,8 @@ import logging
 import sys
 from pathlib import Path
 
+from ..batch_folder import BatchLogHandler
+
 PROGRESS_CHOICES = ("auto", "bar", "log", "none")
 
 
@@ -65,7 +67,7 @@ def setup_logging(log_file: Path, mode: str, quiet: bool) -> list[logging.Handle
     """The ``wsi_pipeline`` log and captured warnings: everything into ``log_file``; to stderr
     errors (``quiet``), else warnings, and in ``log`` mode also each slide's start and end."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    to_file = logging.FileHandler(log_file, encoding="utf-8")
+    to_file = BatchLogHandler(log_file)
     to_file.setFormatter(_LineFormatter())
     level = logging.ERROR if quiet else logging.INFO if mode == "log" else logging.WARNING
     handlers = [to_file, _StderrHandler(level, bars=mode == "bar")]

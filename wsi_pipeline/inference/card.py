@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import MAX_TILE
 from ..errors import ConfigError, ModelError
 
 CARD_SUFFIX = ".card.json"
@@ -32,6 +34,10 @@ DECODER_TYPES = ("centernet", "boxes_scores_labels", "yolo")
 HEATMAP_ACTIVATIONS = ("none", "sigmoid", "softmax")
 PRECISIONS = ("fp32", "fp16", "int8")
 OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
+# A card is a few KB; anything far larger is not one.
+MAX_CARD_BYTES = 1 << 20
+# The largest model input side accepted (pixels): a tile is read, held and batched whole.
+MAX_INPUT_SIDE = MAX_TILE
 
 # ONNX TensorProto element types -> card dtype names.
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
@@ -259,6 +265,11 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     name = r.get(doc, "name", "", str, "a string")
     version = str(r.get(doc, "version", "", (str, int, float), "a string", "0"))
     model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
+    # The model lives in the card's folder or below it: a card cannot point at any file on the machine.
+    inside = os.path.normpath(os.path.join(path.parent, model_file))
+    if "\x00" in model_file or os.path.isabs(model_file) or \
+            os.path.commonpath([inside, str(path.parent)]) != str(path.parent):
+        raise r.fail("model_file", "a path inside the card's folder", model_file)
     sha = r.get(doc, "sha256", "", str, "64 hex digits")
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
         raise r.fail("sha256", "64 hex digits", sha)
@@ -266,8 +277,9 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
 
     inp = r.get(doc, "input", "", dict, "an object")
     size = r.get(inp, "size", "input", list, "[height, width] in pixels")
-    if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size):
-        raise r.fail("input.size", "[height, width], two positive ints", size)
+    if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INPUT_SIDE
+                                 for v in size):
+        raise r.fail("input.size", f"[height, width], two ints from 1 to {MAX_INPUT_SIDE}", size)
     input_spec = InputSpec(
         name=r.get(inp, "name", "input", str, "the graph input's name"),
         size_hw=(size[0], size[1]),
@@ -286,7 +298,7 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
                      "(a uint8 tensor cannot carry normalised values)", False)
 
     mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
-    if mpp is not None and not mpp > 0:
+    if mpp is not None and not (math.isfinite(mpp) and mpp > 0):
         raise r.fail("mpp", "a positive number or null", mpp)
 
     outputs_doc = r.get(doc, "outputs", "", list, "a list of {name, shape, dtype}")
@@ -362,6 +374,33 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     return card
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_card_json(path: Path) -> Any:
+    """The card's JSON document; ConfigError for a file that is not a small UTF-8 JSON text of plain numbers."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CARD_BYTES + 1)
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CARD_BYTES:
+        raise ConfigError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
+                          "found a larger file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
+                          f"0x{raw[exc.start]:02x} at offset {exc.start}") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers of thousands of digits
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+
+
 def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
               verify_model: bool = True) -> ModelCard:
     """Read and validate a model card.
@@ -378,11 +417,7 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
         p = card_path_for(p)
     if not p.is_file():
         raise ModelError(f"{p}: model card not found (expected a JSON card beside the model)")
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not valid JSON: {exc}") from exc
-    card = parse_card(doc, p)
+    card = parse_card(read_card_json(p), p)
     if not card.model_path.is_file():
         raise ModelError(f"{p}: model_file {card.model_path} does not exist")
     if verify_sha256:

@@ -184,6 +184,14 @@ def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
     return keep[np.argsort(-np.asarray(scores)[keep], kind="stable")]
 
 
+def _check_labels(card: ModelCard, labels: np.ndarray) -> None:
+    """A label past the card's classes means the card lists fewer classes than the model has."""
+    if labels.size and int(labels.max()) >= len(card.classes):
+        raise ModelError(f"{card.card_path}: the model gave label {int(labels.max())}, but the card names "
+                         f"{len(card.classes)} classes (labels 0 to {len(card.classes) - 1}): expected a class "
+                         "for every label the model emits")
+
+
 def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
     """Fixed-size peak outputs -> detections with ``score >= score_threshold``."""
     p = decoder_params(card)
@@ -200,6 +208,7 @@ def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list
             keep = keep[nms_per_class(boxes[i][keep], scores[i][keep], labels[i][keep], p["iou_threshold"])]
         if p["max_detections"] is not None:
             keep = keep[: p["max_detections"]]
+        _check_labels(card, labels[i][keep])
         results.append(TileDetections(
             boxes[i][keep].astype(np.float32), scores[i][keep].astype(np.float32),
             labels[i][keep].astype(np.int64), heatmaps[i]))
@@ -245,6 +254,7 @@ def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCar
             valid[counts[i]:] = False
         keep = np.flatnonzero(valid)
         keep = keep[np.argsort(-scores[i][keep], kind="stable")]
+        _check_labels(card, labels[i][keep])
         results.append(TileDetections(boxes[i][keep], scores[i][keep], labels[i][keep], heatmaps[i]))
     return results
 

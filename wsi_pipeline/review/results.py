@@ -193,14 +193,30 @@ def _resolve_slide(run_dir: Path, recorded: str | None) -> Path | None:
     return run_dir / p if (run_dir / p).is_file() else p
 
 
+def _slide_folder(run_dir: Path) -> Path:
+    """``run_dir``, or the one slide folder of the batch folder ``run_dir``."""
+    from ..batch_folder import slides_dir
+
+    batch = slides_dir(run_dir)
+    if (run_dir / "summary.json").exists() or not batch.is_dir():
+        return run_dir
+    names = sorted(p.name for p in batch.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(names) == 1:
+        return batch / names[0]
+    raise WSIPipelineError(f"{run_dir}: a batch folder of {len(names)} slides: expected one slide's folder, "
+                           f"{batch}{os.sep}<name> (names: {', '.join(names[:10]) or 'none'})")
+
+
 def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Slide | None = None) -> ReviewRun:
     """Load a run folder (summary.json, detections.geojson, heatmap.ome.tif when written).
 
-    Class names follow the order of ``summary["counts"]`` (the label order);
+    ``run_dir`` is one slide's folder (``pipe.run(..., out_dir=...)``, or
+    ``DIR/slides/<name>`` of ``wsi-pipeline run --out DIR``), or a batch
+    folder ``DIR`` that holds a single slide. Class names follow the order of ``summary["counts"]`` (the label order);
     colours come from the model card, else from the GeoJSON file. ``slide``
     replaces the slide path the summary records (for a moved slide).
     """
-    run_dir = Path(run_dir)
+    run_dir = _slide_folder(Path(run_dir))
     summary_path = run_dir / "summary.json"
     try:
         with open(summary_path, encoding="utf-8") as f:

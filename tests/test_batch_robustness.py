@@ -1,0 +1,589 @@
+"""A batch survives any one slide and any input around it: names, folder, disk, time, Ctrl-C,
+configs, model cards, lists, and resume that never keeps a stale result."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wsi_pipeline import batch
+from wsi_pipeline.batch import expand_inputs, output_names, plan, run_batch, run_key
+from wsi_pipeline.batch_folder import OutputFolderError, lock_output_folder
+from wsi_pipeline.config import RunConfig, load_config
+from wsi_pipeline.errors import ConfigError, ModelError, UsageError
+from wsi_pipeline.inference.card import load_card
+from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.run_key import RunKey
+from wsi_pipeline.slide.synthetic import write_synthetic_slide
+
+ENGINES = DEFAULT_MODEL.parent
+
+
+def _cli(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "wsi_pipeline", *map(os.fsdecode, map(os.fspath, args))],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())["slides"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A 600 x 600 pathology slide."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny.tiff"
+    write_synthetic_slide(path, 600, 600, seed=5, kind="pathology")
+    return path
+
+
+# -- a pipeline stand-in that writes complete outputs, hangs, crashes or is interrupted -----------
+
+class _Result:
+    def __init__(self, counts):
+        self.summary = {"counts": counts}
+
+
+class FakePipeline:
+    """Writes every output file (summary with the batch's entries); by slide file name: ``hang*``
+    sleeps for good, ``crash*`` kills its process, ``ctrlc*`` raises KeyboardInterrupt, ``full*``
+    fails with a full disk."""
+
+    def __init__(self):
+        self.closed = False
+
+    def run(self, path, out_dir, progress=False, keep_heatmap=None, extra_summary=None):
+        name = Path(path).name
+        out = Path(out_dir)
+        out.mkdir(parents=True)
+        (out / "detections.csv").write_text("partial")
+        if name.startswith("hang"):
+            time.sleep(3600)
+        if name.startswith("crash"):
+            os._exit(3)
+        if name.startswith("ctrlc"):
+            raise KeyboardInterrupt
+        if name.startswith("full"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        for f in OUTPUT_FILES:
+            (out / f).write_text("x")
+        (out / "summary.json").write_text(json.dumps({"counts": {"nucleus": 1}, "heatmap_scores": {},
+                                                      **(extra_summary or {})}))
+        return _Result({"nucleus": 1})
+
+    def close(self):
+        self.closed = True
+
+
+class FakeFactory:
+    """Picklable: the child process that runs the slides builds its own :class:`FakePipeline`."""
+
+    def __call__(self):
+        return FakePipeline()
+
+
+class BrokenFactory:
+    """A pipeline that cannot be built (a backend this machine lacks, say)."""
+
+    def __call__(self):
+        raise UsageError("no such backend here")
+
+
+def _slides(folder: Path, *names: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for n in names:
+        (folder / n).write_bytes(n.encode() * 100)
+        paths.append(folder / n)
+    return paths
+
+
+def _key(config: RunConfig) -> RunKey:
+    return run_key(config, load_card(DEFAULT_MODEL))
+
+
+# -- time limit, crashes, Ctrl-C ---------------------------------------------------------------------
+
+def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
+    paths = _slides(tmp_path / "in", "hang[1].tiff", "crash.tiff", "good.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=3)
+    t0 = time.monotonic()
+    report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
+    assert time.monotonic() - t0 < 60
+    hang, crash, good = report.outcomes
+    assert hang.status == "failed" and "did not finish within 3 s" in hang.error and "hang[1].tiff" in hang.error
+    assert crash.status == "failed" and "died (exit code 3)" in crash.error
+    assert good.status == "done"
+    m = _manifest(tmp_path / "out")
+    assert [m[n]["status"] for n in ("hang[1]", "crash", "good")] == ["failed", "failed", "done"]
+    assert os.listdir(tmp_path / "out" / "slides") == ["good"]  # no half-written folder left
+
+
+@pytest.mark.parametrize("slide_timeout", [0, None])
+def test_a_pipeline_that_cannot_be_built_stops_the_batch_with_no_slide_running(tmp_path, slide_timeout):
+    paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=slide_timeout)
+    with pytest.raises(UsageError, match="no such backend here"):
+        run_batch(paths, tmp_path / "out", BrokenFactory(), config, _key(config), progress=False)
+    manifest = tmp_path / "out" / "manifest.json"
+    statuses = {rec["status"] for rec in _manifest(tmp_path / "out").values()} if manifest.exists() else set()
+    assert "running" not in statuses
+
+
+def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
+    from wsi_pipeline.slide_worker import slide_time_limit
+
+    small = _slides(tmp_path, "a.tiff")[0]
+    big = tmp_path / "big.tiff"
+    with open(big, "wb") as f:
+        f.truncate(2 << 30)  # sparse
+    assert slide_time_limit(RunConfig(), small) == pytest.approx(3600, abs=1)
+    assert slide_time_limit(RunConfig(), big) == pytest.approx(3 * 3600)
+    assert slide_time_limit(RunConfig(slide_timeout=10), big) == 10
+    assert slide_time_limit(RunConfig(slide_timeout=0), big) is None
+
+
+def test_ctrl_c_in_process_marks_the_slide_interrupted(tmp_path):
+    paths = _slides(tmp_path / "in", "good.tiff", "ctrlc.tiff", "later.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
+    m = _manifest(tmp_path / "out")
+    assert [m[n]["status"] for n in ("good", "ctrlc", "later")] == ["done", "interrupted", "pending"]
+    assert os.listdir(tmp_path / "out" / "slides") == ["good"]
+
+
+def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
+    paths = _slides(tmp_path / "in", "hang.tiff", "later.tiff")
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
+        from pathlib import Path
+        from test_batch_robustness import FakeFactory, _key
+        from wsi_pipeline.batch import run_batch
+        from wsi_pipeline.config import RunConfig
+        from wsi_pipeline.pipeline import DEFAULT_MODEL
+        config = RunConfig(model=str(DEFAULT_MODEL))
+        try:
+            run_batch([Path(p) for p in {[str(p) for p in paths]!r}], {str(out)!r}, FakeFactory(), config,
+                      _key(config), progress=False)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if list((out / "slides").glob(".hang.partial-*")):  # the child is inside the slide
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    m = _manifest(out)
+    assert m["hang"]["status"] == "interrupted" and m["later"]["status"] == "pending"
+    assert os.listdir(out / "slides") == []  # the stopped child's folder is removed
+
+
+# -- the output folder ---------------------------------------------------------------------------------
+
+def test_slide_names_never_meet_each_other_or_the_batch_files(tmp_path, tiny):
+    src = tmp_path / "in"
+    (src / "d1").mkdir(parents=True)
+    (src / "d2").mkdir()
+    names = ["manifest.json.tiff", "run.log.tiff", "run.lock.tiff", "..tiff", "...tiff", "Case.tiff",
+             "d1/case.tiff", "d2/case.tiff"]
+    for n in names:
+        shutil.copy(tiny, src / n)
+    crafted = output_names([src / "d1/case.tiff", src / "d2/case.tiff"])[0]  # a hashed name ...
+    shutil.copy(tiny, src / f"{crafted}.tiff")  # ... taken by another slide's file name
+    paths = [src / n for n in names] + [src / f"{crafted}.tiff"]
+    folder_names = output_names(paths)
+    assert len({n.casefold() for n in folder_names}) == len(paths)
+    assert not [n for n in folder_names if n.startswith(".") or "/" in n]
+    assert folder_names == output_names(paths)  # stable from run to run
+
+    out = tmp_path / "out"
+    r = _cli("run", *paths, "--out", out, "--tissue", "all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "run.lock", "run.log", "slides"]
+    m = _manifest(out)
+    assert len(m) == len(paths) and {rec["status"] for rec in m.values()} == {"done"}
+    assert sorted(os.listdir(out / "slides")) == sorted(folder_names)
+    sources = {json.loads((out / "slides" / n / "summary.json").read_text())["slide"] for n in folder_names}
+    assert len(sources) == len(paths)  # every slide kept its own result
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path, tiny):
+    out = tmp_path / "out"
+    (out / "slides").mkdir(parents=True)
+    in_progress = out / "slides" / ".tiny.partial-1-0"
+    in_progress.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from wsi_pipeline.batch_folder import lock_output_folder
+        with lock_output_folder({str(out)!r}):
+            print("held", flush=True)
+            time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = _cli("run", tiny, "--out", out)
+        assert r.returncode == 2 and "another run" in r.stderr and str(holder.pid) in r.stderr
+        assert "Traceback" not in r.stderr
+        assert in_progress.is_dir()  # the first run's work is left alone
+        with pytest.raises(UsageError, match="another run"), lock_output_folder(out):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with lock_output_folder(out), lock_output_folder(out):  # free again; re-entrant in one thread
+        pass
+
+
+def test_what_stands_where_a_slide_folder_goes_is_replaced_and_not_left(tmp_path, tiny):
+    out = tmp_path / "out"
+    (out / "slides").mkdir(parents=True)
+    (out / "slides" / "tiny").write_text("a file where the slide's folder goes")
+    r = _cli("run", tiny, "--out", out, "--tissue", "all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(os.listdir(out / "slides")) == ["tiny"]
+    assert sorted(os.listdir(out / "slides" / "tiny")) == sorted(OUTPUT_FILES)
+    from wsi_pipeline.review import load_run
+
+    run = load_run(out)  # a batch folder of one slide
+    assert run.run_dir == out / "slides" / "tiny" and len(run.detections) == sum(run.summary["counts"].values())
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="permissions do not bind root")
+def test_a_read_only_old_result_is_replaced_and_not_left(tmp_path):
+    paths = _slides(tmp_path / "in", "a.tiff")
+    out = tmp_path / "out"
+    old = out / "slides" / "a"
+    (old / "sub").mkdir(parents=True)
+    (old / "sub" / "f").write_text("old")
+    os.chmod(old / "sub", 0o500)
+    os.chmod(old, 0o500)
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(paths, out, FakePipeline, config, _key(config), progress=False)
+    assert report.outcomes[0].status == "done"
+    assert sorted(os.listdir(out / "slides")) == ["a"] and not (out / "slides" / "a" / "sub").exists()
+
+
+def test_undecodable_file_names_are_logged_and_recorded(tmp_path, tiny):
+    src = tmp_path / "in"
+    src.mkdir()
+    name = os.fsdecode(b"caf\xe9.tiff")
+    shutil.copy(tiny, src / name)
+    out = tmp_path / "out"
+    r = _cli("run", src, "--out", out, "--tissue", "all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Logging error" not in r.stderr and "Traceback" not in r.stderr
+    log = (out / "run.log").read_text(encoding="utf-8")
+    assert "caf\\udce9.tiff: done" in log
+    assert _manifest(out)[os.fsdecode(b"caf\xe9")]["status"] == "done"
+    assert "caf\\udce9  done" in r.stdout
+
+
+def test_a_full_disk_fails_the_slide_and_the_batch_goes_on(tmp_path):
+    paths = _slides(tmp_path / "in", "full.tiff", "good.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
+    full, good = report.outcomes
+    assert full.status == "failed" and "out of disk space" in full.error and "full.tiff" in full.error
+    assert good.status == "done"
+    assert _manifest(tmp_path / "out")["full"]["status"] == "failed"
+
+
+def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
+    paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    real = batch.write_json
+    calls = []
+
+    def write_json(path, obj, **kw):
+        calls.append(path)
+        if len(calls) > 3:  # pending a, pending b, running a: then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, obj, **kw)
+
+    monkeypatch.setattr(batch, "write_json", write_json)
+    with pytest.raises(OutputFolderError, match=r"manifest\.json: cannot record .*No space left.*the run stops"):
+        run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
+
+
+# -- resume -------------------------------------------------------------------------------------------
+
+def _copy_card(folder: Path, **changes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = json.loads(DEFAULT_MODEL.read_text())
+    shutil.copy(ENGINES / doc["model_file"], folder / doc["model_file"])
+    for k, v in changes.items():
+        doc[k] = v
+    path = folder / DEFAULT_MODEL.name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_resume_redoes_a_slide_when_the_card_the_slide_or_the_mask_changed(tmp_path, caplog):
+    paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
+    out = tmp_path / "out"
+    card_path = _copy_card(tmp_path / "model")
+    mask = tmp_path / "mask.geojson"
+    mask.write_text(json.dumps({"type": "Polygon", "coordinates": [[[0, 0], [10, 0], [10, 10], [0, 0]]]}))
+    config = RunConfig(model=str(card_path), slide_timeout=0, tissue="file", mask=str(mask))
+
+    def rerun() -> list[str]:
+        key = run_key(config, load_card(card_path))
+        todo, _ = plan(paths, out, key, force=False)
+        run_batch(paths, out, FakePipeline, config, key, progress=False)
+        return [name for _, name in todo]
+
+    assert rerun() == ["a", "b"]
+    assert rerun() == []
+    doc = json.loads(card_path.read_text())
+    doc["decoder"]["params"]["score_threshold"] = 0.9  # the same ONNX file, another card
+    card_path.write_text(json.dumps(doc))
+    caplog.set_level("INFO", "wsi_pipeline")
+    assert rerun() == ["a", "b"]
+    assert "a.tiff: redone: the model card changed" in caplog.text
+    paths[1].write_bytes(b"another image" * 100)  # replaced under the same name
+    assert rerun() == ["b"]
+    assert "the slide file changed (size 600 -> 1300 bytes)" in caplog.text
+    paths[1].write_bytes(b"Another image" * 100)  # same size, other content
+    assert rerun() == ["b"]
+    assert "the slide file changed (same size, different content)" in caplog.text
+    mask.write_text(mask.read_text().replace("10", "20"))
+    assert rerun() == ["a", "b"]
+    assert "the mask file changed" in caplog.text
+
+
+def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
+    from wsi_pipeline.run_key import input_identity
+
+    big = tmp_path / "big.svs"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    first = input_identity(big)
+    assert first == input_identity(big) and first["size"] == 4 << 20
+    for offset in (10, (4 << 20) - 10):  # the header, the tail
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        big.write_bytes(bytes(changed))
+        assert input_identity(big)["fingerprint"] != first["fingerprint"]
+    folder = tmp_path / "dicom_slide"
+    folder.mkdir()
+    (folder / "a.dcm").write_bytes(b"a" * 10)
+    before = input_identity(folder)
+    (folder / "a.dcm").write_bytes(b"a" * 11)
+    assert input_identity(folder) != before
+    assert input_identity(tmp_path / "missing.svs") is None
+
+
+# -- usage errors before any slide runs --------------------------------------------------------------------
+
+@pytest.mark.parametrize("values, message", [
+    ({"mpp": math.nan}, "mpp"), ({"mpp": math.inf}, "mpp"), ({"sigma_scale": 0.0}, "sigma_scale"),
+    ({"sigma_scale": -1.0}, "sigma_scale"), ({"batch_size": 100000}, "batch_size: expected between 1 and 1024"),
+    ({"streams": 1000}, "streams: expected between 1 and 32"), ({"workers": 10**6}, "workers"),
+    ({"overlay_size": 10**6}, "overlay_size"), ({"slide_timeout": -1.0}, "slide_timeout"),
+    ({"slide_timeout": math.nan}, "slide_timeout"), ({"model": "a\x00b"}, "model"), ({"tile": 30000}, "tile"),
+])
+def test_impossible_settings_are_refused(values, message):
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)
+
+
+def test_config_files_that_are_not_text_are_usage_errors(tmp_path, tiny):
+    out = tmp_path / "out"
+    for name, content, message in [
+        ("latin1.toml", b"overlap = 64\n# caf\xe9\n", "expected UTF-8 text, found byte 0xe9"),
+        ("nul.toml", b"overlap = 64\x00\n", "not valid TOML"),
+        ("nan.toml", b"mpp = nan\n", "mpp: expected a positive number"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError, match=message):
+            load_config(tmp_path / name)
+    r = _cli("run", tiny, "--out", out, "--config", tmp_path / "latin1.toml")
+    assert r.returncode == 2 and "latin1.toml" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("run", tiny, "--out", out, "--mpp", "inf")
+    assert r.returncode == 2 and "mpp" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_config_file_paths_are_relative_to_its_folder(tmp_path):
+    folder = tmp_path / "conf"
+    card = _copy_card(folder / "models")
+    (folder / "mask.png").write_bytes(b"x")
+    (folder / "run.toml").write_text('[run]\nmodel = "models/nuclei_pathology.card.json"\n'
+                                     'tissue = "file"\nmask = "mask.png"\n')
+    config = load_config(folder / "run.toml")
+    assert Path(config.model) == card and Path(config.mask) == folder / "mask.png"
+    assert load_card(config.model).model_path.parent == card.parent
+
+
+def test_a_missing_mask_is_one_usage_error(tmp_path, tiny):
+    out = tmp_path / "out"
+    r = _cli("run", tiny, tiny.parent, "--out", out, "--tissue", "file", "--mask", tmp_path / "missing.geojson")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("missing.geojson: mask file not found") == 1 and "Traceback" not in r.stderr
+    assert not (out / "manifest.json").exists()  # no slide was tried
+    bad = tmp_path / "bad.geojson"
+    bad.write_text('{"type": "FeatureCollection", "features": []}')
+    with pytest.raises(UsageError, match="bad.geojson: not a usable mask"):
+        run_key(RunConfig(model=str(DEFAULT_MODEL), tissue="file", mask=str(bad)), load_card(DEFAULT_MODEL))
+
+
+def test_tissue_help_says_what_auto_does():
+    r = _cli("run", "--help")
+    text = " ".join(r.stdout.split())
+    assert "auto: otsu for a model with an mpp (pathology), all for one without (industrial)" in text
+
+
+def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny):
+    lst = tmp_path / "list.txt"
+    lst.write_bytes(b"a.tiff\n\xff\xfe.tiff\n")
+    with pytest.raises(UsageError, match=r"list.txt: the list of slides is not UTF-8 text \(byte 0xff"):
+        expand_inputs([lst])
+    lst.write_bytes(b"a.tiff\nb\x00.tiff\n")
+    with pytest.raises(UsageError, match="list.txt: line 2: the list of slides holds a NUL byte"):
+        expand_inputs([lst])
+    folder = tmp_path / "slides"
+    folder.mkdir()
+    shutil.copy(tiny, folder / "ok.tiff")
+    os.symlink(folder / "loop2.tiff", folder / "loop1.tiff")
+    os.symlink(folder / "loop1.tiff", folder / "loop2.tiff")
+    with pytest.raises(UsageError, match="loop1.tiff: a symbolic link that loops"):
+        expand_inputs([folder])
+    r = _cli("run", folder, "--out", tmp_path / "out")
+    assert r.returncode == 2 and "symbolic link" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dask_without_dask_installed_is_a_usage_error(monkeypatch):
+    from wsi_pipeline.distributed import check_address
+
+    monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as when not installed
+    with pytest.raises(UsageError, match="dask.distributed is not installed"):
+        check_address("local:2")
+
+
+def test_dask_address_is_checked_before_any_slide(tmp_path):
+    pytest.importorskip("dask.distributed")
+    paths = _slides(tmp_path / "in", "a.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    with pytest.raises(UsageError, match="local:N"):
+        run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False, dask="local:x")
+    assert not (tmp_path / "out").exists()
+
+
+# -- model cards ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, message", [
+    (b'{"name": "caf\xe9"}', "expected UTF-8 text, found byte 0xe9"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"version": ' + b"9" * 5001 + b"}", "not valid JSON"),
+    (b'{"mpp": Infinity}', "Infinity is not a number JSON allows"),
+    (b'{"mpp": NaN}', "NaN is not a number JSON allows"),
+])
+def test_cards_that_are_not_plain_json_are_refused(tmp_path, text, message):
+    card = tmp_path / "m.card.json"
+    card.write_bytes(text)
+    with pytest.raises(ConfigError, match=message):
+        load_card(card)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_file": "../../../../etc/passwd"}, "model_file.*inside the card's folder"),
+    ({"model_file": "/etc/passwd"}, "model_file.*inside the card's folder"),
+    ({"mpp": "1e400"}, "field 'mpp': expected a positive number"),  # a literal JSON reads as inf
+    ({"mpp": "-1"}, "field 'mpp': expected a positive number"),
+])
+def test_cards_with_impossible_fields_are_refused(tmp_path, changes, message):
+    mpp = changes.pop("mpp", None)
+    card = _copy_card(tmp_path / "model", **changes, **({"mpp": "MPP"} if mpp else {}))
+    card.write_text(card.read_text().replace('"MPP"', mpp or '"MPP"'))
+    with pytest.raises(ConfigError, match=message):
+        load_card(card)
+
+
+def test_an_input_size_beyond_the_bound_is_refused(tmp_path):
+    doc = json.loads(DEFAULT_MODEL.read_text())
+    doc["input"]["size"] = [30000, 30000]
+    card = _copy_card(tmp_path / "model", input=doc["input"])
+    with pytest.raises(ConfigError, match=r"input.size.*at most 4096|from 1 to 4096"):
+        load_card(card)
+
+
+def test_a_card_cli_error_is_a_usage_error(tmp_path, tiny):
+    card = _copy_card(tmp_path / "model", model_file="../../../../etc/passwd")
+    r = _cli("run", tiny, "--out", tmp_path / "out", "--model", card)
+    assert r.returncode == 2 and "inside the card's folder" in r.stderr and "Traceback" not in r.stderr
+    assert "passwd" not in r.stdout
+
+
+def test_a_label_past_the_card_classes_fails_the_slide():
+    import dataclasses
+
+    from wsi_pipeline.inference.decoders import decode
+
+    card = load_card(DEFAULT_MODEL)
+    one_class = dataclasses.replace(card, classes=card.classes[:1])
+    p = {"boxes": "boxes", "scores": "scores", "labels": "labels", **card.decoder.params}
+    outputs = {p["boxes"]: np.array([[[0, 0, 10, 10], [5, 5, 20, 20]]], np.float32),
+               p["scores"]: np.array([[0.9, 0.8]], np.float32), p["labels"]: np.array([[0, 1]], np.int64)}
+    if card.heatmap is not None:
+        hm = card.heatmap
+        s = card.input.size_hw[0] // hm.stride
+        outputs[hm.output] = np.zeros((1, len(hm.classes), s, s), np.float32)
+    with pytest.raises(ModelError, match="gave label 1, but the card names 1 classes"):
+        decode(outputs, one_class)
+    assert len(decode(outputs, dataclasses.replace(card, classes=card.classes * 2))[0]) == 2
+
+
+
+def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, capsys):
+    import logging
+
+    from wsi_pipeline.batch_folder import BatchLogHandler
+
+    handler = BatchLogHandler(tmp_path / "run.log")
+    logger = logging.getLogger("wsi_pipeline.test_full_disk")
+    logger.addHandler(handler)
+    try:
+        logger.warning("before: %s", os.fsdecode(b"caf\xe9"))
+        handler.flush()
+
+        def full(text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handler.stream.write = full
+        logger.warning("lost 1")
+        logger.warning("lost 2")
+    finally:
+        logger.removeHandler(handler)
+        vars(handler.stream).pop("write", None)
+        handler.close()
+    err = capsys.readouterr().err
+    assert err.count("cannot write the log") == 1 and "No space left" in err
+    assert "Logging error" not in err and "Traceback" not in err
+    assert "before: caf\\udce9" in (tmp_path / "run.log").read_text(encoding="utf-8")
+
+
+def test_load_run_on_a_batch_folder_of_several_slides_names_them(tmp_path):
+    from wsi_pipeline.errors import WSIPipelineError
+    from wsi_pipeline.review import load_run
+
+    for name in ("a", "b"):
+        (tmp_path / "slides" / name).mkdir(parents=True)
+    with pytest.raises(WSIPipelineError, match=r"a batch folder of 2 slides.*\(names: a, b\)"):
+        load_run(tmp_path)

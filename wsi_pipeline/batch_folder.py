@@ -1,0 +1,237 @@
+"""The batch output folder: one run at a time, and slide folders that cannot meet the batch's files.
+
+Layout of an output folder ``DIR``::
+
+    DIR/manifest.json                 every slide's status, error, counts, times
+    DIR/run.log                       the log of every run into DIR
+    DIR/run.lock                      held (``flock``) by the run writing into DIR
+    DIR/slides/<name>/                one finished slide (see pipeline.OUTPUT_FILES)
+    DIR/slides/.<name>.partial-*/     a slide being written (removed by the next run if left)
+
+Slide folders live under ``slides/``, so no slide name can replace the
+batch's own files, and :func:`output_names` makes their names unique (case
+folded, leading dots replaced) whatever the input file names are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from .errors import UsageError, WSIPipelineError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: runs are not locked
+    fcntl = None  # type: ignore[assignment]
+
+MANIFEST = "manifest.json"
+LOG_FILE = "run.log"
+LOCK_FILE = "run.lock"
+SLIDES_DIR = "slides"
+# Longest folder name (bytes) taken from a file name; the hidden in-progress name adds about 40.
+MAX_NAME_BYTES = 150
+
+log = logging.getLogger("wsi_pipeline")
+
+
+class OutputFolderError(WSIPipelineError):
+    """The batch cannot record anything in its output folder (full disk, no permission): the run stops."""
+
+
+def slides_dir(out_dir: str | os.PathLike[str]) -> Path:
+    """The folder holding one folder per slide."""
+    return Path(out_dir) / SLIDES_DIR
+
+
+def slide_dir(out_dir: str | os.PathLike[str], name: str) -> Path:
+    """Where the finished outputs of slide ``name`` (from :func:`output_names`) are."""
+    return slides_dir(out_dir) / name
+
+
+# -- names ----------------------------------------------------------------------
+
+def _stem(p: Path) -> str:
+    name = p.name
+    for ext in (".ome.tiff", ".ome.tif"):
+        if name.lower().endswith(ext):
+            return name[: -len(ext)]
+    return p.stem or name
+
+
+def _safe(stem: str) -> str:
+    """``stem`` as a plain folder name: no separators or control characters, no leading dot, not too long."""
+    s = "".join("_" if ch in "/\\" or ord(ch) < 32 or ord(ch) == 127 else ch for ch in stem)
+    s = "_" * (len(s) - len(s.lstrip("."))) + s.lstrip(".")
+    raw = os.fsencode(s or "_")
+    if len(raw) > MAX_NAME_BYTES:
+        raw = raw[:MAX_NAME_BYTES]
+    return os.fsdecode(raw) or "_"
+
+
+def _path_hash(p: Path, digits: int) -> str:
+    return hashlib.sha1(os.fsencode(os.path.realpath(p))).hexdigest()[:digits]
+
+
+def output_names(paths: list[Path]) -> list[str]:
+    """A folder name per slide: its stem, with a hash of its path where names would meet.
+
+    Names are compared case-folded (a case-insensitive file system would merge
+    ``A`` and ``a``). Stems that occur once keep their name; the others get
+    ``-<8 hex>`` of their real path, longer where that still meets another name
+    (a file named like another slide's hashed folder), so no two slides share
+    a folder. The same inputs give the same names on every run.
+    """
+    stems = [_safe(_stem(p)) for p in paths]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[s.casefold()] = counts.get(s.casefold(), 0) + 1
+    names: list[str | None] = [s if counts[s.casefold()] == 1 else None for s in stems]
+    taken = {n.casefold() for n in names if n is not None}
+    for i, (p, s) in enumerate(zip(paths, stems, strict=True)):
+        if names[i] is not None:
+            continue
+        for digits in (8, 16, 40):
+            candidate = f"{s}-{_path_hash(p, digits)}"
+            if candidate.casefold() not in taken:
+                break
+        names[i] = candidate
+        taken.add(candidate.casefold())
+    return [n for n in names if n is not None]
+
+
+# -- one run at a time ------------------------------------------------------------
+
+_held: dict[str, tuple[int, int, int]] = {}  # real path -> (fd, depth, thread)
+_held_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def lock_output_folder(out_dir: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``DIR/run.lock`` while writing into ``DIR``; UsageError when another run holds it.
+
+    Re-entrant within one thread (the CLI takes it before opening the log,
+    :func:`~.batch.run_batch` takes it again).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = os.path.realpath(out)
+    me = threading.get_ident()
+    with _held_lock:
+        if key in _held:
+            fd, depth, owner = _held[key]
+            if owner != me:
+                raise UsageError(f"{out}: another run in this process is writing into this folder")
+            _held[key] = (fd, depth + 1, owner)
+        else:
+            _held[key] = (_acquire(out), 1, me)
+    try:
+        yield
+    finally:
+        with _held_lock:
+            fd, depth, owner = _held[key]
+            if depth > 1:
+                _held[key] = (fd, depth - 1, owner)
+            else:
+                del _held[key]
+                os.close(fd)  # releases the lock; the file stays (removing it would race a new run)
+
+
+def _acquire(out: Path) -> int:
+    path = out / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot create the output folder's lock file: {exc.strerror}") from None
+    if fcntl is None:  # pragma: no cover
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise UsageError(f"{out}: another run (process {holder}) is writing into this folder; "
+                         "wait for it to end or give another --out") from None
+    with contextlib.suppress(OSError):  # the pid is for the message above only
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+# -- removal ----------------------------------------------------------------------
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Remove a file, link or folder tree, read-only folders included; OSError when it cannot."""
+    p = os.fspath(path)
+    if os.path.islink(p) or not os.path.isdir(p):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+        return
+    try:
+        shutil.rmtree(p)
+    except FileNotFoundError:
+        return
+    except OSError:
+        # A folder without write (or read) permission keeps its entries: open it up, then retry.
+        _make_writable(p)
+        shutil.rmtree(p)
+
+
+def _make_writable(root: str) -> None:
+    os.chmod(root, os.stat(root).st_mode | stat.S_IRWXU)
+    for folder, subdirs, _ in os.walk(root):
+        for d in subdirs:
+            sub = os.path.join(folder, d)
+            if not os.path.islink(sub):
+                os.chmod(sub, os.stat(sub).st_mode | stat.S_IRWXU)
+
+
+def remove_or_warn(path: str | os.PathLike[str], what: str) -> None:
+    """:func:`remove_path`, logging a warning (not raising) when it fails."""
+    try:
+        remove_path(path)
+    except OSError as exc:
+        log.warning("%s: cannot remove %s: %s", path, what, exc.strerror or exc)
+
+
+def clean_leftovers(out_dir: str | os.PathLike[str]) -> None:
+    """Remove what a killed or failed run left behind: in-progress and replaced slide folders, and
+    a half-written manifest or log file of the batch (killed while writing it)."""
+    folder = slides_dir(out_dir)
+    for pattern in (".*.partial-*", ".*.old-*"):
+        for p in folder.glob(pattern):
+            remove_or_warn(p, "a left-over folder of an earlier run")
+    for p in Path(out_dir).glob(".*.partial-*"):
+        if p.is_file() or p.is_symlink():
+            remove_or_warn(p, "a half-written file of an earlier run")
+
+
+# -- the log file -------------------------------------------------------------------
+
+class BatchLogHandler(logging.FileHandler):
+    """``DIR/run.log``: any file name is written (undecodable bytes escaped), and a failed write
+    (a full disk) is said once on stderr instead of a traceback per record."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        super().__init__(path, encoding="utf-8", errors="backslashreplace")
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self._failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._failed:
+            self._failed = True
+            exc = sys.exc_info()[1]
+            print(f"warning: {self.baseFilename}: cannot write the log: {exc}", file=sys.stderr)
+
+
+def printable(text: str) -> str:
+    """``text`` with undecodable file-name bytes shown as escapes, safe to print on any stream."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

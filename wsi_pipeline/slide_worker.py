@@ -1,0 +1,309 @@
+"""Slides of a batch run in a child process, each under a wall-clock limit.
+
+A slide can hang where no check of a deadline runs: a decoder looping in C,
+a reader following a file's pointers in circles, a network file system that
+stops answering. A Python thread cannot be stopped from outside, so a
+deadline checked between batches would wait forever on such a read. The
+batch therefore runs its slides in one child process (``python -m
+wsi_pipeline.slide_worker``) that builds the pipeline once and runs the
+slides it is sent one at a time. The parent waits for each slide's outcome
+at most the slide's time limit; past it, or when the child dies (a crash, the
+kernel's out-of-memory killer), the parent kills the child, removes its
+half-written folder, records the slide as failed and starts a new child for
+the next slide. The cost of the isolation is the child's start and model
+load, paid once per batch and again after each slide that is stopped.
+
+The child runs in its own session, so Ctrl-C reaches only the parent, which
+stops the child and records the slide as interrupted; the child exits when
+its parent is gone (killed). Its log records and warnings
+are sent to the parent, which logs them as its own.
+
+With ``slide_timeout = 0`` slides run in the calling process, without a limit
+(:class:`InProcessRunner`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from .batch_folder import remove_or_warn, slides_dir
+from .config import RunConfig
+from .errors import WSIPipelineError
+
+log = logging.getLogger("wsi_pipeline")
+
+# Default limit: this much, plus as much again per GiB of slide file.
+BASE_LIMIT_S = 3600.0
+LIMIT_S_PER_GIB = 3600.0
+# Loggers whose levels the child copies from the parent.
+_LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile")
+
+
+def slide_time_limit(config: RunConfig, path: str | os.PathLike[str]) -> float | None:
+    """Seconds slide ``path`` may take: ``config.slide_timeout``, or by default 1 h plus 1 h per GiB
+    of the slide file; None for no limit (``slide_timeout = 0``)."""
+    if config.slide_timeout is not None:
+        return config.slide_timeout or None
+    try:
+        size = os.path.getsize(path)
+    except (OSError, ValueError):
+        size = 0
+    return BASE_LIMIT_S + LIMIT_S_PER_GIB * size / (1 << 30)
+
+
+class InProcessRunner:
+    """Runs slides in this process, without a time limit; the pipeline is built on first use."""
+
+    def __init__(self, factory: Callable[[], Any], progress: bool):
+        self.factory, self.progress = factory, progress
+        self.pipeline: Any = None
+
+    def prepare(self) -> None:
+        """Build the pipeline (raises what the factory raises)."""
+        if self.pipeline is None:
+            self.pipeline = self.factory()
+
+    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
+        from .batch import process_slide
+
+        self.prepare()
+        return process_slide(self.pipeline, path, name, out_dir, key, progress=self.progress)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+
+
+class ChildProcessRunner:
+    """Runs slides in a child process that holds the pipeline; see the module docstring."""
+
+    def __init__(self, factory: Callable[[], Any], progress: bool):
+        self.factory, self.progress = factory, progress
+        self.proc: subprocess.Popen | None = None
+        self.send_conn: Connection | None = None
+        self.recv_conn: Connection | None = None
+
+    # -- the child's life ----------------------------------------------------------
+    def _start(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        cmd = [sys.executable, "-m", "wsi_pipeline.slide_worker", str(to_child_r), str(from_child_w)]
+        try:
+            # Its own session: Ctrl-C at the terminal reaches only the parent, which stops the child.
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w),
+                                         start_new_session=True)
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self.send_conn = Connection(to_child_w, readable=False)
+        self.recv_conn = Connection(from_child_r, writable=False)
+        levels = {n: logging.getLogger(n).level for n in _LOGGERS}
+        try:
+            self.send_conn.send(("init", list(sys.path), levels, pickle.dumps(self.factory), self.progress))
+            reply = self._receive(None)
+        except BaseException:  # Ctrl-C while the model loads
+            self._stop()
+            raise
+        if reply is None:
+            raise WSIPipelineError(f"the process that runs slides ended while loading the model "
+                                   f"(exit code {self._stop()})")
+        if reply[0] == "fatal":
+            self._stop()
+            raise _exception(reply[1])
+
+    def _stop(self) -> int | None:
+        """Kill the child (if running) and return its exit code."""
+        for conn in (self.send_conn, self.recv_conn):
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
+        self.send_conn = self.recv_conn = None
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        return proc.wait()
+
+    def _receive(self, deadline: float | None) -> tuple | None:
+        """The child's next message that is not a log record; None when the child ended;
+        raises TimeoutError at ``deadline`` (time.monotonic)."""
+        assert self.recv_conn is not None
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.recv_conn.poll(wait if wait is None else min(wait, 1.0)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError
+                continue
+            try:
+                msg = self.recv_conn.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                return None
+            if msg[0] == "log":
+                record = msg[1]
+                logging.getLogger(record.name).handle(record)
+                continue
+            return msg
+
+    # -- slides ------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Start the child and let it build the pipeline, if not done (raises what the factory raises)."""
+        if self.proc is None:
+            self._start()
+
+    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
+        from .batch import SlideOutcome
+
+        self.prepare()
+        assert self.send_conn is not None and self.proc is not None
+        pid = self.proc.pid
+        t0 = time.perf_counter()
+        deadline = None if limit_s is None else time.monotonic() + limit_s
+        try:
+            self.send_conn.send(("run", path, name, out_dir, key))
+            reply = self._receive(deadline)
+        except TimeoutError:
+            self._stop()
+            self._remove_partials(out_dir, name, pid)
+            return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
+                                error=f"{path}: did not finish within {limit_s:.0f} s (slide_timeout); stopped")
+        except BaseException:  # Ctrl-C: the caller records the slide as interrupted
+            self._stop()
+            self._remove_partials(out_dir, name, pid)
+            raise
+        if reply is None or reply[0] != "outcome":
+            code = self._stop()
+            self._remove_partials(out_dir, name, pid)
+            how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
+                                error=f"{path}: the process running the slide died ({how})")
+        return reply[1]
+
+    @staticmethod
+    def _remove_partials(out_dir: Path, name: str, pid: int) -> None:
+        for p in slides_dir(out_dir).glob(f".{glob.escape(name)}.partial-{pid}-*"):
+            remove_or_warn(p, "the outputs of a stopped slide")
+
+    def close(self) -> None:
+        if self.proc is not None and self.send_conn is not None:
+            with contextlib.suppress(OSError):
+                self.send_conn.send(("stop",))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        self._stop()
+
+
+def make_runner(factory: Callable[[], Any], config: RunConfig, progress: bool
+                ) -> InProcessRunner | ChildProcessRunner:
+    """A child-process runner, or an in-process one for ``slide_timeout = 0``."""
+    if config.slide_timeout == 0:
+        return InProcessRunner(factory, progress)
+    try:
+        pickle.dumps(factory)
+    except Exception as exc:
+        raise TypeError("the pipeline factory must be picklable to run slides in a child process "
+                        f"({exc}); set slide_timeout = 0 to run them in this process") from exc
+    return ChildProcessRunner(factory, progress)
+
+
+def _exception(payload: bytes | str) -> BaseException:
+    if isinstance(payload, bytes):
+        with contextlib.suppress(Exception):
+            exc = pickle.loads(payload)
+            if isinstance(exc, BaseException):
+                return exc
+    return WSIPipelineError(str(payload))
+
+
+# -- the child ----------------------------------------------------------------------
+
+class _PipeHandler(logging.Handler):
+    """Sends each record, formatted, to the parent (from any thread)."""
+
+    def __init__(self, conn: Connection):
+        super().__init__()
+        self.conn = conn
+        self.send_lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.msg = record.getMessage()
+            record.args = None
+            if record.exc_info:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+                record.exc_info = None
+            with self.send_lock:
+                self.conn.send(("log", record))
+        except Exception:
+            self.handleError(record)
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _serve(recv_conn: Connection, send_conn: Connection) -> None:
+    from .batch import process_slide
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    _, path_list, levels, factory_bytes, progress = recv_conn.recv()
+    sys.path[:] = path_list
+    handler = _PipeHandler(send_conn)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    logging.captureWarnings(True)
+    warnings.simplefilter("default")
+    try:
+        pipeline = pickle.loads(factory_bytes)()
+    except BaseException as exc:
+        try:
+            payload: bytes | str = pickle.dumps(exc)
+            pickle.loads(payload)
+        except Exception:
+            payload = str(exc) or type(exc).__name__
+        send_conn.send(("fatal", payload))
+        return
+    send_conn.send(("ready",))
+    try:
+        while True:
+            try:
+                msg = recv_conn.recv()
+            except EOFError:
+                return
+            if msg[0] == "stop":
+                return
+            _, path, name, out_dir, key = msg
+            outcome = process_slide(pipeline, path, name, out_dir, key, progress=progress)
+            send_conn.send(("outcome", outcome))
+    finally:
+        pipeline.close()
+
+
+def main(argv: list[str]) -> None:
+    recv_fd, send_fd = int(argv[0]), int(argv[1])
+    _serve(Connection(recv_fd, writable=False), Connection(send_fd, readable=False))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
