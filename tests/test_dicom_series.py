@@ -113,5 +113,5 @@ def test_a_dicom_folder_runs_once_per_series(dicom_folder, tmp_path):
     slides = json.loads((out / "manifest.json").read_text())["slides"]
     assert sorted(slides) == ["a_0", "b_0"]
     assert all(rec["status"] == "done" for rec in slides.values())
-    summary = json.loads((out / "a_0" / "summary.json").read_text())
+    summary = json.loads((out / "slides" / "a_0" / "summary.json").read_text())
     assert summary["dimensions_level0"] == [640, 512]

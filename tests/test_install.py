@@ -70,7 +70,7 @@ def test_wheel_carries_the_shipped_models_and_runs_the_default_model(installed_v
     cli = venv / "bin" / "wsi-pipeline"
     _run([cli, "synth", "slide.tiff", "--width", "1024", "--height", "1024", "--seed", "5"], cwd=work, env=env)
     _run([cli, "run", "slide.tiff", "--out", "results", "--backend", "ort"], cwd=work, env=env)
-    summary = json.loads((work / "results" / "slide" / "summary.json").read_text())
+    summary = json.loads((work / "results" / "slides" / "slide" / "summary.json").read_text())
     assert Path(summary["model"]["card"]).is_relative_to(venv)
     assert summary["model"]["name"] == "nuclei_pathology"
     assert summary["detections_total"] > 0

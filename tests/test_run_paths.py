@@ -51,7 +51,7 @@ def test_summary_and_manifest_store_absolute_and_given_paths(demo_run):
     cwd, _ = demo_run
     slide = cwd / "demo_out" / "demo_slide.tiff"
     results = cwd / "demo_out" / "results"
-    summary = json.loads((results / "demo_slide" / "summary.json").read_text())
+    summary = json.loads((results / "slides" / "demo_slide" / "summary.json").read_text())
     assert summary["slide"] == str(slide)
     assert summary["slide_as_given"] == os.path.join("demo_out", "demo_slide.tiff")
     record = json.loads((results / "manifest.json").read_text())["slides"]["demo_slide"]

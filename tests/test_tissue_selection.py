@@ -93,7 +93,7 @@ def test_all_tissue_tiff_from_the_cli(all_tissue_crop, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide), "--out", str(out),
                            "--backend", "ort"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    summary = json.loads((out / "roi" / "summary.json").read_text())
+    summary = json.loads((out / "slides" / "roi" / "summary.json").read_text())
     assert summary["tiles"]["read"] == summary["tiles"]["total"]
     assert summary["detections_total"] > 20
     assert summary["tissue_warning"] is None
@@ -107,5 +107,5 @@ def test_all_white_image_from_the_cli_warns_in_the_log_and_summary(tmp_path):
                            "--backend", "ort"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "WARNING" in (log := (out / "run.log").read_text()) and "no tile selected" in log
-    summary = json.loads((out / "white" / "summary.json").read_text())
+    summary = json.loads((out / "slides" / "white" / "summary.json").read_text())
     assert summary["tiles"]["read"] == 0 and "no tile selected" in summary["tissue_warning"]

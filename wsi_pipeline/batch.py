@@ -347,7 +347,7 @@ def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_di
         else:
             os.replace(partial, final)
         return SlideOutcome(name, str(path), "done", time.perf_counter() - t0, dict(result.summary["counts"]),
-                            tiles=result.summary["tiles"]["read"])
+                            tiles=(result.summary.get("tiles") or {}).get("read"))
     except KeyboardInterrupt:
         remove_or_warn(partial, "the outputs of an interrupted slide")
         raise
@@ -455,6 +455,16 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
             log.info("%s: already done with these settings, skipped", o.path)
+        # The slide runner builds its pipeline before any slide is marked pending: a model or
+        # backend that cannot start is the command's usage error, not every slide's failure.
+        runner = None
+        if todo and not dask:
+            runner = make_runner(pipeline_factory, config, progress)
+            try:
+                runner.prepare()
+            except BaseException:
+                runner.close()
+                raise
         manifest.update_records({
             **{o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts)
                for o in done},
@@ -482,7 +492,7 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
 
                 results: Generator[SlideOutcome, None, None] = run_on_dask(dask, todo, out, config, key)
             else:
-                results = _run_local(todo, out, pipeline_factory, config, key, progress, manifest)
+                results = _run_local(todo, out, runner, config, key, manifest)
             with contextlib.closing(results):  # a stop ends the slide runner too
                 for o in results:
                     record(o)
@@ -497,15 +507,16 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
         finally:
             if bar is not None:
                 bar.close()
+            if runner is not None:
+                runner.close()  # again after the loop's own close: a no-op then
     order = output_names(slides)
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 
-def _run_local(todo: list[tuple[Path, str]], out: Path, factory: Callable[[], Any], config: RunConfig,
-               key: RunKey, progress: bool, manifest: Manifest) -> Generator[SlideOutcome, None, None]:
+def _run_local(todo: list[tuple[Path, str]], out: Path, runner: Any, config: RunConfig, key: RunKey,
+               manifest: Manifest) -> Generator[SlideOutcome, None, None]:
     if not todo:
         return
-    runner = make_runner(factory, config, progress)
     try:
         for i, (path, name) in enumerate(todo, 1):
             runner.prepare()  # the model loads before the slide counts as running, and outside its limit
