@@ -14,6 +14,8 @@ shipped pathology model with the torch backend, it prints:
   2, 4, 8 and 12 reader threads), then with every output written;
 - where the time goes: the GPU loader alone, loader + executor without the
   stitcher, the whole run, and a ``torch.profiler`` summary of one run;
+- peak host memory per stage of one run with outputs
+  (``benchmarks/profile_memory_stages.py``, its own process);
 - a batch: ``wsi-pipeline run`` over ``--batch-slides`` copies of the slide
   (hard links under distinct names), every output written, in its own
   process: tiles/s over the batch and its peak host and GPU memory;
@@ -339,6 +341,13 @@ def main() -> int:
 
     res["batch_cli"] = batch_cli(slide_path, args.batch_slides, work)
     log(f"batch (wsi-pipeline run, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
+    save()
+
+    mem = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_memory_stages.py"), slide_path,
+                          "--backend", "torch"], capture_output=True, text=True)
+    res["memory_stages_mb"] = mem.stdout.strip().splitlines() if mem.returncode == 0 else mem.stderr[-2000:]
+    log("peak host memory by stage (one Pipeline.run with outputs):\n  " + "\n  ".join(
+        res["memory_stages_mb"] if isinstance(res["memory_stages_mb"], list) else [res["memory_stages_mb"]]))
     save()
 
     if not args.skip_monai:
