@@ -59,3 +59,13 @@ def test_summary_records_where_tiles_were_decoded_and_gpu_is_refused_on_the_cpu(
     with Pipeline.from_card(backend="ort", tissue="all", decode="gpu") as pipe:
         with pytest.raises(ConfigError, match="decode = gpu"):
             pipe.run(path)
+
+
+def test_failing_on_damaged_tiles_keeps_decoding_on_the_cpu(tmp_path):
+    """Only the CPU decoder reports corrupt tiles: on_damaged_tile = fail chooses it, and refuses decode = gpu."""
+    path = _tiff(tmp_path / "s.tiff", "ycbcr")
+    with Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail") as pipe:
+        assert "on_damaged_tile = fail" in pipe.run(path).summary["tile_decode"]["why"]
+    with Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail", decode="gpu") as pipe:
+        with pytest.raises(ConfigError, match="corrupt tiles"):
+            pipe.run(path)

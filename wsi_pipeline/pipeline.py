@@ -378,6 +378,12 @@ class Pipeline:
         want = self.config.decode
         if want == "cpu":
             return "cpu", "decode = cpu"
+        if self.config.on_damaged_tile == "fail":
+            # nvJPEG reports no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
+            reason = "on_damaged_tile = fail needs the CPU decoder's reports of corrupt tiles"
+            if want == "gpu":
+                raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
+            return "cpu", reason
         if not self.executor.is_cuda:
             reason = f"the {self.backend_name} backend runs on the CPU"
         else:
