@@ -63,7 +63,7 @@ class FakePipeline:
     def __init__(self):
         self.closed = False
 
-    def run(self, path, out_dir, progress=False, keep_heatmap=None, extra_summary=None):
+    def run(self, path, out_dir, progress=False, keep_heatmap=None, extra_summary=None, wait_written=True):
         name = Path(path).name
         out = Path(out_dir)
         out.mkdir(parents=True)
@@ -114,6 +114,18 @@ def _key(config: RunConfig) -> RunKey:
 
 
 # -- time limit, crashes, Ctrl-C ---------------------------------------------------------------------
+
+def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path):
+    """The child runs the next slide while the previous one's files are written: when that next slide
+    kills it, the previous slide is run again and done, the crashing one failed, the rest done."""
+    paths = _slides(tmp_path / "in", "good1.tiff", "crash.tiff", "good2.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
+    report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
+    good1, crash, good2 = report.outcomes
+    assert good1.status == "done" and good2.status == "done", (good1, good2)
+    assert crash.status == "failed" and "died (exit code 3)" in crash.error
+    assert sorted(p.name for p in (tmp_path / "out" / "slides").iterdir()) == ["good1", "good2"]
+
 
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
     paths = _slides(tmp_path / "in", "hang[1].tiff", "crash.tiff", "good.tiff")

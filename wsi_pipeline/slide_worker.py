@@ -77,7 +77,8 @@ class InProcessRunner:
         if self.pipeline is None:
             self.pipeline = self.factory()
 
-    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
+    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None,
+            next_slide: tuple[Path, str] | None = None):
         from .batch import process_slide
 
         self.prepare()
@@ -166,7 +167,10 @@ class ChildProcessRunner:
         if self.proc is None:
             self._start()
 
-    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None):
+    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None,
+            next_slide: tuple[Path, str] | None = None):
+        """The slide's outcome. ``next_slide`` (path, name): the slide that will be asked for next,
+        which the child starts while this one's files are written."""
         from .batch import SlideOutcome
 
         self.prepare()
@@ -174,9 +178,17 @@ class ChildProcessRunner:
         pid = self.proc.pid
         t0 = time.perf_counter()
         deadline = None if limit_s is None else time.monotonic() + limit_s
+        inferred = False
         try:
-            self.send_conn.send(("run", path, name, out_dir, key))
-            reply = self._receive(deadline)
+            try:
+                self.send_conn.send(("run", path, name, out_dir, key, next_slide))
+            except (BrokenPipeError, ConnectionResetError):
+                reply = None  # the child died running this slide ahead, while the last one was written
+            else:
+                reply = self._receive(deadline)
+            while reply is not None and reply[0] == "inferred":
+                inferred = True
+                reply = self._receive(deadline)
         except TimeoutError:
             self._stop()
             self._remove_partials(out_dir, name, pid)
@@ -189,6 +201,12 @@ class ChildProcessRunner:
         if reply is None or reply[0] != "outcome":
             code = self._stop()
             self._remove_partials(out_dir, name, pid)
+            if inferred and next_slide is not None:
+                # The child died after this slide's inference, most likely in the next slide it had
+                # started ahead: run this one again, alone.
+                log.warning("%s: the process running slides died (exit code %s) while writing this slide; "
+                            "running it again", path, code)
+                return self.run(path, name, out_dir, key, limit_s)
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
             return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
                                 error=f"{path}: the process running the slide died ({how})")
@@ -261,7 +279,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve(recv_conn: Connection, send_conn: Connection) -> None:
-    from .batch import process_slide
+    from .batch import start_slide
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
@@ -285,6 +303,17 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
         send_conn.send(("fatal", payload))
         return
     send_conn.send(("ready",))
+    # While slide k's files are written (a thread waits for them, moves its folder into place and
+    # sends its outcome), the next slide the parent named is already run here; when the parent
+    # asks for it, its result is taken (or, if it asks for another, thrown away).
+    ahead: tuple[tuple[str, str], Any] | None = None
+    finishing: list[threading.Thread] = []
+
+    def finish(started: Any) -> None:
+        outcome = started.finish()
+        with handler.send_lock:
+            send_conn.send(("outcome", outcome))
+
     try:
         while True:
             try:
@@ -293,10 +322,29 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
                 return
             if msg[0] == "stop":
                 return
-            _, path, name, out_dir, key = msg
-            outcome = process_slide(pipeline, path, name, out_dir, key, progress=progress)
-            send_conn.send(("outcome", outcome))
+            _, path, name, out_dir, key, next_slide = msg
+            if ahead is not None and ahead[0] == (str(path), name):
+                started = ahead[1]
+            else:
+                if ahead is not None:
+                    ahead[1].discard()
+                started = start_slide(pipeline, path, name, out_dir, key, progress, wait_written=False)
+            ahead = None
+            with handler.send_lock:
+                send_conn.send(("inferred", name))
+            finishing = [t for t in finishing if t.is_alive()]
+            t = threading.Thread(target=finish, args=(started,), name="finish-slide", daemon=True)
+            t.start()
+            finishing.append(t)
+            if next_slide is not None:
+                next_path, next_name = next_slide
+                ahead = ((str(next_path), next_name),
+                         start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False))
     finally:
+        if ahead is not None:
+            ahead[1].discard()
+        for t in finishing:
+            t.join()
         pipeline.close()
 
 
