@@ -40,6 +40,7 @@ def test_non_interactive_run_logs_each_slide_and_warning_to_stderr(coarse_slide,
     warn = [ln for ln in lines if "WARNING" in ln]
     assert len(warn) == 1 and "coarser than the model's 0.25 um/px" in warn[0], proc.stderr
     assert "warning: " not in warn[0] and "\n" not in warn[0]
+    assert "UserWarning" not in proc.stderr and not any(line.startswith("  ") for line in lines), proc.stderr
     assert "nucleus" in proc.stdout  # the results table stays on stdout
     # run.log keeps the same lines
     assert "coarser than the model's" in (tmp_path / "out" / "run.log").read_text()

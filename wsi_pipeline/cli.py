@@ -38,12 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _format_warning(message, category, filename, lineno, line=None):
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line, "warning: MESSAGE" (no source location: the message names the file)."""
     return f"warning: {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    warnings.formatwarning = _format_warning
+    warnings.formatwarning = format_warning
     # The readers report a bad file as one error of their own; the TIFF
     # library's log lines about the same damage would only repeat it.
     logging.getLogger("tifffile").setLevel(logging.CRITICAL)

@@ -292,6 +292,9 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
         logging.getLogger(name).setLevel(level)
     logging.captureWarnings(True)
     warnings.simplefilter("default")
+    from .cli import format_warning
+
+    warnings.formatwarning = format_warning  # one line each, as the parent's own warnings
     try:
         pipeline = pickle.loads(factory_bytes)()
     except BaseException as exc:
