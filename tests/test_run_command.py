@@ -175,6 +175,34 @@ def test_out_of_disk_leaves_nothing_that_looks_complete(tmp_path):
     assert list((tmp_path / "slides").iterdir()) == []
 
 
+class _FailingLater:
+    """A pipeline whose run returns at once and whose files then fail to be written (a full disk)."""
+
+    def run(self, path, out_dir, wait_written=True, **kw):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "detections.geojson").write_text("{}")
+
+        class Pending:
+            summary = {"counts": {}}
+
+            @staticmethod
+            def wait_written():
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        return Pending()
+
+
+def test_a_write_that_fails_after_the_run_returned_fails_the_slide(tmp_path):
+    from wsi_pipeline.batch import start_slide
+
+    started = start_slide(_FailingLater(), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}),
+                          wait_written=False)
+    assert started.outcome is None  # stitched; the files are still being written
+    o = started.finish()
+    assert o.status == "failed" and "out of disk space" in o.error
+    assert list((tmp_path / "slides").iterdir()) == []
+
+
 def test_model_failure_is_recorded_and_the_batch_goes_on(slides, tmp_path):
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)  # in this process: the fake is not picklable
     key = run_key(config, load_card(DEFAULT_MODEL))
