@@ -504,11 +504,12 @@ class Pipeline:
             return result
         # GeoJSON, CSV and overlay are written by worker processes while a thread finishes the
         # heatmap file; summary.json, the mark of a complete folder, comes last.
+        overlay = stitcher.overlay_inputs(dets)  # reads the thumbnail: may fail, before any file is begun
+        summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
         jobs = WriteJobs()
         self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
         self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
-        self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *stitcher.overlay_inputs(dets))
-        summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
+        self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *overlay)
 
         def finish() -> None:
             try:
