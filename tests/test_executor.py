@@ -15,88 +15,14 @@ from wsi_pipeline.tiling.loader import TileLoader
 
 torch = pytest.importorskip("torch")
 
-TILE_PX = 128
-
-
-def make_tiny_model(out_dir, tile_px: int = TILE_PX, seed: int = 0):
-    """A randomly initialised detector of the demo architecture, exported to ONNX + card.
-
-    Its score threshold is set from the model's own scores on smooth test
-    images so that at most half of the top-k peaks of any tile pass: results
-    stay independent of how the architecture's untrained output happens to be
-    distributed, and the top-k cut never lies near the threshold.
-    """
-    import dataclasses
-
-    from wsi_pipeline.inference.card import load_card, write_card
-    from wsi_pipeline.models.export import export_with_card
-    from wsi_pipeline.models.net import CenterNetSmall
-
-    torch.manual_seed(seed)
-    net = CenterNetSmall(2, 3).eval()
-    with torch.no_grad():
-        for m in net.modules():  # non-trivial batch norms, so folding them is exercised
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.5, 1.5)
-        net.center_head.weight.mul_(50.0)  # spread the peak scores
-    top_k = 48
-    card = export_with_card(
-        net, out_dir / "tiny.onnx", name="tiny", version="0", class_names=["cell", "debris"],
-        class_colors=["#ff0000", "#00ff00"], region_classes=["tumour", "stroma", "other"],
-        top_k=top_k, mpp=0.5, score_threshold=0.5, tile_px=tile_px)
-    probe = np.stack([smooth_image(tile_px, tile_px, seed=100 + i) for i in range(6)])
-    scores = create_backend(card, "ort").infer(probe)["scores"]
-    threshold = float(np.sort(scores, axis=1)[:, ::-1][:, top_k // 2].max()) + 1e-3
-    params = {**card.decoder.params, "score_threshold": round(threshold, 6)}
-    card = dataclasses.replace(card, decoder=dataclasses.replace(card.decoder, params=params))
-    return load_card(write_card(card))
-
-
-def score_threshold(card) -> float:
-    return float(card.decoder.params["score_threshold"])
-
-
-def smooth_image(h: int, w: int, seed: int = 0) -> np.ndarray:
-    import cv2
-
-    rng = np.random.default_rng(seed)
-    small = (rng.random((max(2, h // 16), max(2, w // 16), 3)) * 255).astype(np.uint8)
-    img = cv2.resize(small, (w, h), interpolation=cv2.INTER_CUBIC)
-    return np.clip(img.astype(int) + rng.integers(-20, 21, (h, w, 3)), 0, 255).astype(np.uint8)
-
-
-def _unmatched(a, b, box_tol, score_tol):
-    """Indices of ``a``'s detections with no partner in ``b`` (same label, close box and score)."""
-    free = list(range(len(b)))
-    missing = []
-    for i in range(len(a)):
-        for j in free:
-            if a.labels[i] == b.labels[j] and abs(a.scores[i] - b.scores[j]) <= score_tol \
-                    and np.abs(a.boxes[i] - b.boxes[j]).max() <= box_tol:
-                free.remove(j)
-                break
-        else:
-            missing.append(i)
-    return missing
-
-
-def assert_same_detections(got, want, threshold=None, box_tol=1e-3, score_tol=1e-4, heat_tol=1e-4):
-    """Same detections per tile, up to order among near-equal scores.
-
-    A detection may lack a partner only when its score is within ``score_tol``
-    of the decoder's ``threshold`` (it may fall on either side).
-    """
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert g.labels.dtype == np.int64 and g.boxes.dtype == np.float32 and g.scores.dtype == np.float32
-        assert np.all(np.diff(g.scores) <= 0), "detections must come sorted by score"
-        for a, b in ((g, w), (w, g)):
-            for i in _unmatched(a, b, box_tol, score_tol):
-                assert threshold is not None and abs(a.scores[i] - threshold) <= score_tol, \
-                    f"detection {a.boxes[i]} {a.scores[i]} label {a.labels[i]} has no partner"
-        np.testing.assert_allclose(g.heatmap, w.heatmap, atol=heat_tol)
+from helpers import (  # noqa: E402
+    TILE_PX,
+    CountingLoader,
+    assert_same_detections,
+    make_tiny_model,
+    score_threshold,
+    smooth_image,
+)
 
 
 @pytest.fixture(scope="module")
@@ -116,28 +42,6 @@ def _executor_threads():
 def _reference(card, grid):
     ort = create_backend(card, "ort")
     return {t.index: decode(ort.infer(grid.read(t)[None]), card)[0] for t in grid}
-
-
-class CountingLoader:
-    """Wraps a loader's batches, counting releases (the executor must release every batch)."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self.given = 0
-        self.released = 0
-        self._lock = threading.Lock()
-
-    def __iter__(self):
-        for batch in self.loader:
-            self.given += 1
-            inner = batch._release
-
-            def release(inner=inner):
-                with self._lock:
-                    self.released += 1
-                inner()
-            batch._release = release
-            yield batch
 
 
 @pytest.mark.parametrize("ordered", [False, True])

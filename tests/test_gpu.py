@@ -17,7 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from test_executor import (  # noqa: E402
+from helpers import (  # noqa: E402
     CountingLoader,
     assert_same_detections,
     make_tiny_model,

@@ -3,7 +3,7 @@
 import threading
 
 import pytest
-from conftest import smooth_rgb
+from helpers import smooth_rgb
 
 from wsi_pipeline.slide.image import ImageSlide
 from wsi_pipeline.tiling import TileGrid, TileLoader

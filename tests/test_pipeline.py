@@ -8,10 +8,10 @@ import threading
 import numpy as np
 import pytest
 import tifffile
-from conftest import corrupt_stored_tile
+from helpers import corrupt_stored_tile
 
 from wsi_pipeline import Pipeline
-from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.errors import ConfigError, TileReadError
 from wsi_pipeline.io.atomic import write_json
 from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
@@ -133,8 +133,10 @@ def test_summary_holds_what_a_report_needs(run_out):
     assert 0 < tumour["mean_probability"] <= tumour["max_probability"] <= 1
     assert s["tiles"]["read"] + s["tiles"]["skipped"] == s["tiles"]["total"]
     assert s["tiles"]["skipped"] > 0  # the background tiles
+    seconds = s["seconds"]
     for stage in ("tissue_mask", "read_and_infer", "stitch", "write", "total"):
-        assert s["seconds"][stage] >= 0
+        assert seconds[stage] > 0, stage
+    assert seconds["total"] >= seconds["tissue_mask"] + seconds["read_and_infer"] + seconds["stitch"]
     assert s["peak_host_memory_mb"] > 0
     assert len(s["model"]["sha256"]) == 64
     assert s["parameters"]["overlap"] == 64
@@ -185,9 +187,10 @@ def test_threads_share_batches_and_get_their_own_results():
         batches = p.service.batches_run - batches_before
     for i in range(4):
         np.testing.assert_array_equal(results[i], alone[i])
-    # 4 callers x 4 tiles each: shared batches of up to 8 tiles, not 4 runs of 4.
+    # 4 callers x 4 tiles each, all within the service's wait: shared batches of up to 8 tiles
+    # (2, or 3 with a late caller), where callers alone would make 4.
     assert mixed > 0
-    assert batches < 4 * 1 + 4
+    assert batches <= 3
 
 
 def test_corrupt_tile_fails_the_run_and_leaves_no_outputs(tmp_path):
@@ -203,7 +206,7 @@ def test_corrupt_tile_fails_the_run_and_leaves_no_outputs(tmp_path):
 
 
 def test_tile_size_must_match_the_model():
-    with pytest.raises(Exception, match="takes 512 px tiles"):
+    with pytest.raises(ConfigError, match="takes 512 px tiles"):
         Pipeline.from_card(backend="ort", tile=256)
 
 

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 import tifffile
-from conftest import smooth_rgb, write_pyramid_tiff
+from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import open_slide
 from wsi_pipeline.slide.tiff_backend import TiffSlide, _TileCache

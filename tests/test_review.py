@@ -2,13 +2,13 @@
 
 import json
 
-import matplotlib
+import pytest
 
+matplotlib = pytest.importorskip("matplotlib")  # the notebooks extra
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import pytest  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from wsi_pipeline.errors import WSIPipelineError  # noqa: E402

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import corrupt_stored_tile
+from helpers import corrupt_stored_tile
 
 from wsi_pipeline.batch import expand_inputs, output_names, process_slide, run_batch, run_key
 from wsi_pipeline.config import RunConfig

@@ -9,7 +9,7 @@ import cv2
 import numpy as np
 import pytest
 import tifffile
-from conftest import smooth_rgb, write_pyramid_tiff
+from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import SlideError, open_slide
 from wsi_pipeline.errors import TileReadError

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import simplejpeg
 import tifffile
-from conftest import smooth_rgb, write_pyramid_tiff
 from fuzz_slides import _parse_tiff, _put_uint, png_bomb
+from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import Pipeline, open_slide
 from wsi_pipeline.errors import SlideOpenError, TileReadError

@@ -5,7 +5,7 @@ import time
 import cv2
 import numpy as np
 import pytest
-from conftest import smooth_rgb
+from helpers import smooth_rgb
 
 from wsi_pipeline import open_slide
 from wsi_pipeline.errors import ConfigError, TileReadError

@@ -10,7 +10,7 @@ import sys
 import cv2
 import numpy as np
 import pytest
-from conftest import write_pyramid_tiff
+from helpers import write_pyramid_tiff
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.slide.image import ImageSlide
