@@ -134,10 +134,6 @@ class ModelCard:
     def class_names(self) -> list[str]:
         return [c.name for c in self.classes]
 
-    @property
-    def tile_size_hw(self) -> tuple[int, int]:
-        return self.input.size_hw
-
     def output(self, name: str) -> OutputSpec:
         for spec in self.outputs:
             if spec.name == name:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -417,10 +417,6 @@ class OnnxModule(torch.nn.Module):
         return tuple(env[name] for name in self.output_names)
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 class TorchRunner:
     """One stream's model state on CUDA: device input buffer and captured graphs.
 
@@ -608,8 +604,3 @@ def _cast_to_card(outputs: dict[str, np.ndarray], card: ModelCard) -> dict[str, 
         want = _NP_DTYPES.get(spec.dtype)
         out[spec.name] = v.astype(want, copy=False) if want is not None else v
     return out
-
-
-def available_devices() -> Sequence[str]:
-    """``["cuda", "cpu"]`` or ``["cpu"]``: where this backend can run here."""
-    return ["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"]

@@ -335,11 +335,6 @@ class TiffSlide(Slide):
                 "samples_per_pixel": int(page.samplesperpixel), "planar": int(page.planarconfig),
                 "extra_samples": len(page.extrasamples or ())}
 
-    @property
-    def jpeg_tables(self) -> bytes | None:
-        """Level 0's shared JPEGTables (quantisation and Huffman tables), if any."""
-        return self._levels[0].jpegtables
-
     def raw_tile(self, level: int, tx: int, ty: int) -> bytes:
         """The stored, still compressed bytes of tile (tx, ty) of ``level``."""
         lv = self._levels[level]
