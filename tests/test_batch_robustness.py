@@ -180,7 +180,11 @@ def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
     paths = _slides(tmp_path / "in", "hang.tiff", "later.tiff")
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
+        import signal
         import sys
+        # A test run started in the background (a non-interactive shell's `cmd &`) ignores SIGINT, and
+        # children inherit that: give this process Ctrl-C's usual meaning whatever it inherited.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path[:0] = {[str(Path(__file__).parent), *sys.path]!r}
         from pathlib import Path
         from test_batch_robustness import FakeFactory, _key
