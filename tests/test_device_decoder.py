@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 from wsi_pipeline.inference.executor import _DeviceDecoder  # noqa: E402
 
 ENGINES = Path(__file__).resolve().parents[1] / "engines"
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def _raw_outputs(card, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

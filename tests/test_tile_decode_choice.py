@@ -69,3 +69,26 @@ def test_failing_on_damaged_tiles_keeps_decoding_on_the_cpu(tmp_path):
     with Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail", decode="gpu") as pipe:
         with pytest.raises(ConfigError, match="corrupt tiles"):
             pipe.run(path)
+
+
+def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatch):
+    """The fallback inside the GPU loader (run here on the CPU device): same pixels as the CPU reader."""
+    import torchvision.io
+
+    from wsi_pipeline.inference.gpu_decode import GpuTileDecoder
+    from wsi_pipeline.tiling.grid import read_tile
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("nvjpeg: unsupported stream")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", refuse)
+    with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
+        tiles = list(TileGrid(slide))
+        dec = GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg", threads=2)
+        try:
+            got = dec.decode(tiles).numpy()
+        finally:
+            dec.close()
+        assert dec.cpu_fallback_batches == 1
+        for t, img in zip(tiles, got, strict=True):
+            np.testing.assert_array_equal(img, read_tile(slide, t))

@@ -606,10 +606,6 @@ class _Stitcher:
                 self.blender.skip(t.row, t.col)
             self._next += 1
 
-    def add(self, tile: Tile, det: TileDetections) -> None:
-        """One tile's detections (tile pixels); tiles must come in grid order."""
-        self.add_batch([tile], [det])
-
     def add_batch(self, tiles: list[Tile], dets: list[TileDetections]) -> None:
         """A batch's detections (tile pixels), tiles in grid order: heatmaps per tile, boxes per grid row."""
         start = 0

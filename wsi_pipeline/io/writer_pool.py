@@ -66,41 +66,41 @@ class WriterPool:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def _executor(self) -> ProcessPoolExecutor | None:
+    def _executor(self) -> tuple[ProcessPoolExecutor | None, bool]:
+        """The pool (None: jobs run in the caller) and whether it was made just now."""
         if self.processes == 0 or multiprocessing.current_process().daemon:
-            return None
+            return None, False
         with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
-            return self._pool
+            if self._pool is not None:
+                return self._pool, False
+            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            return self._pool, True
 
     def start(self) -> None:
         """Start the processes now (each imports its modules: seconds), e.g. while a slide runs."""
-        pool = self._executor()
-        if pool is not None:
+        pool, created = self._executor()
+        if created:
             for _ in range(self.processes):
                 pool.submit(_ready)
 
     def submit(self, jobs: WriteJobs, name: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (a module-level function: it is pickled) for ``jobs``."""
-        pool = self._executor()
-        if pool is not None:
+        pool, _ = self._executor()
+        if pool is None:
+            fut: Future = Future()
             try:
-                jobs.add(name, pool.submit(fn, *args))
-                return
-            except BrokenProcessPool:  # a worker died earlier: start a fresh pool
-                with self._lock:
-                    self._pool = None
-                pool = self._executor()
-                if pool is not None:
-                    jobs.add(name, pool.submit(fn, *args))
-                    return
-        fut: Future = Future()
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            jobs.add(name, fut)
+            return
         try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:
-            fut.set_exception(exc)
-        jobs.add(name, fut)
+            jobs.add(name, pool.submit(fn, *args))
+        except BrokenProcessPool:  # a worker died in an earlier run: a fresh pool takes the job
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            jobs.add(name, self._executor()[0].submit(fn, *args))
 
     def close(self) -> None:
         with self._lock:

@@ -107,20 +107,14 @@ class StreamingMerger:
             bottom = np.full(n, -np.inf)
             np.maximum.at(bottom, comp, boxes[:, 3])
             final = bottom[comp] <= y_final
-            if self.method == "nms" and final.any():
-                # Greedy NMS decides each component from its own edges: the pairs found above
-                # decide the closed components directly, in processing order, as global_nms would.
-                keep_sorted = resolve_greedy(n, src, dst)
-                sel = order[keep_sorted & final[order]]
-                self._out.append((boxes[sel].astype(np.float32), scores[sel].astype(np.float32),
-                                  labels[sel].astype(np.int32)))
-                final_decided = True
-            else:
-                final_decided = False
+            # Greedy NMS decides each component from its own edges: the pairs found above decide the
+            # closed components directly, in processing order, as global_nms would.
+            kept = order[resolve_greedy(n, src, dst) & final[order]] if self.method == "nms" else None
         else:
-            final = np.ones(n, bool)
-            final_decided = False
-        if final.any() and not final_decided:
+            final, kept = np.ones(n, bool), None
+        if kept is not None:
+            self._keep(boxes[kept], scores[kept], labels[kept])
+        elif final.any():
             self._decide(boxes[final], scores[final], labels[final])
         rest = ~final
         self._boxes, self._scores, self._labels = ([boxes[rest]], [scores[rest]], [labels[rest]]) if rest.any() \
@@ -134,8 +128,11 @@ class StreamingMerger:
         else:
             b, s, lab = merge_boxes(boxes, scores, labels, self.iou_threshold, self.metric, self.method,
                                     self.class_agnostic)
+        self._keep(b, s, lab)
+
+    def _keep(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         # Decided boxes are the output: keep them compact.
-        self._out.append((b.astype(np.float32), s.astype(np.float32), lab.astype(np.int32)))
+        self._out.append((boxes.astype(np.float32), scores.astype(np.float32), labels.astype(np.int32)))
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decide what is left; (boxes M x 4 float32, scores M float32, labels M int64) of the slide."""
