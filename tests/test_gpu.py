@@ -25,10 +25,10 @@ from helpers import (  # noqa: E402
     smooth_image,
 )
 
-from wsi_pipeline.errors import BackendUnavailableError  # noqa: E402
+from wsi_pipeline.errors import BackendUnavailableError, InferenceError  # noqa: E402
 from wsi_pipeline.inference.backend import create_backend  # noqa: E402
 from wsi_pipeline.inference.decoders import decode  # noqa: E402
-from wsi_pipeline.inference.executor import BatchInferenceError, Executor  # noqa: E402
+from wsi_pipeline.inference.executor import Executor  # noqa: E402
 from wsi_pipeline.slide.image import ImageSlide  # noqa: E402
 from wsi_pipeline.tiling.grid import TileGrid  # noqa: E402
 from wsi_pipeline.tiling.loader import TileLoader  # noqa: E402
@@ -122,7 +122,7 @@ def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
     loader = TileLoader(slide, grid, batch_size=4, workers=2, auto_release=False, max_held=2)
     counting = CountingLoader(loader)
     ex = Executor(tb, streams=2)
-    with pytest.raises(BatchInferenceError, match=r"tiles \[\d+, \d+, \d+, \d+\].*out of memory"):
+    with pytest.raises(InferenceError, match=r"tiles \[\d+, \d+, \d+, \d+\].*out of memory"):
         for _ in ex.run(counting):
             pass
     assert not _executor_threads()
@@ -131,10 +131,10 @@ def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
 
 
 def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
-    from conftest import smooth_rgb, write_pyramid_tiff
+    from helpers import smooth_rgb, write_pyramid_tiff
 
-    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
     from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
 
     path = tmp_path / "s.tif"
     write_pyramid_tiff(str(path), smooth_rgb(1500, 2000, seed=4), levels=2)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.stitch import BlendGeometry, HeatmapBlender, tile_weights
 
 
@@ -106,7 +107,7 @@ def run_tiled(image, tile, overlap, stride, kind, geom=None, window_rows=2):
     h, w = image.shape
     step = tile - overlap
     if geom is None:
-        geom = BlendGeometry.from_slide(w, h, tile_size_px=tile, overlap_px=overlap, stride=stride)
+        geom = BlendGeometry.from_tiling(TilingGeometry(w, h, tile, overlap, heatmap_stride=stride))
     padded = np.zeros((geom.canvas_height * stride, geom.canvas_width * stride), dtype=image.dtype)
     padded[:h, :w] = image
     sink = Collect(2, geom.out_height, geom.out_width)

@@ -21,6 +21,7 @@ from ..errors import WSIPipelineError
 from ..io.detections import DETECTION_DTYPE, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
+from ..summary import load_summary
 
 RGB = tuple[int, int, int]
 
@@ -217,14 +218,7 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
     replaces the slide path the summary records (for a moved slide).
     """
     run_dir = _slide_folder(Path(run_dir))
-    summary_path = run_dir / "summary.json"
-    try:
-        with open(summary_path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except FileNotFoundError as exc:
-        raise WSIPipelineError(f"{summary_path}: no summary.json; is {run_dir} a finished run folder?") from exc
-    except (OSError, ValueError) as exc:
-        raise WSIPipelineError(f"{summary_path}: not readable JSON: {exc}") from exc
+    summary = load_summary(run_dir)
 
     card = _card_classes((summary.get("model") or {}).get("card"))
     names = list((summary.get("counts") or {}).keys())

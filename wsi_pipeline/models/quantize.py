@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelError
-from .card import ModelCard, file_sha256, load_card, write_card
-from .ort_backend import prepare_input
+from ..inference.card import ModelCard, file_sha256, load_card, write_card
+from ..inference.ort_backend import prepare_input
 
 PRECISIONS = ("fp16", "int8")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
