@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from wsi_pipeline import Pipeline  # noqa: E402
 from wsi_pipeline.slide import open_slide  # noqa: E402
-from wsi_pipeline.slide.synthetic import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
 from wsi_pipeline.tiling.grid import TileGrid, read_tile  # noqa: E402
 from wsi_pipeline.tiling.tissue import tissue_mask  # noqa: E402
 

@@ -300,7 +300,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     card = load_card(args.model) if args.model else demo_card(tmp)
     if args.profile_readers:
-        from wsi_pipeline.slide.synthetic import write_synthetic_slide
+        from wsi_pipeline.synthetic import write_synthetic_slide
 
         slide_path = args.slide or str(tmp / "synthetic.tif")
         if not args.slide:
@@ -359,7 +359,7 @@ def main() -> int:
     if args.slide or args.slide_px:
         slide_path = args.slide
         if slide_path is None:
-            from wsi_pipeline.slide.synthetic import write_synthetic_slide
+            from wsi_pipeline.synthetic import write_synthetic_slide
 
             slide_path = str(tmp / "synthetic.tif")
             t0 = time.perf_counter()

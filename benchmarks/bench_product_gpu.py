@@ -285,7 +285,7 @@ def main() -> int:
     save = _saver(args.json, res)
     slide_path = args.slide
     if slide_path is None:
-        from wsi_pipeline.slide.synthetic import write_synthetic_slide
+        from wsi_pipeline.synthetic import write_synthetic_slide
 
         slide_path = str(work / "s.tiff")
         t0 = time.perf_counter()

@@ -185,7 +185,7 @@ def test_tensorrt_backend_when_installed(tmp_path, card512, slide_and_grid, refe
 
 @pytest.fixture(scope="module")
 def pathology_slide(tmp_path_factory):
-    from wsi_pipeline.slide.synthetic import write_synthetic_slide
+    from wsi_pipeline.synthetic import write_synthetic_slide
 
     path = tmp_path_factory.mktemp("gpu_pipe") / "slide.tiff"
     write_synthetic_slide(path, 4096, 3072, seed=77, kind="pathology")
@@ -196,7 +196,7 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
     from wsi_pipeline import Pipeline
     from wsi_pipeline.io.detections import detection_boxes
     from wsi_pipeline.models.evaluate import detection_counts
-    from wsi_pipeline.slide.synthetic import load_truth
+    from wsi_pipeline.synthetic import load_truth
 
     with Pipeline.from_card(backend="ort") as cpu:
         ref = cpu.run(pathology_slide)

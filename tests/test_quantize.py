@@ -103,7 +103,7 @@ def test_committed_calibration_data_is_complete():
 
 def test_calibration_sample_takes_tissue_tiles_from_a_slide(tmp_path):
     from wsi_pipeline.models.calibration import sample_calibration_tiles
-    from wsi_pipeline.slide.synthetic import SyntheticScene, write_synthetic_slide
+    from wsi_pipeline.synthetic import SyntheticScene, write_synthetic_slide
 
     slide = tmp_path / "s.tiff"
     write_synthetic_slide(slide, 2048, 2048, 9700, kind="pathology")

@@ -220,7 +220,7 @@ def test_band_memory_does_not_grow_with_height():
 
     shapes_short, peak_short = run(4)
     shapes_tall, peak_tall = run(60)
-    assert shapes_short == shapes_tall == ((3, 60, 228), (60, 228))
+    assert shapes_short == shapes_tall == ((3, 120, 228), (120, 228))  # twice the 60-row band
     assert peak_tall < peak_short * 1.2 + 50_000
 
 

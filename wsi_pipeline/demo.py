@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .batch_folder import slide_dir
 from .cli import main as cli_main
-from .slide.synthetic import write_synthetic_slide
 from .summary import load_summary
+from .synthetic import write_synthetic_slide
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,9 @@ for columns. Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
 cover it, with ``w`` the tile's position weights (:mod:`.weights`); a tile
 the tissue mask skipped counts as p = 0 with its weights.
 
-Memory: only a band of tile rows is held, ``window_rows`` tile rows deep
-(accumulators C x band_height x canvas_width float32 plus a band_height x
-canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
+Memory: only a band of tile rows is held, ``window_rows`` tile rows deep, in
+buffers twice its height (accumulators C x 2 band_height x canvas_width
+float32 plus a 2 band_height x canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
 rows above ``(r + 1) * step_out`` are touched by no later tile: they are
 normalised, handed to the sink top to bottom, and the band moves down. Peak
 memory depends on the canvas width and the window, not on the slide height.
@@ -127,8 +127,12 @@ class HeatmapBlender:
         self.sink = sink
         self.window_rows = min(window_rows, g.n_rows)
         self.band_height = (self.window_rows - 1) * g.step_out + g.tile_size_out
-        self._num = np.zeros((channels, self.band_height, g.canvas_width), dtype=np.float32)
-        self._den = np.zeros((self.band_height, g.canvas_width), dtype=np.float32)
+        # The band slides down a buffer twice its height and is copied back to the top only when it
+        # reaches the bottom: one copy per band height of output, not one per tile row.
+        buf_rows = 2 * self.band_height
+        self._num = np.zeros((channels, buf_rows, g.canvas_width), dtype=np.float32)
+        self._den = np.zeros((buf_rows, g.canvas_width), dtype=np.float32)
+        self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
         self._first_open_row = 0  # lowest tile row with tiles still to come
         self._done = np.zeros((g.n_rows, g.n_cols), dtype=bool)
@@ -196,7 +200,7 @@ class HeatmapBlender:
             raise WSIPipelineError(msg)
         self._done[row, col] = True
         self._done_per_row[row] += 1
-        return row * g.step_out - self._band_y0, col * g.step_out
+        return row * g.step_out - self._band_y0 + self._off, col * g.step_out
 
     def _advance(self) -> None:
         g = self.geometry
@@ -210,12 +214,17 @@ class HeatmapBlender:
         k = final_y - self._band_y0
         self._emit(k)
         if r < g.n_rows:
-            # Move the band down by k rows.
-            self._num[:, : self.band_height - k] = self._num[:, k:]
-            self._num[:, self.band_height - k :] = 0.0
-            self._den[: self.band_height - k] = self._den[k:]
-            self._den[self.band_height - k :] = 0.0
+            # Move the band down by k rows: the rows below it in the buffer are still zero.
+            self._off += k
             self._band_y0 = final_y
+            off, end = self._off, self._den.shape[0]
+            if off + self.band_height > end:  # past the buffer's end: back to its top
+                n = end - off  # the band's rows that exist; the rest are zero
+                self._num[:, :n] = self._num[:, off:]
+                self._num[:, n:] = 0.0
+                self._den[:n] = self._den[off:]
+                self._den[n:] = 0.0
+                self._off = 0
 
     def _emit(self, k: int) -> None:
         g = self.geometry
@@ -224,9 +233,10 @@ class HeatmapBlender:
         if y1 <= y0:
             return
         h = y1 - y0
-        num = self._num[:, :h, : g.out_width]
-        den = self._den[:h, : g.out_width]
-        rows = np.zeros_like(num)
-        np.divide(num, den[None], out=rows, where=den[None] > 0)
+        off = self._off
+        num = self._num[:, off : off + h, : g.out_width]
+        den = self._den[off : off + h, : g.out_width]
+        # Every finished canvas pixel lies under some tile, and every tile adds weights > 0.
+        rows = np.divide(num, den[None])
         self.sink(y0, rows)
         self._emitted = y1
