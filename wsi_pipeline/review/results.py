@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import WSIPipelineError
+from ..inference.card import read_card_json
 from ..io.detections import DETECTION_DTYPE, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
@@ -35,11 +36,10 @@ def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | No
     if not card_path or not os.path.isfile(card_path):
         return None
     try:
-        with open(card_path, encoding="utf-8") as f:
-            card = json.load(f)
+        card = read_card_json(Path(card_path))  # the document only: the model file may be gone since
         names = [c["name"] for c in card["classes"]]
         colors = [parse_color(c.get("color", PALETTE[i % len(PALETTE)])) for i, c in enumerate(card["classes"])]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (WSIPipelineError, ValueError, KeyError, TypeError, AttributeError):
         return None
     stride = (card.get("heatmap") or {}).get("stride")
     return names, colors, int(stride) if stride else None
