@@ -162,7 +162,9 @@ def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard
         from .backend import create_backend
         from .decoders import decode
 
-        backend = create_backend(card, "ort")
+        # A torch.export program runs with torch only: on the CPU here, like ORT for an ONNX model.
+        backend = create_backend(card, "ort") if card.format == "onnx" else \
+            create_backend(card, "torch", device="cpu", precision="fp32")
         try:
             h, w = card.input.size_hw
             decode(backend.infer(np.zeros((1, h, w, 3), np.uint8)), card)
