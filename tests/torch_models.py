@@ -190,9 +190,9 @@ def card_for(net: nn.Module, model_path: Path, score_threshold: float) -> ModelC
     if isinstance(net, TinyDetector):
         k = net.top_k
         inp = InputSpec("image", (TILE, TILE), "NHWC", "uint8", "RGB", MEAN, STD, True)
-        outputs = (OutputSpec("boxes", ("batch", k, 4)), OutputSpec("scores", ("batch", k)),
-                   OutputSpec("labels", ("batch", k), "int32"),
-                   OutputSpec("heatmap", ("batch", 2, TILE // 8, TILE // 8)))
+        # Another order than the program's dict: its outputs map by name, not position.
+        outputs = (OutputSpec("heatmap", ("batch", 2, TILE // 8, TILE // 8)), OutputSpec("scores", ("batch", k)),
+                   OutputSpec("labels", ("batch", k), "int32"), OutputSpec("boxes", ("batch", k, 4)))
         decoder = DecoderSpec("centernet", {"score_threshold": score_threshold})
         heatmap = HeatmapSpec("heatmap", 8, ("tissue", "tumour"), "none")
     else:
@@ -206,23 +206,29 @@ def card_for(net: nn.Module, model_path: Path, score_threshold: float) -> ModelC
         name=model_path.stem, version="0", model_path=model_path, sha256=file_sha256(model_path), input=inp,
         outputs=outputs, decoder=decoder, classes=(ClassSpec("a", "#ff0000"), ClassSpec("b", "#00ff00")),
         mpp=None, heatmap=heatmap, precision="fp32", format=format_for(model_path))
-    return load_card(write_card(card, model_path.with_name(model_path.stem + ".card.json")))
+    # NAME.onnx.card.json and NAME.pt2.card.json: the default NAME.card.json would be the same file for both.
+    return load_card(write_card(card, model_path.with_name(model_path.name + ".card.json")))
 
 
 def export_both(net: nn.Module, out_dir: Path, name: str, probe: np.ndarray) -> tuple[ModelCard, ModelCard]:
     """``(onnx card, pt2 card)`` of ``net`` under ``out_dir``.
 
     The score threshold is set from ONNX Runtime's scores on ``probe`` tiles:
-    in the widest gap between candidates' scores in the middle half of them,
-    so that results do not hinge on how the untrained model's output happens
-    to be distributed, nor on a candidate sitting at the threshold.
+    in the widest gap between candidates' scores in the middle half of them
+    (for the detector: of those above any tile's top-k median, so that the
+    top-k cut never lies near it), so that results do not hinge on how the
+    untrained model's output happens to be distributed, nor on a candidate
+    sitting at the threshold.
     """
     from wsi_pipeline.inference.backend import create_backend
 
     onnx_card = card_for(net, export_onnx(net, out_dir / f"{name}.onnx"), 0.5)
     raw = create_backend(onnx_card, "ort").infer(probe)
-    scores = raw["scores"] if isinstance(net, TinyDetector) else raw["head"][:, 4:].max(axis=1)
-    flat = np.sort(scores.reshape(-1))
+    if isinstance(net, TinyDetector):
+        scores = raw["scores"]  # [N, K], sorted: at most half of any tile's top-k may pass
+        flat = np.sort(scores[scores > scores[:, net.top_k // 2].max()])
+    else:
+        flat = np.sort(raw["head"][:, 4:].max(axis=1).reshape(-1))
     # The middle of the widest gap between neighbouring scores in the middle half.
     lo, hi = len(flat) // 4, 3 * len(flat) // 4
     i = lo + int(np.argmax(np.diff(flat[lo:hi + 1])))

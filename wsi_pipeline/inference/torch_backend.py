@@ -552,6 +552,24 @@ def _meta_signature(node: Any) -> tuple[str, tuple[Any, ...]]:
             tuple(d if isinstance(d, int) else None for d in val.shape))
 
 
+def _training_nodes(program: Any) -> list[str]:
+    """Nodes of an exported program that run in training mode (batch norm on batch statistics, dropout)."""
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if "batch_norm" in target:
+            flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        elif target.startswith("aten.dropout") or target.startswith("aten.feature_dropout"):
+            flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        else:
+            continue
+        if flag is True:
+            found.append(node.name)
+    return found
+
+
 class ExportedModule(torch.nn.Module):
     """A ``torch.export`` program (``.pt2``) as a module giving the card's outputs in card order.
 
@@ -583,10 +601,11 @@ class ExportedModule(torch.nn.Module):
         if len(sig.user_inputs) != 1:
             raise ModelError(f"{path}: expected a program of one input (the tile batch), found "
                              f"{len(sig.user_inputs)}: {list(sig.user_inputs)}")
-        if sig.buffers_to_mutate:
-            raise ModelError(f"{path}: the program updates its buffers {sorted(sig.buffers_to_mutate.values())} "
-                             "when run (exported in training mode? BatchNorm statistics); expected a program "
-                             "exported after model.eval()")
+        training = sorted(sig.buffers_to_mutate.values()) + _training_nodes(program)
+        if training:
+            raise ModelError(f"{path}: the program runs in training mode ({', '.join(training)}: batch "
+                             "statistics, dropout or buffer updates); expected a program exported after "
+                             "model.eval()")
         in_dtype, in_shape = _meta_signature(nodes.get(sig.user_inputs[0]))
         if in_shape and in_shape[0] is not None:
             raise ModelError(f"{path}: the input's batch axis is fixed at {in_shape[0]}; expected a dynamic "
