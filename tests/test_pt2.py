@@ -262,3 +262,12 @@ def test_a_card_with_other_outputs_than_the_detector_is_refused(models, tmp_path
     card = dataclasses.replace(pt2_card, outputs=outputs)
     with pytest.raises(ModelError, match=r"output 'labels' dtype: expected int64, found int32"):
         create_backend(card, "torch", device="cpu", precision="fp32")
+
+
+def test_card_check_runs_a_pt2_on_the_cpu_and_card_init_names_the_way(models):
+    from wsi_pipeline.inference.card_init import check_card, draft_card
+
+    _, pt2_card, _ = models["detector"]
+    assert check_card(pt2_card.card_path).format == "torch_export"  # one blank tile through the program
+    with pytest.raises(ModelError, match="card init reads ONNX graphs only"):
+        draft_card(pt2_card.model_path)

@@ -35,6 +35,7 @@ from .card import (
     ModelCard,
     card_path_for,
     file_sha256,
+    format_for,
     load_card,
     ort_session,
     ort_signature,
@@ -60,6 +61,10 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
                name: str | None = None) -> dict[str, Any]:
     """The JSON document of a first card for ``model_path`` (see the module docstring)."""
     model = Path(model_path)
+    if format_for(model) != "onnx":
+        raise ModelError(f"{model}: expected an ONNX model, found a torch.export program; card init reads "
+                         "ONNX graphs only: write a .pt2's card by hand (docs/model_card.md, format "
+                         "torch_export) and check it with card check")
     if not model.is_file():
         raise ModelError(f"{model}: ONNX model not found")
     card_file = Path(card_path) if card_path is not None else card_path_for(model)
