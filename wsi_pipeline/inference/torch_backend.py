@@ -581,9 +581,11 @@ class ExportedModule(torch.nn.Module):
     i-th element is the card's i-th output); a single tensor is the card's
     only output. The program must take the batch axis as dynamic
     (``dynamic_shapes``), and is checked against the card's input and output
-    dtypes and fixed dims when loaded. On CUDA the program is moved with
-    ``torch.export.passes.move_to_device_pass``, so tensors the graph makes
-    itself (``arange``, ``zeros``) are made on the device too.
+    dtypes and fixed dims when loaded. The program is moved to the device
+    with ``torch.export.passes.move_to_device_pass``, so tensors the graph
+    makes itself (``arange``, ``zeros``) are made there too; its dtype
+    assertions (``_assert_tensor_metadata``, which autocast's half-precision
+    tensors would fail) are taken out.
 
     ``torch.export.load`` reads the program's graph and weights; like any
     model file, a ``.pt2`` should come from a trusted source.
@@ -637,11 +639,19 @@ class ExportedModule(torch.nn.Module):
         outputs = {name: _meta_signature(nodes.get(node_name))
                    for name, node_name in zip(leaf_names, sig.user_outputs, strict=True)}
         check_signature_matches_card(card, {card.input.name: (in_dtype, in_shape)}, outputs)
-        if device.type != "cpu":
-            from torch.export.passes import move_to_device_pass
+        from torch.export.passes import move_to_device_pass
 
-            program = move_to_device_pass(program, device)
-        self.program = program.module()
+        module = move_to_device_pass(program, device).module()
+        # The graph asserts that tensors keep the dtypes they had when exported (before each
+        # ``.to(dtype)``); under autocast they are half precision, which is what autocast means.
+        # The input's dtype and shape were checked against the card above.
+        asserts = [n for n in module.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in asserts:
+            module.graph.erase_node(node)
+        if asserts:
+            module.recompile()
+        self.program = module
         self.output_names = names
 
     def train(self, mode: bool = True) -> ExportedModule:
