@@ -10,10 +10,13 @@ SHA-256 the card pins), not from a separate checkpoint: :class:`OnnxModule`
 turns the graph's initializers into tensors and runs its nodes with torch
 ops, so the torch path computes exactly the function ONNX Runtime and
 TensorRT compute. It is hand-written rather than taken from onnx2torch
-because it must work offline, keep shape arithmetic on the host (so the
-forward pass can be captured in a CUDA graph) and needs only the ops our
-detectors export (see ``OnnxModule.SUPPORTED_OPS``); an unsupported op is
-refused when the model is loaded, naming the op.
+because it must work offline and keep shape arithmetic on the host (so the
+forward pass can be captured in a CUDA graph); it covers the ops detectors
+and UNets commonly export (``OnnxModule.SUPPORTED_OPS``: convolutions and
+transposed ones, pooling, batch and layer norm, MatMul/Gemm, Pad, Split,
+Resize, indexing and element-wise ops). An unsupported op is refused when
+the model is loaded, naming the ops and the ways out (``--backend ort``, or
+the model as a ``.pt2``).
 
 On CUDA, :meth:`TorchBackend.create_runner` gives each executor stream its
 own :class:`TorchRunner`: a device input buffer, and one captured CUDA graph
@@ -611,7 +614,7 @@ class ExportedModule(torch.nn.Module):
         in_dtype, in_shape = _meta_signature(nodes.get(sig.user_inputs[0]))
         if in_shape and in_shape[0] is not None:
             raise ModelError(f"{path}: the input's batch axis is fixed at {in_shape[0]}; expected a dynamic "
-                             "one: export with dynamic_shapes={'x': {0: torch.export.Dim('batch', min=1)}}")
+                             "one: export with dynamic_shapes=({0: torch.export.Dim('batch', min=1)},)")
         names = [o.name for o in card.outputs]
         spec = program.call_spec.out_spec
         flat = spec.num_children == spec.num_leaves  # no nesting
