@@ -116,7 +116,7 @@ def _as_tile_detections(result) -> TileDetections:
                           np.asarray(result.heatmap, np.float32))
 
 
-@pytest.mark.parametrize("target", [TARGETS[0], TARGETS[2]], indirect=True)
+@pytest.mark.parametrize("target", [TARGETS[0], TARGETS[3]], indirect=True)  # auto: fp32 on the CPU, fp16 on CUDA
 def test_pipeline_on_pt2_equals_onnx_on_ort(models, tmp_path, target):
     device, precision = target
     onnx_card, pt2_card, _ = models["detector"]
@@ -127,12 +127,11 @@ def test_pipeline_on_pt2_equals_onnx_on_ort(models, tmp_path, target):
         want = p.run(slide)
     with Pipeline.from_card(pt2_card.card_path, backend="auto", **settings) as p:
         assert p.backend_name == "torch" and p.executor.is_cuda == (device == "cuda")
+        assert p.executor.backend.precision == precision
         got = p.run(slide)
     assert got.summary["backend"] == "torch"
     assert len(want.detections) > 0
-    # On CUDA auto runs fp16 autocast, the torch backend's default.
-    _check([_as_tile_detections(got)], [_as_tile_detections(want)], pt2_card,
-           "fp32" if device == "cpu" else "fp16")
+    _check([_as_tile_detections(got)], [_as_tile_detections(want)], pt2_card, precision)
 
 
 # -- what the card says and who refuses a .pt2 ---------------------------------------------------
