@@ -41,7 +41,7 @@ from wsi_pipeline.inference.card import (  # noqa: E402
 )
 from wsi_pipeline.inference.decoders import TileDetections, decode  # noqa: E402
 from wsi_pipeline.inference.executor import Executor  # noqa: E402
-from wsi_pipeline.slide.synthetic_writer import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
 
 _GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 # (device, precision): the CPU in fp32 and in bf16 autocast (the CPU's stand-in for CUDA's fp16);
@@ -167,7 +167,7 @@ def test_pt2_card_format_sha256_and_round_trip(models, tmp_path):
 
 def test_onnx_only_backends_refuse_a_pt2_naming_the_torch_backend(models, tmp_path):
     from wsi_pipeline.inference.engine_build import build_engine
-    from wsi_pipeline.inference.quantize import make_variant
+    from wsi_pipeline.models.quantize import make_variant
 
     _, pt2_card, _ = models["detector"]
     for backend in ("ort", "tensorrt"):
