@@ -2,9 +2,10 @@
 
 :func:`~.backend.resolve_backend` says what ``auto`` means on this machine
 and for the card's model format (a ``.pt2`` runs with torch, on the GPU
-where there is one, else on the CPU); :func:`make_executor` builds the executor, falling back to the next backend
-where one cannot start; :func:`default_batch_size` sizes batches from free
-device memory.
+where there is one, else on the CPU); :func:`make_executor` builds the
+executor, falling back to the next backend where one cannot start (ONNX
+models only); :func:`default_batch_size` sizes batches from free device
+memory.
 """
 
 from __future__ import annotations
