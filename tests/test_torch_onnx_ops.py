@@ -103,6 +103,9 @@ CASES = {
                             {"epsilon": 1e-5}),
     "layernorm_axis1_no_bias": ("LayerNormalization", _f(2, 3, 4, 4), {"scale": _f(3, 4, 4)}, 17, 1,
                                 {"axis": 1}),
+    "softmax_axis1_opset11": ("Softmax", _f(2, 3, 4, 5), {}, 11, 1, {"axis": 1}),  # over C*H*W, flattened
+    "softmax_default_axis_opset11": ("Softmax", _f(2, 3, 4), {}, 11, 1, {}),
+    "softmax_axis1_opset13": ("Softmax", _f(2, 3, 4, 5), {}, 13, 1, {"axis": 1}),  # over C alone
     "mod_integer": ("Mod", _i64(-7, -3, 0, 4, 9).reshape(1, 5), {"b": _i64(3, -4, 5, 3, -2).reshape(1, 5)}, 17,
                     1, {}),
     "mod_fmod": ("Mod", _f(2, 4) * 5, {"b": np.full((2, 4), 1.5, np.float32)}, 17, 1, {"fmod": 1}),

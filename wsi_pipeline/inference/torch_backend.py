@@ -261,6 +261,12 @@ def _op_softmax(node, x):
     return torch.softmax(x, dim=_attr(node, "axis", -1))
 
 
+def _op_softmax_before_13(node, x):
+    """Softmax of opsets 1-12: over all axes from ``axis`` (default 1) on, as one flattened axis."""
+    axis = _attr(node, "axis", 1) % max(x.dim(), 1)
+    return torch.softmax(x.reshape(*x.shape[:axis], -1), dim=-1).reshape(x.shape)
+
+
 def _op_cast(node, x):
     return x.to(_ONNX_DTYPES[_attr(node, "to")])
 
@@ -460,6 +466,9 @@ class OnnxModule(torch.nn.Module):
         except Exception as exc:  # onnx raises DecodeError and others
             raise ModelError(f"{model_path}: cannot be read as ONNX: {exc}") from exc
         graph = model.graph
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        # Ops whose meaning changed with the opset: the version this graph was written for.
+        self._ops = {**_OPS, "Softmax": _op_softmax if opset >= 13 else _op_softmax_before_13}
         unsupported = sorted({n.op_type for n in graph.node if n.op_type not in self.SUPPORTED_OPS
                               or n.domain not in ("", "ai.onnx")})
         if unsupported:
@@ -487,7 +496,7 @@ class OnnxModule(torch.nn.Module):
             ins = [i for i in node.input]
             if all(not i or i in consts for i in ins):
                 # Constant folding on the host.
-                outs = _OPS[node.op_type](node, *[consts[i] if i else None for i in ins])
+                outs = self._ops[node.op_type](node, *[consts[i] if i else None for i in ins])
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 for name, value in zip(node.output, outs, strict=False):
                     consts[name] = value
@@ -532,7 +541,7 @@ class OnnxModule(torch.nn.Module):
                     args.append(host[name])
             while args and args[-1] is None:
                 args.pop()
-            outs = _OPS[node.op_type](node, *args)
+            outs = self._ops[node.op_type](node, *args)
             if isinstance(outs, tuple):
                 for name, value in zip(node.output, outs, strict=False):
                     if name:
