@@ -95,7 +95,7 @@ class Pipeline:
         self._check_card_config()
         requested = backend if backend != "auto" else config.backend
         self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
-        self.batch_size = config.batch_size or min(default_batch_size(self.card, self.backend_name),
+        self.batch_size = config.batch_size or min(default_batch_size(self.card, self.executor.is_cuda),
                                                    self.executor.max_batch)
         self.reader_workers = config.workers or default_reader_workers(os.cpu_count() or 2)
         self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
@@ -145,8 +145,7 @@ class Pipeline:
         timer = StageTimer()
         t_start = time.perf_counter()
         owns = not isinstance(source, Slide)
-        gpu = self.backend_name in ("torch", "tensorrt")
-        if gpu:
+        if self.executor.is_cuda:
             import torch
 
             torch.cuda.reset_peak_memory_stats()

@@ -1,9 +1,11 @@
 """How a card runs here: which backend (``auto`` falls back down :data:`AUTO_ORDER`), tiles per batch.
 
-:func:`~.backend.resolve_backend` says what ``auto`` means on this machine;
-:func:`make_executor` builds the executor, falling back to the next backend
-where one cannot start; :func:`default_batch_size` sizes batches from free
-device memory.
+:func:`~.backend.resolve_backend` says what ``auto`` means on this machine
+and for the card's model format (a ``.pt2`` runs with torch, on the GPU
+where there is one, else on the CPU); :func:`make_executor` builds the
+executor, falling back to the next backend where one cannot start (ONNX
+models only); :func:`default_batch_size` sizes batches from free device
+memory.
 """
 
 from __future__ import annotations
@@ -28,13 +30,13 @@ MAX_GPU_BATCH = 64
 # memory is budgeted with it, so an underestimate still fits.
 GPU_BYTES_PER_TILE_PIXEL = 96
 
-def default_batch_size(card: ModelCard, backend: str) -> int:
+def default_batch_size(card: ModelCard, on_cuda: bool) -> int:
     """Tiles per batch: from free device memory on CUDA (at most 64), 8 on the CPU.
 
     On CUDA a quarter of the free memory is budgeted for the tiles in flight
     of one stream, at :data:`GPU_BYTES_PER_TILE_PIXEL` per tile pixel.
     """
-    if backend not in ("torch", "tensorrt"):
+    if not on_cuda:
         return CPU_BATCH_SIZE
     import torch
 
@@ -59,13 +61,20 @@ def make_executor(card: ModelCard, requested: str = "auto", streams: int | None 
 
     ``batch_size`` caps a GPU backend's batch (None: its default).
     """
-    name = resolve_backend(requested)
-    candidates = AUTO_ORDER[AUTO_ORDER.index(name):] if requested == "auto" else (name,)
+    name = resolve_backend(requested, card)
+    # auto falls back only for ONNX models: a .pt2 runs with torch alone.
+    candidates = AUTO_ORDER[AUTO_ORDER.index(name):] if requested == "auto" and card.format == "onnx" \
+        else (name,)
     last: Exception | None = None
     for cand in candidates:
         opts: dict[str, Any] = {}
         if cand in ("torch", "tensorrt") and batch_size:
             opts["max_batch"] = max(batch_size, 1)
+        if cand == "torch" and card.format == "torch_export":
+            import torch
+
+            if not torch.cuda.is_available():  # only torch runs a .pt2: on the CPU where no GPU is
+                opts.update(device="cpu", precision="fp32")
         try:
             return Executor.from_card(card, cand, streams=streams, **opts), cand
         except BackendUnavailableError as exc:
