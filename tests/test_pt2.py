@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnx")
 
-import torch_models as tm  # noqa: E402
+import helpers.torch_models as tm  # noqa: E402
 from helpers import assert_same_detections, smooth_image, write_pyramid_tiff  # noqa: E402
 from torch import nn  # noqa: E402
 
