@@ -27,7 +27,7 @@ from helpers import assert_same_detections, smooth_image, write_pyramid_tiff  # 
 from torch import nn  # noqa: E402
 
 from wsi_pipeline import Pipeline  # noqa: E402
-from wsi_pipeline.errors import ConfigError, ModelError  # noqa: E402
+from wsi_pipeline.errors import ModelError  # noqa: E402
 from wsi_pipeline.inference.backend import create_backend, resolve_backend  # noqa: E402
 from wsi_pipeline.inference.card import (  # noqa: E402
     ClassSpec,
@@ -147,7 +147,7 @@ def test_pt2_card_format_sha256_and_round_trip(models, tmp_path):
     copy = tmp_path / "copy.pt2"
     copy.write_bytes(pt2_card.model_path.read_bytes())
     (tmp_path / "copy.card.json").write_text(json.dumps({**doc, "model_file": "copy.pt2", "format": "onnx"}))
-    with pytest.raises(ConfigError, match=r"field 'format': expected 'torch_export'"):
+    with pytest.raises(ModelError, match=r"field 'format': expected 'torch_export'"):
         load_card(tmp_path / "copy.card.json")
     (tmp_path / "copy.card.json").write_text(json.dumps({**doc, "model_file": "copy.pt2"}))
     assert load_card(tmp_path / "copy.card.json").format == "torch_export"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MAX_TILE
-from ..errors import ConfigError, ModelError
+from ..errors import ModelError
 
 CARD_SUFFIX = ".card.json"
 SCHEMA_VERSION = 1
@@ -229,8 +229,8 @@ class _Reader:
     def __init__(self, path: Path):
         self.path = path
 
-    def fail(self, where: str, expected: str, found: Any) -> ConfigError:
-        return ConfigError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
+    def fail(self, where: str, expected: str, found: Any) -> ModelError:
+        return ModelError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
 
     def get(self, obj: Mapping[str, Any], key: str, where: str, kinds: type | tuple[type, ...],
             expected: str, default: Any = ..., optional: bool = False) -> Any:
@@ -238,7 +238,7 @@ class _Reader:
         if key not in obj or (optional and obj[key] is None):
             if default is not ...:
                 return default
-            raise ConfigError(f"{self.path}: missing field {full!r} ({expected})")
+            raise ModelError(f"{self.path}: missing field {full!r} ({expected})")
         value = obj[key]
         # bool is an int in Python; never accept it where a number is meant.
         if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
@@ -402,26 +402,26 @@ def _no_constant(name: str) -> Any:
 
 
 def read_card_json(path: Path) -> Any:
-    """The card's JSON document; ConfigError for a file that is not a small UTF-8 JSON text of plain numbers."""
+    """The card's JSON document; ModelError for a file that is not a small UTF-8 JSON text of plain numbers."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CARD_BYTES + 1)
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
     if len(raw) > MAX_CARD_BYTES:
-        raise ConfigError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
+        raise ModelError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
                           "found a larger file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
+        raise ModelError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
                           f"0x{raw[exc.start]:02x} at offset {exc.start}") from None
     try:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON: nested too deeply") from None
+        raise ModelError(f"{path}: not valid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers of thousands of digits
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        raise ModelError(f"{path}: not valid JSON: {exc}") from None
 
 
 def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
@@ -435,7 +435,7 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
     the card (read with ``onnx``, or ``onnxruntime`` without it), and a
     ``.pt2`` must be a ``torch.export`` archive (its signature is checked
     when the torch backend loads it: reading it needs torch).
-    Raises ConfigError for a malformed card, ModelError for a missing or
+    Raises ModelError for a malformed card and for a missing or
     mismatching model file.
     """
     p = Path(path)

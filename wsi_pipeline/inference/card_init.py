@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ModelError, UsageError
+from ..errors import ModelError, UsageError
 from .card import (
     DECODER_TYPES,
     INPUT_DTYPES,
@@ -151,17 +151,17 @@ def todo_fields(doc: Any, where: str = "") -> list[str]:
 
 def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard:
     """Validate a card: no :data:`TODO` left, :func:`~.card.load_card`'s checks, and (``run``) one blank
-    tile through ONNX Runtime and the decoder. Raises ConfigError or ModelError naming the card."""
+    tile through ONNX Runtime and the decoder. Raises ModelError or ModelError naming the card."""
     path = Path(card_path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the card: {exc}") from exc
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        raise ModelError(f"{path}: not valid JSON: {exc}") from exc
     todo = todo_fields(doc)
     if todo:
-        raise ConfigError(f"{path}: fields still to fill in: {', '.join(todo)}")
+        raise ModelError(f"{path}: fields still to fill in: {', '.join(todo)}")
     card = load_card(path)
     if run:
         from .backend import create_backend
