@@ -149,3 +149,21 @@ def test_training_mode_batchnorm_is_refused(tmp_path):
     path = _graph(tmp_path, "BatchNormalization", _f(2, 3, 4, 4), inits, 15, 1, training_mode=1)
     with pytest.raises(ModelError, match="training mode"):
         OnnxModule(path)(torch.from_numpy(_f(2, 3, 4, 4)))
+
+
+def test_host_values_recorded_before_a_capture_are_reused_in_it():
+    """A CUDA graph capture cannot copy pageable host memory: the warm-up pass records the device
+    copies of host values (shape arithmetic) and the capture reuses them, in order."""
+    from wsi_pipeline.inference.torch_backend import _host_to_device, _HostCopies
+
+    meta = torch.device("meta")  # a device on every machine; the bookkeeping is the same
+    with _HostCopies("record", []) as copies:
+        first = _host_to_device(torch.arange(4.0), meta)
+        second = _host_to_device(torch.ones(2, 3), meta)
+    assert [c[1] for c in copies] == [first, second]
+    with _HostCopies("replay", copies):
+        assert _host_to_device(torch.arange(4.0), meta) is first
+        assert _host_to_device(torch.ones(2, 3), meta) is second
+    with _HostCopies("replay", copies), pytest.raises(ModelError, match="CUDA graph"):
+        _host_to_device(torch.arange(5.0), meta)  # not what the warm-up pass saw
+    assert _host_to_device(torch.arange(3.0), meta).device == meta  # outside a capture: a plain copy

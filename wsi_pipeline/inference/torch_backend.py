@@ -63,14 +63,58 @@ def _ints(t: torch.Tensor) -> list[int]:
     return [int(v) for v in t.reshape(-1).tolist()]
 
 
+# Host values a forward pass moves to the device (shape arithmetic: Range, Shape ... feeding
+# device ops). A CUDA graph capture cannot copy from pageable host memory, so the warm-up pass
+# before a capture records the device copies in order and the capture reuses them: the values
+# depend only on the batch shape, which is fixed per captured graph.
+_host_copies = threading.local()
+
+
+def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    state = getattr(_host_copies, "state", None)
+    if state is None:
+        return t.to(device)
+    mode, copies = state
+    if mode == "record":
+        copies.append((t.clone(), d := t.to(device)))
+        return d
+    i = _host_copies.index
+    _host_copies.index += 1
+    if i >= len(copies) or copies[i][0].shape != t.shape or not torch.equal(copies[i][0], t):
+        raise ModelError("a host value of the model's graph differs between two passes of one batch size; "
+                         "it cannot run in a CUDA graph (cuda_graphs=False runs it)")
+    return copies[i][1]
+
+
+class _HostCopies:
+    """Context: ``record`` the host-to-device copies of a pass, or ``replay`` them in order."""
+
+    def __init__(self, mode: str, copies: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.mode, self.copies = mode, copies
+
+    def __enter__(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        _host_copies.state, _host_copies.index = (self.mode, self.copies), 0
+        return self.copies
+
+    def __exit__(self, *exc: Any) -> None:
+        _host_copies.state = None
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (host values through :func:`_host_to_device`)."""
+    if t.device == device:
+        return t
+    return _host_to_device(t, device) if t.device.type == "cpu" else t.to(device)
+
+
 def _to_device_of(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bring a host operand to the other's device (0-dim host scalars torch mixes by itself)."""
     if a.device == b.device:
         return a, b
     if a.device.type == "cpu" and a.dim() > 0:
-        return a.to(b.device), b
+        return _host_to_device(a, b.device), b
     if b.device.type == "cpu" and b.dim() > 0:
-        return a, b.to(a.device)
+        return a, _host_to_device(b, a.device)
     return a, b
 
 
@@ -212,7 +256,7 @@ def _op_gather(node, x, idx):
         i = int(idx) if idx.device.type == "cpu" else idx
         if isinstance(i, int):
             return x.select(axis, i % x.shape[axis])
-    idx = idx.to(x.device)
+    idx = _on_device(idx, x.device)
     idx = torch.where(idx < 0, idx + x.shape[axis], idx)
     out = torch.index_select(x, axis, idx.reshape(-1))
     return out.reshape(list(x.shape[:axis]) + list(idx.shape) + list(x.shape[axis + 1:]))
@@ -220,7 +264,7 @@ def _op_gather(node, x, idx):
 
 def _op_gather_elements(node, x, idx):
     axis = _attr(node, "axis", 0) % x.dim()
-    idx = idx.to(x.device).long()
+    idx = _on_device(idx, x.device).long()
     return torch.gather(x, axis, torch.where(idx < 0, idx + x.shape[axis], idx))
 
 
@@ -320,7 +364,7 @@ def _op_batch_norm(node, x, scale, bias, mean, var):
         raise ModelError(f"node {node.name!r}: BatchNormalization in training mode is not supported "
                          "(export the model in eval mode)")
     x, scale = _to_device_of(x, scale)
-    bias, mean, var = (t.to(x.device) for t in (bias, mean, var))
+    bias, mean, var = (_on_device(t, x.device) for t in (bias, mean, var))
     return F.batch_norm(x, mean, var, scale, bias, False, 0.0, _attr(node, "epsilon", 1e-5))
 
 
@@ -691,19 +735,21 @@ class TorchRunner:
         self.max_batch = backend.max_batch
         h, w = backend.card.input.size_hw
         self.input = torch.zeros((self.max_batch, h, w, 3), dtype=torch.uint8, device=backend.device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], list]] = {}
         self._pool = None
         self._capture_lock = backend._capture_lock
 
     def _bucket(self, n: int) -> int:
         return min(self.max_batch, 1 << max(0, (n - 1).bit_length()))
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]:
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], list]:
+        """The graph of a batch of ``b``, its output tensors, and the device copies of host values it reads."""
         x = self.input[:b]
         self.stream.wait_stream(torch.cuda.current_stream(self.backend.device))
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm-up: cuDNN algorithm choice and lazy init stay out of the graph
-                self.backend._forward(x)
+                with _HostCopies("record", []) as copies:
+                    self.backend._forward(x)
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
@@ -711,10 +757,10 @@ class TorchRunner:
         # Serialised: captures of different streams must not interleave.
         with self._capture_lock:
             with torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
-                                  capture_error_mode="thread_local"):
+                                  capture_error_mode="thread_local"), _HostCopies("replay", copies):
                 outs = self.backend._forward(x)
         self.stream.synchronize()
-        return graph, outs
+        return graph, outs, copies
 
     def prepare(self) -> None:
         """Capture the graph for ``max_batch`` now (the executor calls this before starting)."""
@@ -733,7 +779,7 @@ class TorchRunner:
             self.stream.wait_stream(cur)
             entry = self._graphs[b] = self._capture(b)
             cur.wait_stream(self.stream)
-        graph, outs = entry
+        graph, outs, _ = entry
         graph.replay()
         return {k: v[:n] for k, v in outs.items()}
 
