@@ -49,16 +49,9 @@ from .inference.executor import Executor
 from .inference.service import TileService
 from .inference.shipped import shipped_card
 from .io.atomic import write_json
-from .io.detections import (
-    DETECTION_DTYPE,
-    detection_boxes,
-    make_detections,
-    parse_color,
-    write_csv,
-    write_geojson,
-)
+from .io.detections import DETECTION_DTYPE, detection_boxes, make_detections, parse_color
+from .io.formats import DEFAULT_FORMATS, DETECTIONS, OVERLAY, chosen, detection_notes, output_files
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
-from .io.overlay import write_overlay
 from .io.writer_pool import DEFAULT_PROCESSES as DEFAULT_WRITER_PROCESSES
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide, as_slide
@@ -90,7 +83,8 @@ GPU_BYTES_PER_TILE_PIXEL = 96
 # neighbouring patches share are decoded once per loader batch, so larger is cheaper.
 GPU_DECODE_BATCHES = 4
 
-OUTPUT_FILES = ("detections.geojson", "detections.csv", "heatmap.ome.tif", "overlay.png", "summary.json")
+# A slide folder of the default formats (summary.json lists the files of each run).
+OUTPUT_FILES = tuple(output_files(DEFAULT_FORMATS))
 
 Progress = Callable[[int], None]
 
@@ -106,7 +100,8 @@ class Result:
             ``pandas.DataFrame(result.detections)`` makes a table.
         heatmap: C x H x W float32 probabilities (an array), a
             :class:`~.io.ome_tiff.HeatmapFile` (lazy, when the run wrote its
-            outputs to a folder), or None for models without a heatmap.
+            outputs to a folder, ``ome-tiff`` among them), or None for models
+            without a heatmap.
             Both index alike (``heatmap[1]``, ``heatmap[1, y0:y1, x0:x1]``,
             ``shape``, ``dtype``, ``numpy.asarray(heatmap)``).
         heatmap_scale_level0: level-0 pixels per heatmap pixel.
@@ -269,8 +264,9 @@ class Pipeline:
             extra_summary: dict[str, Any] | None = None, wait_written: bool = True) -> Result:
         """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
 
-        ``out_dir``: write detections.geojson, detections.csv,
-        heatmap.ome.tif, overlay.png and summary.json there, each atomically.
+        ``out_dir``: write the files of ``config.formats`` there (by default
+        detections.geojson, detections.csv, heatmap.ome.tif and overlay.png;
+        :mod:`.io.formats`), each atomically, then summary.json.
         ``progress``: True for a tqdm bar, or a callable given the number of
         tiles each step finished. ``keep_heatmap``: hold the blended heatmap
         in memory as ``result.heatmap`` (default: when nothing is written);
@@ -502,14 +498,21 @@ class Pipeline:
                         list(card.heatmap.classes) if card.heatmap else [], out)
         if out is None:
             return result
-        # GeoJSON, CSV and overlay are written by worker processes while a thread finishes the
+        # Detection files and overlay are written by worker processes while a thread finishes the
         # heatmap file; summary.json, the mark of a complete folder, comes last.
-        overlay = stitcher.overlay_inputs(dets)  # reads the thumbnail: may fail, before any file is begun
+        summary["files"] = output_files(cfg.formats, heatmap=card.heatmap is not None)
+        summary.update(detection_notes(cfg.formats, dets))
+        if summary.get("geojson_left_out"):
+            log.warning("%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
+                        slide.path, summary["geojson_left_out"])
+        # The overlay reads the thumbnail: that may fail, before any file is begun.
+        overlay = stitcher.overlay_inputs(dets) if chosen(cfg.formats, OVERLAY) else None
         summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
         jobs = WriteJobs()
-        self.writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
-        self.writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
-        self.writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *overlay)
+        for fmt in chosen(cfg.formats):
+            if fmt.kind in (DETECTIONS, OVERLAY):  # heatmap files are the stitcher's sinks
+                args = (dets, classes) if fmt.kind == DETECTIONS else overlay
+                self.writers.submit(jobs, fmt.filename, fmt.write_function(), out / fmt.filename, *args)
 
         def finish() -> None:
             try:
@@ -580,7 +583,7 @@ class _Stitcher:
         self.heatmap_scale_level0 = grid.downsample * stride
         c = len(hm.classes)
         sinks = []
-        if out is not None:
+        if out is not None and "ome-tiff" in cfg.formats:
             phys = None
             if slide.mpp:
                 phys = (slide.mpp[0] * self.heatmap_scale_level0, slide.mpp[1] * self.heatmap_scale_level0)
