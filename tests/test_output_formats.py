@@ -84,6 +84,8 @@ def test_boxes_without_area_are_left_out_of_the_geojson(tmp_path):
     assert len(doc["features"]) == len(dets) - 4
     ids = _check_qupath_features(doc, dets)
     assert [int(i[-12:], 16) for i in ids] == [i for i in range(len(dets)) if i not in (3, 7, 11, 13)]
+    assert formats_io.detection_notes(["csv", "geojson.gz"], dets) == {"geojson_left_out": 4}
+    assert formats_io.detection_notes(["csv", "parquet"], dets) == {}
 
 
 def test_gzipped_geojson_is_the_same_document_and_reads_back(tmp_path, monkeypatch):

@@ -30,8 +30,9 @@ DETECTION_DTYPE = np.dtype(
 CSV_COLUMNS = ("x0", "y0", "x1", "y1", "score", "label", "class")
 # Rows formatted at a time: a chunk of GeoJSON is ~16 MiB of text.
 CHUNK = 65536
-# gzip level of detections.geojson.gz: 6 is zlib's default balance (9 is ~2x slower for ~3 % less).
-GZIP_LEVEL = 6
+# gzip level of detections.geojson.gz: level 1 compresses this text to ~13 %, level 6 (zlib's
+# default) to ~11 % in 3x the time (BENCHMARKS.md, output formats).
+GZIP_LEVEL = 1
 GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -107,6 +108,19 @@ def polygon_rows(dets: np.ndarray) -> np.ndarray:
         return np.isfinite(x0 + y0 + x1 + y1) & (x1 > x0) & (y1 > y0)
 
 
+def labels_present(dets: np.ndarray) -> list[int]:
+    """The labels found in ``dets``, ascending (a chunk at a time: no copy of the label column)."""
+    found: set[int] = set()
+    for start in range(0, len(dets), CHUNK):
+        found.update(np.unique(dets["label"][start:start + CHUNK]).tolist())
+    return sorted(found)
+
+
+def count_polygons(dets: np.ndarray) -> int:
+    """How many rows of ``dets`` are polygons in GeoJSON (:func:`polygon_rows`), a chunk at a time."""
+    return sum(int(polygon_rows(dets[start:start + CHUNK]).sum()) for start in range(0, len(dets), CHUNK))
+
+
 def feature_ids(dets: np.ndarray) -> str:
     """The first 24 hex digits (with dashes) of the features' ids; a feature's id adds its row
     index in ``dets`` as 12 hex digits, so each id is a UUID string (version 5 layout).
@@ -120,7 +134,10 @@ def feature_ids(dets: np.ndarray) -> str:
     >>> len(prefix + "%012x" % 0), prefix == feature_ids(d.copy())
     (36, True)
     """
-    h = hashlib.sha1(np.ascontiguousarray(dets).tobytes()).hexdigest()
+    digest = hashlib.sha1()
+    for start in range(0, len(dets), CHUNK):
+        digest.update(np.ascontiguousarray(dets[start:start + CHUNK]).tobytes())
+    h = digest.hexdigest()
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-"
 
 
@@ -128,11 +145,10 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
     chunk = chunk or CHUNK
-    labels_present = np.unique(dets["label"]).tolist() if len(dets) else []
     cls_json = {lab: json.dumps({"name": _class(classes, lab)["name"],
                                  "color": list(parse_color(_class(classes, lab).get("color", [255, 0, 0])))},
                                 separators=(",", ":"))
-                for lab in labels_present}
+                for lab in labels_present(dets)}
     prefix = feature_ids(dets)
     yield '{"type":"FeatureCollection","features":['
     sep = ""
@@ -175,7 +191,7 @@ def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[
 
     Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs.
     """
-    labels = np.unique(dets["label"]).tolist() if len(dets) else []
+    labels = labels_present(dets)
     names = {lab: _csv_field(_class(classes, int(lab))["name"]) for lab in labels}
     with atomic_write(path, newline="") as f:
         f.write(",".join(CSV_COLUMNS) + "\r\n")

@@ -120,6 +120,6 @@ def detection_notes(names: Iterable[str], dets) -> dict[str, int]:
     :func:`~.detections.polygon_rows`), when a GeoJSON format is among them."""
     if not {"geojson", "geojson.gz"} & set(names):
         return {}
-    from .detections import polygon_rows
+    from .detections import count_polygons
 
-    return {"geojson_left_out": int(len(dets) - polygon_rows(dets).sum())}
+    return {"geojson_left_out": len(dets) - count_polygons(dets)}
