@@ -26,7 +26,7 @@ import numpy as np
 from wsi_pipeline.io.detections import DETECTION_DTYPE
 
 CLASSES = [{"name": "nucleus", "color": "#7b2cbf"}, {"name": "mitosis", "color": [255, 0, 0]}]
-WRITES = ("geojson", "geojson.gz", "csv", "parquet", "geoparquet")
+WRITES = ("geojson", "geojson.gz", "geojson.zip", "csv", "parquet", "geoparquet")
 READS = ("geojson:json", "geojson.gz:json", "csv:pandas", "parquet:pandas", "geoparquet:geopandas")
 BUILD_CHUNK = 1 << 16  # small: the build's temporaries must not set the baseline peak
 

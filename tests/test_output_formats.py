@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import uuid
+import zipfile
 
 import geopandas as gpd
 import numpy as np
@@ -84,7 +85,7 @@ def test_boxes_without_area_are_left_out_of_the_geojson(tmp_path):
     assert len(doc["features"]) == len(dets) - 4
     ids = _check_qupath_features(doc, dets)
     assert [int(i[-12:], 16) for i in ids] == [i for i in range(len(dets)) if i not in (3, 7, 11, 13)]
-    assert formats_io.detection_notes(["csv", "geojson.gz"], dets) == {"geojson_left_out": 4}
+    assert formats_io.detection_notes(["csv", "geojson.zip"], dets) == {"geojson_left_out": 4}
     assert formats_io.detection_notes(["csv", "parquet"], dets) == {}
 
 
@@ -110,6 +111,23 @@ def test_gzipped_geojson_is_the_same_document_and_reads_back(tmp_path, monkeypat
     write_geojson(tmp_path / "again.geojson.gz", dets.copy(), CLASSES)
     assert (tmp_path / "again.geojson.gz").read_bytes() == raw
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.geojson.gz", "d.geojson", "d.geojson.gz"]
+
+
+def test_zipped_geojson_holds_the_document_as_qupath_reads_it(tmp_path):
+    dets = _with_degenerate(_dets(300))
+    write_geojson(tmp_path / "d.geojson", dets, CLASSES)
+    write_geojson(tmp_path / "d.geojson.zip", dets, CLASSES)
+    with zipfile.ZipFile(tmp_path / "d.geojson.zip") as zf:
+        assert zf.namelist() == ["d.geojson"]  # QuPath imports the .geojson entries of a .zip
+        assert zf.getinfo("d.geojson").compress_type == zipfile.ZIP_DEFLATED
+        assert zf.read("d.geojson") == (tmp_path / "d.geojson").read_bytes()
+        _check_qupath_features(json.loads(zf.read("d.geojson")), dets)
+    back = read_geojson(tmp_path / "d.geojson.zip", CLASSES)
+    assert len(back) == len(dets) - 4
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as zf:
+        zf.writestr("readme.txt", "no objects")
+    with pytest.raises(WSIPipelineError, match=r"other.zip: not a readable GeoJSON file: expected a .geojson"):
+        read_geojson(tmp_path / "other.zip")
 
 
 def test_other_detections_get_other_ids(tmp_path):
@@ -190,7 +208,7 @@ def test_formats_are_parsed_into_the_registry_order():
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ("geojson,shapefile", "formats: unknown format 'shapefile' (known: geojson, geojson.gz, csv"),
+    ("geojson,shapefile", "formats: unknown format 'shapefile' (known: geojson, geojson.gz, geojson.zip, csv"),
     ("", "formats: expected at least one of geojson"),
     ([1, 2], "formats: expected format names, found [1, 2]"),
 ])
@@ -264,14 +282,15 @@ def slide_path(tmp_path_factory):
 
 
 def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
-    with Pipeline(backend="ort", formats="geojson.gz,parquet,geoparquet", writer_processes=0) as pipe:
+    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,parquet,geoparquet", writer_processes=0) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
     out = tmp_path / "run"
-    files = ["detections.geojson.gz", "detections.parquet", "detections.geoparquet", "summary.json"]
+    files = ["detections.geojson.gz", "detections.geojson.zip", "detections.parquet", "detections.geoparquet",
+             "summary.json"]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == files
-    assert summary["parameters"]["formats"] == ["geojson.gz", "parquet", "geoparquet"]
+    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "parquet", "geoparquet"]
     assert summary["geojson_left_out"] == 0
     assert summary["heatmap_scores"] is not None  # the heatmap is still blended and measured
     assert result.heatmap is None
@@ -279,6 +298,8 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     assert n > 0
     with gzip.open(out / "detections.geojson.gz", "rt", encoding="utf-8") as f:
         assert len(json.load(f)["features"]) == n
+    with zipfile.ZipFile(out / "detections.geojson.zip") as zf:
+        assert zf.read("detections.geojson") == gzip.decompress((out / "detections.geojson.gz").read_bytes())
     df = pd.read_parquet(out / "detections.parquet")
     np.testing.assert_array_equal(df["x0"].to_numpy(), result.detections["x0"])
     assert set(df["class"].astype(str)) == {"nucleus"}

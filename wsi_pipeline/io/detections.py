@@ -1,4 +1,4 @@
-"""Detections in slide coordinates and their files (QuPath GeoJSON, gzipped or not, and CSV).
+"""Detections in slide coordinates and their files (QuPath GeoJSON, plain, gzipped or zipped, and CSV).
 
 A slide's detections are a numpy structured array with fields
 ``x0, y0, x1, y1`` (float32, level-0 pixels, origin top-left), ``score``
@@ -11,13 +11,16 @@ chunk's text, whatever the number of detections. Parquet and GeoParquet are in
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import hashlib
 import io
 import json
 import os
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Iterator, Sequence
+from typing import IO
 
 import numpy as np
 
@@ -34,6 +37,7 @@ CHUNK = 65536
 # default) to ~11 % in 3x the time (BENCHMARKS.md, output formats).
 GZIP_LEVEL = 1
 GZIP_MAGIC = b"\x1f\x8b"
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def make_detections(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -169,21 +173,35 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
 
 
 def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
-    """Write detections as QuPath GeoJSON (:func:`to_geojson`'s document), atomically.
+    """Write detections as QuPath GeoJSON (:func:`to_geojson`'s document), atomically, a chunk at a time.
 
-    A path ending in ``.gz`` is gzip-compressed as it is written (QuPath imports
-    ``.geojson.gz`` as it is). Boxes that are no polygon are left out
+    By the path's ending: ``.gz``, gzip-compressed (pandas, geopandas, GDAL and
+    :func:`read_geojson` read it); ``.zip``, a zip archive holding the document
+    as the path's name without ``.zip`` (QuPath's File > Import objects reads
+    it); otherwise plain text. Boxes that are no polygon are left out
     (:func:`polygon_rows`).
     """
     parts = _geojson_chunks(dets, classes)
-    if not os.fspath(path).endswith(".gz"):
-        with atomic_write(path) as f:
-            f.writelines(parts)
+    name = os.path.basename(os.fspath(path))
+    if name.endswith((".gz", ".zip")):
+        with atomic_write(path, "wb") as raw, _compressed(raw, name) as out:
+            for part in parts:
+                out.write(part.encode("utf-8"))
         return
-    with atomic_write(path, "wb") as raw, \
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
-        for part in parts:
-            gz.write(part.encode("utf-8"))
+    with atomic_write(path) as f:
+        f.writelines(parts)
+
+
+@contextlib.contextmanager
+def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
+    """A binary stream that compresses into ``raw``: gzip for ``*.gz``, else one zip entry."""
+    if name.endswith(".gz"):
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+            yield gz
+        return
+    with zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=GZIP_LEVEL) as zf, \
+            zf.open(name.removesuffix(".zip"), "w", force_zip64=True) as entry:
+        yield entry
 
 
 def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
@@ -211,17 +229,15 @@ def _csv_field(text: str) -> str:
 
 
 def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = None) -> np.ndarray:
-    """Read detection boxes back from a GeoJSON file, gzipped or not (the boxes' bounding rectangles).
+    """Read detection boxes back from a GeoJSON file, plain, gzipped or zipped (the boxes' bounding rectangles).
 
     Labels are looked up by classification name in ``classes`` (or numbered
     in order of appearance); a missing score reads as 1.
     """
     try:
-        with open(path, "rb") as f:
-            gzipped = f.read(2) == GZIP_MAGIC
-        with (gzip.open(path, "rt", encoding="utf-8") if gzipped else open(path, encoding="utf-8")) as f:
+        with _open_geojson(path) as f:
             doc = json.load(f)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, zipfile.BadZipFile) as exc:
         raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
     names = {c["name"]: i for i, c in enumerate(classes or [])}
     rows = []
@@ -239,3 +255,24 @@ def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = 
     for i, r in enumerate(rows):
         out[i] = r
     return out
+
+
+@contextlib.contextmanager
+def _open_geojson(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+    """The GeoJSON bytes of a plain, gzip or zip file (a zip: its first ``.geojson``/``.json`` entry)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] == GZIP_MAGIC:
+        with gzip.open(path, "rb") as gz:
+            yield gz
+        return
+    if magic != ZIP_MAGIC:
+        with open(path, "rb") as f:
+            yield f
+        return
+    with zipfile.ZipFile(path) as zf:
+        names = [n for n in zf.namelist() if n.lower().endswith((".geojson", ".json"))]
+        if not names:
+            raise OSError(f"expected a .geojson entry in the zip archive, found {zf.namelist()}")
+        with zf.open(names[0]) as entry:
+            yield entry

@@ -64,7 +64,9 @@ FORMATS: dict[str, OutputFormat] = {f.name: f for f in (
     OutputFormat("geojson", "detections.geojson", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
                  about="QuPath GeoJSON"),
     OutputFormat("geojson.gz", "detections.geojson.gz", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
-                 about="the same, gzip-compressed, QuPath imports it as it is"),
+                 about="the same, gzip-compressed, for pandas, geopandas, GDAL"),
+    OutputFormat("geojson.zip", "detections.geojson.zip", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
+                 about="the same in a zip archive, which QuPath imports as it is"),
     OutputFormat("csv", "detections.csv", DETECTIONS, "wsi_pipeline.io.detections:write_csv", about="CSV table"),
     OutputFormat("parquet", "detections.parquet", DETECTIONS, "wsi_pipeline.io.parquet:write_parquet",
                  requires=("pyarrow",), extra="parquet", about="Parquet table for pandas, polars, DuckDB"),
@@ -118,7 +120,7 @@ def detection_notes(names: Iterable[str], dets) -> dict[str, int]:
     """Summary entries about how formats ``names`` write the detections ``dets``:
     ``geojson_left_out``, the boxes a GeoJSON file leaves out (no area; see
     :func:`~.detections.polygon_rows`), when a GeoJSON format is among them."""
-    if not {"geojson", "geojson.gz"} & set(names):
+    if not any(f.writer == FORMATS["geojson"].writer for f in chosen(names)):
         return {}
     from .detections import count_polygons
 
