@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 import uuid
 import zipfile
 
@@ -239,6 +241,16 @@ def test_formats_from_toml_and_the_command_line(tmp_path):
 
     args = build_parser().parse_args(["run", "x.tiff", "--out", str(tmp_path), "--formats", "geoparquet,csv"])
     assert build_config(args).formats == ("csv", "geoparquet")
+
+
+def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide_path), "--out", str(tmp_path / "o"),
+                        "--formats", "geojson,shp"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
+        "geoparquet, ome-tiff, overlay)"]
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_resume_key_covers_formats_and_keeps_default_keys():
