@@ -234,6 +234,10 @@ def test_formats_from_toml_and_the_command_line(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('formats = ["parquet", "geojson.gz"]\n')
     assert load_config(toml).formats == ("geojson.gz", "parquet")
+    toml.write_text("formats = 3\n")
+    with pytest.raises(ConfigError, match=r"run.toml: formats: expected a list of names or a comma-separated "
+                                          r"string, found int 3"):
+        load_config(toml)
     toml.write_text('formats = "csv,nope"\n')
     with pytest.raises(ConfigError, match=r"run.toml: formats: unknown format 'nope'"):
         load_config(toml)

@@ -201,7 +201,8 @@ def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
             return value
         if typing.get_origin(t) is tuple and isinstance(value, str | list | tuple):
             return value  # the names are checked by validate()
-    names = " or ".join(t.__name__ for t in allowed)
+    names = " or ".join("a list of names or a comma-separated string" if typing.get_origin(t) is tuple
+                        else t.__name__ for t in allowed)
     raise ConfigError(f"{source}: {key}: expected {names}, found {type(value).__name__} {value!r}")
 
 
