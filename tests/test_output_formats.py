@@ -31,6 +31,7 @@ from wsi_pipeline.io.detections import make_detections, polygon_rows, read_geojs
 from wsi_pipeline.io.formats import DEFAULT_FORMATS, FORMATS, output_files, parse_formats
 from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.review.results import load_run
 from wsi_pipeline.run_key import RunKey
 from wsi_pipeline.slide.synthetic import write_synthetic_slide
 
@@ -321,3 +322,6 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     assert set(df["class"].astype(str)) == {"nucleus"}
     gdf = gpd.read_parquet(out / "detections.geoparquet")
     assert len(gdf) == n and (gdf.geom_type == "Polygon").all()
+    review = load_run(out)  # the review helpers find the zipped GeoJSON
+    assert len(review.detections) == n and review.heatmap is None
+    np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)

@@ -234,11 +234,7 @@ def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = 
     Labels are looked up by classification name in ``classes`` (or numbered
     in order of appearance); a missing score reads as 1.
     """
-    try:
-        with _open_geojson(path) as f:
-            doc = json.load(f)
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, zipfile.BadZipFile) as exc:
-        raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
+    doc = load_geojson(path)
     names = {c["name"]: i for i, c in enumerate(classes or [])}
     rows = []
     for feat in doc.get("features", []):
@@ -255,6 +251,16 @@ def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = 
     for i, r in enumerate(rows):
         out[i] = r
     return out
+
+
+def load_geojson(path: str | os.PathLike[str]) -> dict:
+    """The JSON document of a GeoJSON file, plain, gzipped or zipped; WSIPipelineError naming the file
+    when it cannot be read as one."""
+    try:
+        with _open_geojson(path) as f:
+            return json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, zipfile.BadZipFile) as exc:
+        raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
 
 
 @contextlib.contextmanager
