@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.toy_models import build_toy_model
 
 from wsi_pipeline.errors import ConfigError, ModelError
 from wsi_pipeline.inference.card import card_path_for, file_sha256, load_card
-from wsi_pipeline.inference.toy_models import build_toy_model
 
 pytest.importorskip("onnx")
 

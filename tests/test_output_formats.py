@@ -33,7 +33,7 @@ from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
 from wsi_pipeline.review.results import load_run
 from wsi_pipeline.run_key import RunKey
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": "scratch", "color": [0, 0, 255]}]
 

@@ -35,6 +35,7 @@ from .card import (
     ModelCard,
     card_path_for,
     file_sha256,
+    format_for,
     load_card,
     ort_session,
     ort_signature,
@@ -60,6 +61,10 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
                name: str | None = None) -> dict[str, Any]:
     """The JSON document of a first card for ``model_path`` (see the module docstring)."""
     model = Path(model_path)
+    if format_for(model) != "onnx":
+        raise ModelError(f"{model}: expected an ONNX model, found a torch.export program; card init reads "
+                         "ONNX graphs only: write a .pt2's card by hand (docs/model_card.md, format "
+                         "torch_export) and check it with card check")
     if not model.is_file():
         raise ModelError(f"{model}: ONNX model not found")
     card_file = Path(card_path) if card_path is not None else card_path_for(model)
@@ -162,7 +167,9 @@ def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard
         from .backend import create_backend
         from .decoders import decode
 
-        backend = create_backend(card, "ort")
+        # A torch.export program runs with torch only: on the CPU here, like ORT for an ONNX model.
+        backend = create_backend(card, "ort") if card.format == "onnx" else \
+            create_backend(card, "torch", device="cpu", precision="fp32")
         try:
             h, w = card.input.size_hw
             decode(backend.infer(np.zeros((1, h, w, 3), np.uint8)), card)
