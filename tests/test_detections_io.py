@@ -4,8 +4,10 @@ import csv
 import json
 
 import numpy as np
+from helpers import random_detections
 
 from wsi_pipeline.io.detections import (
+    feature_ids,
     make_detections,
     read_geojson,
     to_geojson,
@@ -17,18 +19,15 @@ CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": 'scratch, "long"', "co
 
 
 def _dets(n=300, seed=0):
-    rng = np.random.default_rng(seed)
-    xy = rng.uniform(0, 5e4, (n, 2))
-    wh = rng.uniform(2, 40, (n, 2))
-    return make_detections(np.c_[xy, xy + wh], rng.random(n), rng.integers(0, 2, n))
+    return random_detections(n, seed)
 
 
-def _reference_feature(d):
-    """The QuPath feature of one detection, written out by hand."""
+def _reference_feature(d, row, id_prefix):
+    """The QuPath feature of row ``row`` of the detections, written out by hand."""
     x0, y0, x1, y1 = (round(float(d[k]), 2) for k in ("x0", "y0", "x1", "y1"))
     c = CLASSES[int(d["label"])]
     color = [255, 128, 0] if c["color"] == "#ff8000" else [0, 0, 255]
-    return {"type": "Feature",
+    return {"type": "Feature", "id": f"{id_prefix}{row:012x}",
             "geometry": {"type": "Polygon", "coordinates": [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]},
             "properties": {"objectType": "detection", "classification": {"name": c["name"], "color": color},
                            "measurements": {"score": round(float(d["score"]), 6)}}}
@@ -41,7 +40,8 @@ def test_geojson_equals_the_reference_and_reads_back(tmp_path):
     doc = json.loads(path.read_text())
     assert doc == to_geojson(dets, CLASSES)
     assert doc["type"] == "FeatureCollection"
-    assert doc["features"] == [_reference_feature(d) for d in dets]
+    prefix = feature_ids(dets)
+    assert doc["features"] == [_reference_feature(d, i, prefix) for i, d in enumerate(dets)]
     back = read_geojson(path, CLASSES)
     np.testing.assert_array_equal(back["label"], dets["label"])
     for k in ("x0", "y0", "x1", "y1"):

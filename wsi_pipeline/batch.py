@@ -223,7 +223,11 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
     if not folder.is_dir():
         return None, "not run yet"
     summary = read_summary(folder)
-    required = [n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None]
+    required = (summary or {}).get("files")  # what the run wrote (the run key covers the formats asked for)
+    if not isinstance(required, list) or not all(isinstance(n, str) for n in required):
+        # A summary from before the files were listed: the default set.
+        required = [n for n in OUTPUT_FILES
+                    if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None]
     missing = [n for n in required if not (folder / n).is_file()]
     return summary, why_redo(summary, key, input_identity(path), missing)
 

@@ -9,6 +9,7 @@ A config file holds the same names as ``wsi-pipeline run``'s flags (with
     overlap = 64
     mpp = 0.5
     min_tissue = 0.05
+    formats = ["geojson.gz", "parquet", "ome-tiff", "overlay"]
 
 Relative paths in a config file (``model``, ``mask``) are relative to the
 file's folder. Unknown keys, wrong types and impossible values (an overlap as
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .io.formats import DEFAULT_FORMATS, parse_formats
 from .stitch.policies import MERGE_POLICIES
 from .stitch.weights import KINDS as BLEND_KINDS
 
@@ -79,6 +81,8 @@ class RunConfig:
     dask: str | None = None
     # Wall-clock limit of one slide in seconds; None: 1 h plus 1 h per GiB of slide file; 0: no limit.
     slide_timeout: float | None = None
+    # Output files (names in io/formats.py): a list, or one string "geojson.gz,parquet".
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +137,7 @@ class RunConfig:
             raise bad("sigma_scale", "a positive fraction of the tile size", self.sigma_scale)
         if self.slide_timeout is not None and not (math.isfinite(self.slide_timeout) and self.slide_timeout >= 0):
             raise bad("slide_timeout", "seconds >= 0 (0: no limit)", self.slide_timeout)
+        self.formats = parse_formats(self.formats, source)
         for key in PATH_KEYS + ("dask",):
             v = getattr(self, key)
             if v is not None and ("\x00" in v or not v.strip()):
@@ -196,7 +201,10 @@ def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
             return value
         if t is dict and isinstance(value, dict):
             return value
-    names = " or ".join(t.__name__ for t in allowed)
+        if typing.get_origin(t) is tuple and isinstance(value, str | list | tuple):
+            return value  # the names are checked by validate()
+    names = " or ".join("a list of names or a comma-separated string" if typing.get_origin(t) is tuple
+                        else t.__name__ for t in allowed)
     raise ConfigError(f"{source}: {key}: expected {names}, found {type(value).__name__} {value!r}")
 
 

@@ -4,13 +4,15 @@
 stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out to the
 OME-TIFF writer (with an output folder), an in-memory array (when asked),
 per-class statistics over the tissue and a reduced copy for the overlay.
-After stitching, :meth:`SlideOutputs.write` sends GeoJSON, CSV and overlay
-to the writer processes and returns the step that closes the heatmap file
-and writes ``summary.json`` last, the mark of a complete folder.
+After stitching, :meth:`SlideOutputs.write` sends the detection files and
+overlay of ``config.formats`` (:mod:`.io.formats`) to the writer processes
+and returns the step that closes the heatmap file; ``summary.json``, the
+mark of a complete folder, is written last.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,9 @@ from .config import RunConfig
 from .geometry import TilingGeometry
 from .inference.card import ModelCard
 from .io.atomic import write_json
-from .io.detections import detection_boxes, parse_color, write_csv, write_geojson
+from .io.detections import detection_boxes, parse_color
+from .io.formats import DEFAULT_FORMATS, DETECTIONS, OVERLAY, chosen, detection_notes, output_files
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
-from .io.overlay import write_overlay
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide
 from .stitch.blend import Sink
@@ -31,7 +33,9 @@ from .stitch.sinks import ArraySink, HeatmapStats, ReducedCopy, fan_out
 from .stitch.weights import tile_weights
 from .tiling.tissue import TissueMask
 
-OUTPUT_FILES = ("detections.geojson", "detections.csv", "heatmap.ome.tif", "overlay.png", "summary.json")
+# A slide folder of the default formats (summary.json lists the files of each run).
+OUTPUT_FILES = tuple(output_files(DEFAULT_FORMATS))
+log = logging.getLogger("wsi_pipeline")
 # Heatmap channels that cover everything (not shown on the overlay).
 _ALL_OVER = ("tissue", "background")
 
@@ -62,7 +66,7 @@ class SlideOutputs:
             return
         g, c = geometry, len(hm.classes)
         sinks: list[Sink] = []
-        if out is not None:
+        if out is not None and "ome-tiff" in config.formats:
             self.writer = OmeTiffHeatmapWriter(out / "heatmap.ome.tif", g.heatmap_width, g.heatmap_height, c,
                                                channel_names=list(hm.classes),
                                                physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
@@ -128,12 +132,15 @@ class SlideOutputs:
         ``summary.json`` (:meth:`write_summary`) after it, last.
         """
         out = self._folder()
+        formats = self.config.formats
         classes = [{"name": c.name, "color": c.color} for c in self.card.classes]
-        overlay = self.overlay_inputs(dets)  # reads the thumbnail: may fail, before any file is begun
+        # The overlay reads the thumbnail: that may fail, before any file is begun.
+        overlay = self.overlay_inputs(dets) if chosen(formats, OVERLAY) else None
         jobs = WriteJobs()
-        writers.submit(jobs, "detections.geojson", write_geojson, out / "detections.geojson", dets, classes)
-        writers.submit(jobs, "detections.csv", write_csv, out / "detections.csv", dets, classes)
-        writers.submit(jobs, "overlay.png", write_overlay, out / "overlay.png", *overlay)
+        for fmt in chosen(formats):
+            if fmt.kind in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
+                args = (dets, classes) if fmt.kind == DETECTIONS else overlay
+                writers.submit(jobs, fmt.filename, fmt.write_function(), out / fmt.filename, *args)
 
         def finish() -> np.ndarray | HeatmapFile | None:
             try:
@@ -142,6 +149,15 @@ class SlideOutputs:
                 jobs.wait()
 
         return finish
+
+    def summary_entries(self, dets: np.ndarray) -> dict[str, Any]:
+        """What ``summary.json`` says of the files: ``files`` (written, itself last) and, with a
+        GeoJSON format, ``geojson_left_out`` (boxes without area, not written there; logged)."""
+        notes = detection_notes(self.config.formats, dets)
+        if notes.get("geojson_left_out"):
+            log.warning("%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
+                        self.slide.path, notes["geojson_left_out"])
+        return {"files": output_files(self.config.formats, heatmap=self.card.heatmap is not None), **notes}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json``, the mark of a complete folder: after every other file."""

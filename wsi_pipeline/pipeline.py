@@ -128,8 +128,9 @@ class Pipeline:
             extra_summary: dict[str, Any] | None = None, wait_written: bool = True) -> Result:
         """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
 
-        ``out_dir``: write detections.geojson, detections.csv,
-        heatmap.ome.tif, overlay.png and summary.json there, each atomically.
+        ``out_dir``: write the files of ``config.formats`` there (by default
+        detections.geojson, detections.csv, heatmap.ome.tif and overlay.png;
+        :mod:`.io.formats`), each atomically, then summary.json.
         ``progress``: True for a tqdm bar, or a callable given the number of
         tiles each step finished. ``keep_heatmap``: hold the blended heatmap
         in memory as ``result.heatmap`` (default: when nothing is written);
@@ -329,8 +330,9 @@ class Pipeline:
                         card.class_names, list(card.heatmap.classes) if card.heatmap else [], outputs.out)
         if outputs.out is None:
             return result
-        # GeoJSON, CSV and overlay are written by worker processes while a thread finishes the
+        # Detection files and overlay are written by worker processes while a thread finishes the
         # heatmap file; summary.json, the mark of a complete folder, comes last.
+        summary.update(outputs.summary_entries(dets))  # type: ignore[typeddict-item]
         close_files = outputs.write(dets, self.writers)
         summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
 

@@ -24,7 +24,8 @@ class Result:
             ``pandas.DataFrame(result.detections)`` makes a table.
         heatmap: C x H x W float32 probabilities (an array), a
             :class:`~.io.ome_tiff.HeatmapFile` (lazy, when the run wrote its
-            outputs to a folder), or None for models without a heatmap.
+            outputs to a folder, ``ome-tiff`` among them), or None for models
+            without a heatmap.
             Both index alike (``heatmap[1]``, ``heatmap[1, y0:y1, x0:x1]``,
             ``shape``, ``dtype``, ``numpy.asarray(heatmap)``).
         heatmap_scale_level0: level-0 pixels per heatmap pixel.

@@ -20,6 +20,7 @@ from typing import Any
 from .config import RunConfig
 from .errors import ConfigError, UsageError
 from .inference.card import ModelCard
+from .io.formats import DEFAULT_FORMATS
 
 KEY_FORMAT = 2
 HEAD_BYTES = TAIL_BYTES = 64 << 10
@@ -67,6 +68,10 @@ class RunKey:
         settings = config.result_key()
         for k in ("model", "mask"):  # paths do not matter, contents do
             settings.pop(k, None)
+        # Another set of output files is another result (a rerun writes the files now asked for);
+        # the default set is left out, so keys made before formats could be chosen stay valid.
+        if tuple(settings.get("formats", DEFAULT_FORMATS)) == DEFAULT_FORMATS:
+            settings.pop("formats", None)
         card_doc = card.to_dict()
         parts = {"settings": _digest(settings), "card": _digest(card_doc), "model": card.sha256[:16]}
         if config.mask:

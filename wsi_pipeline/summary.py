@@ -86,6 +86,8 @@ class Summary(TypedDict, total=False):
     versions: dict[str, str]
     tile_decode: dict[str, Any]  # where stored tiles were decoded and why
     run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
+    files: list[str]  # the files the run wrote in its folder, summary.json last (docs/outputs.md)
+    geojson_left_out: int  # boxes without area left out of the GeoJSON (with a GeoJSON format)
 
 
 def package_versions() -> dict[str, str]:

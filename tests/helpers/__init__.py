@@ -160,3 +160,13 @@ class CountingLoader:
                 inner()
             batch._release = release
             yield batch
+
+
+def random_detections(n: int = 300, seed: int = 0) -> np.ndarray:
+    """``n`` detections with boxes 2-40 px wide spread over a 50,000 px square, labels 0 and 1."""
+    from wsi_pipeline.io.detections import make_detections
+
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0, 5e4, (n, 2))
+    wh = rng.uniform(2, 40, (n, 2))
+    return make_detections(np.c_[xy, xy + wh], rng.random(n), rng.integers(0, 2, n))

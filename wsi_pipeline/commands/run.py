@@ -21,6 +21,7 @@ from ..config import (
     load_config,
 )
 from ..errors import ConfigError, ModelError, UsageError
+from ..io.formats import DEFAULT_FORMATS, FORMATS
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
 DESCRIPTION = """\
@@ -32,7 +33,7 @@ failed, 2 when the command line or config cannot start a run.
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
 CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
                 "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
-                "overlay_size", "on_damaged_tile", "dask", "slide_timeout")
+                "overlay_size", "on_damaged_tile", "dask", "slide_timeout", "formats")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -69,6 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--merge", choices=MERGE_CHOICES, help="box merge across tiles (default nms)")
     p.add_argument("--blend", choices=BLEND_CHOICES,
                    help="weights that blend overlapping tiles' heatmaps (default gaussian)")
+    p.add_argument("--formats", metavar="NAMES",
+                   help="output files of each slide, comma-separated: "
+                        + "; ".join(f"{f.name}: {f.filename}, {f.about}" for f in FORMATS.values())
+                        + f". Default {','.join(DEFAULT_FORMATS)}. "
+                        + "; ".join(f"{f.name} needs pip install 'wsi-pipeline[{f.extra}]'"
+                                    for f in FORMATS.values() if f.extra)
+                        + ". docs/outputs.md says which to pick")
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
     p.add_argument("--on-damaged-tile", choices=DAMAGED_TILE_CHOICES,
                    help="a stored tile that decodes with corrupt data: warn (default; logged and listed in "

@@ -1,18 +1,26 @@
-"""Detections in slide coordinates and their files (QuPath GeoJSON, CSV).
+"""Detections in slide coordinates and their files (QuPath GeoJSON, plain, gzipped or zipped, and CSV).
 
 A slide's detections are a numpy structured array with fields
 ``x0, y0, x1, y1`` (float32, level-0 pixels, origin top-left), ``score``
 (float32) and ``label`` (int32, index into the model's classes);
-``pandas.DataFrame(detections)`` turns it into a table.
+``pandas.DataFrame(detections)`` turns it into a table. The files are written
+in chunks of :data:`CHUNK` rows: besides the array itself, a writer holds one
+chunk's text, whatever the number of detections. Parquet and GeoParquet are in
+:mod:`.parquet`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import gzip
+import hashlib
 import io
 import json
 import os
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Iterator, Sequence
+from typing import IO
 
 import numpy as np
 
@@ -23,6 +31,13 @@ DETECTION_DTYPE = np.dtype(
     [("x0", "<f4"), ("y0", "<f4"), ("x1", "<f4"), ("y1", "<f4"), ("score", "<f4"), ("label", "<i4")]
 )
 CSV_COLUMNS = ("x0", "y0", "x1", "y1", "score", "label", "class")
+# Rows formatted at a time: a chunk of GeoJSON is ~16 MiB of text.
+CHUNK = 65536
+# gzip level of detections.geojson.gz: level 1 compresses this text to ~13 %, level 6 (zlib's
+# default) to ~11 % in 3x the time (BENCHMARKS.md, output formats).
+GZIP_LEVEL = 1
+GZIP_MAGIC = b"\x1f\x8b"
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def make_detections(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -63,11 +78,13 @@ def parse_color(color: str | Sequence[int]) -> tuple[int, int, int]:
 def to_geojson(dets: np.ndarray, classes: Sequence[dict]) -> dict:
     """A QuPath-importable FeatureCollection of detection boxes (level-0 pixels).
 
-    Each Feature: a closed Polygon ring (coordinates rounded to 0.01 px),
-    ``properties.objectType: "detection"``, ``properties.classification:
-    {name, color}`` (color as [r, g, b]) and ``properties.measurements:
-    {score: ...}`` (rounded to 1e-6). :func:`write_geojson` writes the same
-    document.
+    Each Feature: a stable ``id`` (:func:`feature_ids`), a closed Polygon ring
+    (coordinates rounded to 0.01 px), ``properties.objectType: "detection"``,
+    ``properties.classification: {name, color}`` (color as [r, g, b], QuPath's
+    convention) and ``properties.measurements: {score: ...}`` (rounded to
+    1e-6). A box with no area after rounding (zero width or height) or with a
+    coordinate that is not finite is no polygon and is left out
+    (:func:`polygon_rows`). :func:`write_geojson` writes the same document.
 
     >>> d = make_detections([[10, 20, 30.5, 40]], [0.9], [0])
     >>> f = to_geojson(d, [{"name": "nucleus", "color": "#ff0000"}])["features"][0]
@@ -77,8 +94,8 @@ def to_geojson(dets: np.ndarray, classes: Sequence[dict]) -> dict:
     return json.loads("".join(_geojson_chunks(dets, classes)))
 
 
-_FEATURE = ('{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[%s,%s],[%s,%s],[%s,%s],[%s,%s],'
-            '[%s,%s]]]},"properties":{"objectType":"detection","classification":%s,'
+_FEATURE = ('{"type":"Feature","id":"%s%012x","geometry":{"type":"Polygon","coordinates":[[[%s,%s],[%s,%s],'
+            '[%s,%s],[%s,%s],[%s,%s]]]},"properties":{"objectType":"detection","classification":%s,'
             '"measurements":{"score":%s}}}')
 
 
@@ -87,31 +104,104 @@ def _num(v: np.ndarray, decimals: int) -> list[str]:
     return [repr(x) for x in np.round(v.astype(np.float64), decimals).tolist()]
 
 
-def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int = 65536):
+def polygon_rows(dets: np.ndarray) -> np.ndarray:
+    """Bool (N,): the rows whose box is a polygon in GeoJSON: finite, with positive width and
+    height after rounding to 0.01 px (the GeoJSON's precision)."""
+    x0, y0, x1, y1 = (np.round(dets[k].astype(np.float64), 2) for k in ("x0", "y0", "x1", "y1"))
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(x0 + y0 + x1 + y1) & (x1 > x0) & (y1 > y0)
+
+
+def labels_present(dets: np.ndarray) -> list[int]:
+    """The labels found in ``dets``, ascending (a chunk at a time: no copy of the label column)."""
+    found: set[int] = set()
+    for start in range(0, len(dets), CHUNK):
+        found.update(np.unique(dets["label"][start:start + CHUNK]).tolist())
+    return sorted(found)
+
+
+def count_polygons(dets: np.ndarray) -> int:
+    """How many rows of ``dets`` are polygons in GeoJSON (:func:`polygon_rows`), a chunk at a time."""
+    return sum(int(polygon_rows(dets[start:start + CHUNK]).sum()) for start in range(0, len(dets), CHUNK))
+
+
+def feature_ids(dets: np.ndarray) -> str:
+    """The first 24 hex digits (with dashes) of the features' ids; a feature's id adds its row
+    index in ``dets`` as 12 hex digits, so each id is a UUID string (version 5 layout).
+
+    The prefix is a digest of the detections, so the same detections get the same ids in
+    every file and on every run, and different slides' detections get different ones; the row
+    index ties a GeoJSON feature to its row in the CSV and Parquet files.
+
+    >>> d = make_detections([[10, 20, 30.5, 40]], [0.9], [0])
+    >>> prefix = feature_ids(d)
+    >>> len(prefix + "%012x" % 0), prefix == feature_ids(d.copy())
+    (36, True)
+    """
+    digest = hashlib.sha1()
+    for start in range(0, len(dets), CHUNK):
+        digest.update(np.ascontiguousarray(dets[start:start + CHUNK]).tobytes())
+    h = digest.hexdigest()
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-"
+
+
+def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None = None):
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
-    labels_present = np.unique(dets["label"]).tolist() if len(dets) else []
+    chunk = chunk or CHUNK
     cls_json = {lab: json.dumps({"name": _class(classes, lab)["name"],
                                  "color": list(parse_color(_class(classes, lab).get("color", [255, 0, 0])))},
                                 separators=(",", ":"))
-                for lab in labels_present}
+                for lab in labels_present(dets)}
+    prefix = feature_ids(dets)
     yield '{"type":"FeatureCollection","features":['
+    sep = ""
     for start in range(0, len(dets), chunk):
         d = dets[start:start + chunk]
+        rows_kept = np.flatnonzero(polygon_rows(d))
+        if len(rows_kept) < len(d):
+            d = d[rows_kept]
         x0, y0, x1, y1 = (_num(d[k], 2) for k in ("x0", "y0", "x1", "y1"))
         sc = _num(d["score"], 6)
-        labels = d["label"].tolist()
-        rows = [_FEATURE % (a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
-                for a, b, c, e, s_, lab in zip(x0, y0, x1, y1, sc, labels, strict=True)]
-        yield ("," if start else "") + ",".join(rows)
+        rows = [_FEATURE % (prefix, i, a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
+                for i, a, b, c, e, s_, lab in zip((rows_kept + start).tolist(), x0, y0, x1, y1, sc,
+                                                   d["label"].tolist(), strict=True)]
+        if rows:
+            yield sep + ",".join(rows)
+            sep = ","
     yield "]}"
 
 
 def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
-    """Write detections as QuPath GeoJSON (:func:`to_geojson`'s document), atomically."""
+    """Write detections as QuPath GeoJSON (:func:`to_geojson`'s document), atomically, a chunk at a time.
+
+    By the path's ending: ``.gz``, gzip-compressed (pandas, geopandas, GDAL and
+    :func:`read_geojson` read it); ``.zip``, a zip archive holding the document
+    as the path's name without ``.zip`` (QuPath's File > Import objects reads
+    it); otherwise plain text. Boxes that are no polygon are left out
+    (:func:`polygon_rows`).
+    """
+    parts = _geojson_chunks(dets, classes)
+    name = os.path.basename(os.fspath(path))
+    if name.endswith((".gz", ".zip")):
+        with atomic_write(path, "wb") as raw, _compressed(raw, name) as out:
+            for part in parts:
+                out.write(part.encode("utf-8"))
+        return
     with atomic_write(path) as f:
-        for part in _geojson_chunks(dets, classes):
-            f.write(part)
+        f.writelines(parts)
+
+
+@contextlib.contextmanager
+def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
+    """A binary stream that compresses into ``raw``: gzip for ``*.gz``, else one zip entry."""
+    if name.endswith(".gz"):
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
+            yield gz
+        return
+    with zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=GZIP_LEVEL) as zf, \
+            zf.open(name.removesuffix(".zip"), "w", force_zip64=True) as entry:
+        yield entry
 
 
 def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
@@ -119,12 +209,12 @@ def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[
 
     Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs.
     """
-    labels = np.unique(dets["label"]).tolist() if len(dets) else []
+    labels = labels_present(dets)
     names = {lab: _csv_field(_class(classes, int(lab))["name"]) for lab in labels}
     with atomic_write(path, newline="") as f:
         f.write(",".join(CSV_COLUMNS) + "\r\n")
-        for start in range(0, len(dets), 65536):
-            d = dets[start:start + 65536]
+        for start in range(0, len(dets), CHUNK):
+            d = dets[start:start + CHUNK]
             cols = [d[k].astype(np.float64).tolist() for k in ("x0", "y0", "x1", "y1", "score")]
             rows = [f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
                     for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)]
@@ -139,16 +229,12 @@ def _csv_field(text: str) -> str:
 
 
 def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = None) -> np.ndarray:
-    """Read detection boxes back from a GeoJSON file (the boxes' bounding rectangles).
+    """Read detection boxes back from a GeoJSON file, plain, gzipped or zipped (the boxes' bounding rectangles).
 
     Labels are looked up by classification name in ``classes`` (or numbered
     in order of appearance); a missing score reads as 1.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
+    doc = load_geojson(path)
     names = {c["name"]: i for i, c in enumerate(classes or [])}
     rows = []
     for feat in doc.get("features", []):
@@ -165,3 +251,34 @@ def read_geojson(path: str | os.PathLike[str], classes: Sequence[dict] | None = 
     for i, r in enumerate(rows):
         out[i] = r
     return out
+
+
+def load_geojson(path: str | os.PathLike[str]) -> dict:
+    """The JSON document of a GeoJSON file, plain, gzipped or zipped; WSIPipelineError naming the file
+    when it cannot be read as one."""
+    try:
+        with _open_geojson(path) as f:
+            return json.load(f)
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, zipfile.BadZipFile) as exc:
+        raise WSIPipelineError(f"{path}: not a readable GeoJSON file: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _open_geojson(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+    """The GeoJSON bytes of a plain, gzip or zip file (a zip: its first ``.geojson``/``.json`` entry)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic[:2] == GZIP_MAGIC:
+        with gzip.open(path, "rb") as gz:
+            yield gz
+        return
+    if magic != ZIP_MAGIC:
+        with open(path, "rb") as f:
+            yield f
+        return
+    with zipfile.ZipFile(path) as zf:
+        names = [n for n in zf.namelist() if n.lower().endswith((".geojson", ".json"))]
+        if not names:
+            raise OSError(f"expected a .geojson entry in the zip archive, found {zf.namelist()}")
+        with zf.open(names[0]) as entry:
+            yield entry

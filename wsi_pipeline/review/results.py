@@ -9,7 +9,6 @@ of the slide (origin top-left, x to the right, y down).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 
 from ..errors import WSIPipelineError
 from ..inference.card import read_card_json
-from ..io.detections import DETECTION_DTYPE, parse_color, read_geojson
+from ..io.detections import DETECTION_DTYPE, load_geojson, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
 from ..summary import load_summary
@@ -29,6 +28,8 @@ RGB = tuple[int, int, int]
 # Colours for classes a run names without one (matplotlib's tab10, as 0-255 RGB).
 PALETTE: tuple[RGB, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
                             (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
+# Where a run folder may hold its detections as GeoJSON, in the order looked for.
+GEOJSON_FILES = ("detections.geojson", "detections.geojson.zip", "detections.geojson.gz")
 
 
 def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | None] | None:
@@ -48,9 +49,8 @@ def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | No
 def _geojson_colors(path: Path, names: list[str]) -> dict[str, RGB]:
     """The first colour the GeoJSON file gives each class name."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        doc = load_geojson(path)
+    except WSIPipelineError:
         return {}
     found: dict[str, RGB] = {}
     for feat in doc.get("features", []):
@@ -209,7 +209,8 @@ def _slide_folder(run_dir: Path) -> Path:
 
 
 def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Slide | None = None) -> ReviewRun:
-    """Load a run folder (summary.json, detections.geojson, heatmap.ome.tif when written).
+    """Load a run folder (summary.json, detections.geojson (or .geojson.zip, .geojson.gz), heatmap.ome.tif
+    when written).
 
     ``run_dir`` is one slide's folder (``pipe.run(..., out_dir=...)``, or
     ``DIR/slides/<name>`` of ``wsi-pipeline run --out DIR``), or a batch
@@ -229,15 +230,14 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
         names, colors = card[0], list(card[1])
     else:
         colors = []
-    geo = run_dir / "detections.geojson"
+    # The GeoJSON the run wrote, in whichever of its formats (docs/outputs.md).
+    geo = next((p for p in (run_dir / n for n in GEOJSON_FILES) if p.is_file()), run_dir / GEOJSON_FILES[0])
     if geo.is_file():
         dets = read_geojson(geo, classes=[{"name": n} for n in names])
     else:
         dets = np.zeros(0, DETECTION_DTYPE)
     if len(dets) and int(dets["label"].max()) >= len(names):  # names the summary did not list
-        with open(geo, encoding="utf-8") as f:
-            doc = json.load(f)
-        for feat in doc.get("features", []):
+        for feat in load_geojson(geo).get("features", []):
             n = ((feat.get("properties") or {}).get("classification") or {}).get("name", "object")
             if n not in names:
                 names.append(n)

@@ -1,0 +1,327 @@
+"""Output formats: gzipped GeoJSON, Parquet and GeoParquet read back with the users' readers,
+QuPath's rules for GeoJSON features, and the choice of formats in the config, CLI and run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import uuid
+import zipfile
+
+import geopandas as gpd
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import shapely
+from helpers import random_detections
+
+from wsi_pipeline import Pipeline
+from wsi_pipeline.batch import resume_state
+from wsi_pipeline.commands.run import build_config
+from wsi_pipeline.config import RunConfig, load_config
+from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.inference.card import load_card
+from wsi_pipeline.io import detections as detections_io
+from wsi_pipeline.io import formats as formats_io
+from wsi_pipeline.io import parquet as parquet_io
+from wsi_pipeline.io.detections import make_detections, polygon_rows, read_geojson, write_geojson
+from wsi_pipeline.io.formats import DEFAULT_FORMATS, FORMATS, output_files, parse_formats
+from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
+from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.review.results import load_run
+from wsi_pipeline.run_key import RunKey
+from wsi_pipeline.synthetic import write_synthetic_slide
+
+CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": "scratch", "color": [0, 0, 255]}]
+
+
+def _dets(n=500, seed=0):
+    return random_detections(n, seed)
+
+
+def _with_degenerate(dets):
+    """Rows 3 (zero width), 7 (zero height), 11 (width 0.001: zero at the GeoJSON's 0.01 px) and
+    13 (NaN) have no area."""
+    d = dets.copy()
+    d["x1"][3] = d["x0"][3]
+    d["y1"][7] = d["y0"][7]
+    d["x0"][11] = np.float32(100.0)
+    d["x1"][11] = np.float32(100.001)
+    d["y0"][13] = np.nan
+    return d
+
+
+# -- GeoJSON: QuPath's rules, gzip ---------------------------------------------------
+
+def _check_qupath_features(doc, dets):
+    """Every feature as QuPath imports it: closed non-degenerate ring, classification with name and
+    [r, g, b] colour, a UUID id whose last 12 hex digits are the detection's row."""
+    assert doc["type"] == "FeatureCollection"
+    ids = []
+    for feat in doc["features"]:
+        assert feat["type"] == "Feature" and feat["geometry"]["type"] == "Polygon"
+        ring = np.asarray(feat["geometry"]["coordinates"][0])
+        assert ring.shape == (5, 2) and (ring[0] == ring[-1]).all()
+        assert ring[:, 0].max() > ring[:, 0].min() and ring[:, 1].max() > ring[:, 1].min()
+        assert shapely.Polygon(ring).is_valid and shapely.Polygon(ring).area > 0
+        cls = feat["properties"]["classification"]
+        assert set(cls) == {"name", "color"}
+        assert len(cls["color"]) == 3 and all(isinstance(v, int) and 0 <= v <= 255 for v in cls["color"])
+        assert feat["properties"]["objectType"] == "detection"
+        ids.append(feat["id"])
+        row = int(feat["id"][-12:], 16)
+        assert ring[0].tolist() == [round(float(dets[k][row]), 2) for k in ("x0", "y0")]
+        assert cls["name"] == CLASSES[int(dets["label"][row])]["name"]
+    assert all(str(uuid.UUID(i)) == i for i in ids)
+    assert len(set(ids)) == len(ids)
+    return ids
+
+
+def test_boxes_without_area_are_left_out_of_the_geojson(tmp_path):
+    dets = _with_degenerate(_dets())
+    assert np.flatnonzero(~polygon_rows(dets)).tolist() == [3, 7, 11, 13]
+    write_geojson(tmp_path / "d.geojson", dets, CLASSES)
+    doc = json.loads((tmp_path / "d.geojson").read_text())
+    assert len(doc["features"]) == len(dets) - 4
+    ids = _check_qupath_features(doc, dets)
+    assert [int(i[-12:], 16) for i in ids] == [i for i in range(len(dets)) if i not in (3, 7, 11, 13)]
+    assert formats_io.detection_notes(["csv", "geojson.zip"], dets) == {"geojson_left_out": 4}
+    assert formats_io.detection_notes(["csv", "parquet"], dets) == {}
+
+
+def test_gzipped_geojson_is_the_same_document_and_reads_back(tmp_path, monkeypatch):
+    # Several chunks, one of them made only of boxes without area (no stray commas).
+    monkeypatch.setattr(detections_io, "CHUNK", 4)
+    dets = _dets(40)
+    dets["x1"][4:8] = dets["x0"][4:8]
+    write_geojson(tmp_path / "d.geojson", dets, CLASSES)
+    write_geojson(tmp_path / "d.geojson.gz", dets, CLASSES)
+    raw = (tmp_path / "d.geojson.gz").read_bytes()
+    assert raw[:2] == b"\x1f\x8b"
+    assert gzip.decompress(raw) == (tmp_path / "d.geojson").read_bytes()
+    with gzip.open(tmp_path / "d.geojson.gz", "rt", encoding="utf-8") as f:
+        doc = json.load(f)
+    assert len(doc["features"]) == 36
+    _check_qupath_features(doc, dets)
+    back = read_geojson(tmp_path / "d.geojson.gz", CLASSES)
+    kept = polygon_rows(dets)
+    np.testing.assert_array_equal(back["label"], dets["label"][kept])
+    np.testing.assert_allclose(back["x0"], dets["x0"][kept], atol=0.006)
+    # The same detections give the same bytes (ids included) on every write; sorted paths differ.
+    write_geojson(tmp_path / "again.geojson.gz", dets.copy(), CLASSES)
+    assert (tmp_path / "again.geojson.gz").read_bytes() == raw
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.geojson.gz", "d.geojson", "d.geojson.gz"]
+
+
+def test_zipped_geojson_holds_the_document_as_qupath_reads_it(tmp_path):
+    dets = _with_degenerate(_dets(300))
+    write_geojson(tmp_path / "d.geojson", dets, CLASSES)
+    write_geojson(tmp_path / "d.geojson.zip", dets, CLASSES)
+    with zipfile.ZipFile(tmp_path / "d.geojson.zip") as zf:
+        assert zf.namelist() == ["d.geojson"]  # QuPath imports the .geojson entries of a .zip
+        assert zf.getinfo("d.geojson").compress_type == zipfile.ZIP_DEFLATED
+        assert zf.read("d.geojson") == (tmp_path / "d.geojson").read_bytes()
+        _check_qupath_features(json.loads(zf.read("d.geojson")), dets)
+    back = read_geojson(tmp_path / "d.geojson.zip", CLASSES)
+    assert len(back) == len(dets) - 4
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as zf:
+        zf.writestr("readme.txt", "no objects")
+    with pytest.raises(WSIPipelineError, match=r"other.zip: not a readable GeoJSON file: expected a .geojson"):
+        read_geojson(tmp_path / "other.zip")
+
+
+def test_other_detections_get_other_ids(tmp_path):
+    a, b = _dets(5, seed=1), _dets(5, seed=2)
+    ids_a = [f["id"] for f in detections_io.to_geojson(a, CLASSES)["features"]]
+    ids_b = [f["id"] for f in detections_io.to_geojson(b, CLASSES)["features"]]
+    assert not set(ids_a) & set(ids_b)
+
+
+def test_a_truncated_gzip_file_is_a_pipeline_error(tmp_path):
+    write_geojson(tmp_path / "d.geojson.gz", _dets(2000), CLASSES)
+    data = (tmp_path / "d.geojson.gz").read_bytes()
+    (tmp_path / "cut.geojson.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(WSIPipelineError, match="cut.geojson.gz: not a readable GeoJSON"):
+        read_geojson(tmp_path / "cut.geojson.gz")
+
+
+# -- Parquet and GeoParquet ----------------------------------------------------------
+
+def test_parquet_reads_back_with_pandas_in_row_groups(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_io, "ROW_GROUP", 128)
+    dets = _with_degenerate(_dets(500))
+    dets["label"][0] = 5  # a label past the card's classes
+    write_parquet(tmp_path / "d.parquet", dets, CLASSES)
+    assert pq.ParquetFile(tmp_path / "d.parquet").metadata.num_row_groups == 4
+    df = pd.read_parquet(tmp_path / "d.parquet")
+    assert list(df.columns) == ["x0", "y0", "x1", "y1", "score", "label", "class"]
+    assert [str(t) for t in df.dtypes[:6]] == ["float32"] * 5 + ["int32"]
+    assert len(df) == len(dets)  # every detection, those without area included
+    for k in ("x0", "y0", "x1", "y1", "score", "label"):
+        np.testing.assert_array_equal(df[k].to_numpy(), dets[k])
+    assert df["class"].astype(str).tolist() == [
+        "class_5" if lab == 5 else CLASSES[lab]["name"] for lab in dets["label"].tolist()]
+    meta = json.loads(pq.read_schema(tmp_path / "d.parquet").metadata[b"wsi_pipeline"])
+    assert meta["coordinates"].startswith("level-0 pixels")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]  # no partial file left
+
+
+def test_geoparquet_reads_back_as_a_geodataframe(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_io, "ROW_GROUP", 100)
+    dets = _dets(250)
+    write_geoparquet(tmp_path / "d.geoparquet", dets, CLASSES)
+    gdf = gpd.read_parquet(tmp_path / "d.geoparquet")
+    assert isinstance(gdf, gpd.GeoDataFrame) and gdf.geometry.name == "geometry"
+    assert gdf.crs is None and len(gdf) == len(dets)
+    assert (gdf.geom_type == "Polygon").all() and gdf.is_valid.all()
+    bounds = gdf.geometry.bounds.to_numpy()
+    np.testing.assert_array_equal(bounds, np.stack([dets[k] for k in ("x0", "y0", "x1", "y1")], 1))
+    np.testing.assert_allclose(gdf.area, (dets["x1"] - dets["x0"]).astype(float) * (dets["y1"] - dets["y0"]))
+    geo = json.loads(pq.read_schema(tmp_path / "d.geoparquet").metadata[b"geo"])
+    assert geo["primary_column"] == "geometry"
+    assert geo["columns"]["geometry"]["encoding"] == "WKB"
+    np.testing.assert_allclose(geo["columns"]["geometry"]["bbox"], gdf.total_bounds)
+
+
+def test_empty_detections_make_readable_tables(tmp_path):
+    empty = make_detections(np.zeros((0, 4)), np.zeros(0), np.zeros(0))
+    write_parquet(tmp_path / "e.parquet", empty, CLASSES)
+    write_geoparquet(tmp_path / "e.geoparquet", empty, CLASSES)
+    df = pd.read_parquet(tmp_path / "e.parquet")
+    assert len(df) == 0 and list(df.columns) == ["x0", "y0", "x1", "y1", "score", "label", "class"]
+    gdf = gpd.read_parquet(tmp_path / "e.geoparquet")
+    assert isinstance(gdf, gpd.GeoDataFrame) and len(gdf) == 0
+
+
+# -- choosing formats ----------------------------------------------------------------
+
+def test_formats_are_parsed_into_the_registry_order():
+    assert RunConfig().formats == DEFAULT_FORMATS == ("geojson", "csv", "ome-tiff", "overlay")
+    assert parse_formats("parquet, geojson.gz,parquet") == ("geojson.gz", "parquet")
+    assert RunConfig(formats=["csv", "GeoJSON"]).formats == ("geojson", "csv")
+    assert output_files(DEFAULT_FORMATS) == list(OUTPUT_FILES)
+    assert output_files(("parquet", "ome-tiff"), heatmap=False) == ["detections.parquet", "summary.json"]
+    assert {f.kind for f in FORMATS.values()} == {"detections", "heatmap", "overlay"}
+    for f in FORMATS.values():
+        if f.writer is not None:
+            assert callable(f.write_function())
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("geojson,shapefile", "formats: unknown format 'shapefile' (known: geojson, geojson.gz, geojson.zip, csv"),
+    ("", "formats: expected at least one of geojson"),
+    ([1, 2], "formats: expected format names, found [1, 2]"),
+])
+def test_bad_formats_are_refused(value, message):
+    with pytest.raises(ConfigError) as err:
+        RunConfig(formats=value)
+    assert message in str(err.value)
+
+
+def test_a_format_without_its_library_names_the_extra(monkeypatch):
+    real = formats_io.importlib.util.find_spec
+    monkeypatch.setattr(formats_io.importlib.util, "find_spec",
+                        lambda name: None if name == "pyarrow" else real(name))
+    with pytest.raises(ConfigError, match=r"parquet needs pyarrow, which is not installed: "
+                                          r"pip install 'wsi-pipeline\[parquet\]'"):
+        RunConfig(formats="csv,parquet")
+    assert RunConfig(formats="csv,geojson.gz").formats == ("geojson.gz", "csv")
+
+
+def test_formats_from_toml_and_the_command_line(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('formats = ["parquet", "geojson.gz"]\n')
+    assert load_config(toml).formats == ("geojson.gz", "parquet")
+    toml.write_text("formats = 3\n")
+    with pytest.raises(ConfigError, match=r"run.toml: formats: expected a list of names or a comma-separated "
+                                          r"string, found int 3"):
+        load_config(toml)
+    toml.write_text('formats = "csv,nope"\n')
+    with pytest.raises(ConfigError, match=r"run.toml: formats: unknown format 'nope'"):
+        load_config(toml)
+    from wsi_pipeline.cli import build_parser
+
+    args = build_parser().parse_args(["run", "x.tiff", "--out", str(tmp_path), "--formats", "geoparquet,csv"])
+    assert build_config(args).formats == ("csv", "geoparquet")
+
+
+def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide_path), "--out", str(tmp_path / "o"),
+                        "--formats", "geojson,shp"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
+        "geoparquet, ome-tiff, overlay)"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_resume_key_covers_formats_and_keeps_default_keys():
+    card = load_card(DEFAULT_MODEL)
+    default = RunKey.of(RunConfig(), card)
+    settings = RunConfig().result_key()
+    del settings["formats"]
+    for k in ("model", "mask"):
+        settings.pop(k)
+    from wsi_pipeline.run_key import _digest
+
+    assert default.parts["settings"] == _digest(settings)  # as before formats could be chosen
+    assert RunKey.of(RunConfig(formats="overlay,csv,ome-tiff,geojson"), card) == default
+    other = RunKey.of(RunConfig(formats="geojson.gz,parquet"), card)
+    assert other.value != default.value and other.changes_from(default.parts) == ["the settings"]
+
+
+def test_resume_needs_the_files_the_summary_lists(tmp_path):
+    slide = tmp_path / "s.tiff"
+    slide.write_bytes(b"x" * 100)
+    key = RunKey({"settings": "a"})
+    folder = tmp_path / "out"
+    folder.mkdir()
+    from wsi_pipeline.run_key import input_identity
+
+    summary = {"run_key": key.value, "input": input_identity(slide),
+               "files": ["detections.parquet", "summary.json"]}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    assert resume_state(folder, key, slide)[1] == "its outputs are incomplete (no detections.parquet)"
+    (folder / "detections.parquet").write_bytes(b"")
+    assert resume_state(folder, key, slide)[1] is None  # no GeoJSON, CSV or heatmap asked for
+
+
+# -- a run ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slide_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("formats") / "tissue.tiff"
+    write_synthetic_slide(path, 1536, 1536, seed=3, kind="pathology")
+    return path
+
+
+def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
+    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,parquet,geoparquet", writer_processes=0) as pipe:
+        result = pipe.run(slide_path, out_dir=tmp_path / "run")
+    out = tmp_path / "run"
+    files = ["detections.geojson.gz", "detections.geojson.zip", "detections.parquet", "detections.geoparquet",
+             "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["files"] == files
+    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "parquet", "geoparquet"]
+    assert summary["geojson_left_out"] == 0
+    assert summary["heatmap_scores"] is not None  # the heatmap is still blended and measured
+    assert result.heatmap is None
+    n = len(result.detections)
+    assert n > 0
+    with gzip.open(out / "detections.geojson.gz", "rt", encoding="utf-8") as f:
+        assert len(json.load(f)["features"]) == n
+    with zipfile.ZipFile(out / "detections.geojson.zip") as zf:
+        assert zf.read("detections.geojson") == gzip.decompress((out / "detections.geojson.gz").read_bytes())
+    df = pd.read_parquet(out / "detections.parquet")
+    np.testing.assert_array_equal(df["x0"].to_numpy(), result.detections["x0"])
+    assert set(df["class"].astype(str)) == {"nucleus"}
+    gdf = gpd.read_parquet(out / "detections.geoparquet")
+    assert len(gdf) == n and (gdf.geom_type == "Polygon").all()
+    review = load_run(out)  # the review helpers find the zipped GeoJSON
+    assert len(review.detections) == n and review.heatmap is None
+    np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)

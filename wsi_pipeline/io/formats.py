@@ -1,0 +1,127 @@
+"""The output formats a run can write into a slide's folder, by name (``RunConfig.formats``).
+
+Each :class:`OutputFormat` names its file, how it is made and what it needs:
+
+- ``detections``: a job of the writer pool (:mod:`.writer_pool`), the
+  function ``writer(path, detections, classes)``;
+- ``overlay``: a writer-pool job drawn from the slide's thumbnail;
+- ``heatmap``: a sink the heatmap blender streams into while the slide runs
+  (written only for models with a heatmap output).
+
+A heatmap sink such as OME-Zarr or DICOM joins :data:`FORMATS` as one more
+``heatmap`` entry. ``summary.json`` is written after all of them and is not
+a format: it is in every folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+DETECTIONS, OVERLAY, HEATMAP = "detections", "overlay", "heatmap"
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output file of a slide.
+
+    Attributes:
+        name: the name ``--formats`` takes.
+        filename: the file written in the slide's folder.
+        kind: :data:`DETECTIONS`, :data:`OVERLAY` or :data:`HEATMAP`.
+        writer: ``"module:function"`` of a writer-pool job (None for heatmap sinks);
+            imported when a run uses it, so that its library is needed only then.
+        requires: modules that must be importable for it.
+        extra: the package extra that installs them (``pip install 'wsi-pipeline[EXTRA]'``).
+        about: what it is, in a few words (for ``--help``).
+    """
+
+    name: str
+    filename: str
+    kind: str
+    writer: str | None = None
+    requires: tuple[str, ...] = ()
+    extra: str | None = None
+    about: str = ""
+
+    def write_function(self) -> Callable:
+        """The writer-pool job function (a module-level function: the pool pickles it)."""
+        if self.writer is None:
+            raise ValueError(f"format {self.name} is a {self.kind} sink, not a writer-pool job")
+        module, name = self.writer.split(":")
+        return getattr(importlib.import_module(module), name)
+
+    def missing(self) -> list[str]:
+        """The required modules that cannot be imported here."""
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+FORMATS: dict[str, OutputFormat] = {f.name: f for f in (
+    OutputFormat("geojson", "detections.geojson", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
+                 about="QuPath GeoJSON"),
+    OutputFormat("geojson.gz", "detections.geojson.gz", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
+                 about="the same, gzip-compressed, for pandas, geopandas, GDAL"),
+    OutputFormat("geojson.zip", "detections.geojson.zip", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
+                 about="the same in a zip archive, which QuPath imports as it is"),
+    OutputFormat("csv", "detections.csv", DETECTIONS, "wsi_pipeline.io.detections:write_csv", about="CSV table"),
+    OutputFormat("parquet", "detections.parquet", DETECTIONS, "wsi_pipeline.io.parquet:write_parquet",
+                 requires=("pyarrow",), extra="parquet", about="Parquet table for pandas, polars, DuckDB"),
+    OutputFormat("geoparquet", "detections.geoparquet", DETECTIONS, "wsi_pipeline.io.parquet:write_geoparquet",
+                 requires=("pyarrow", "shapely"), extra="geoparquet",
+                 about="GeoParquet with box polygons for geopandas"),
+    OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
+    OutputFormat("overlay", "overlay.png", OVERLAY, "wsi_pipeline.io.overlay:write_overlay",
+                 about="thumbnail with heatmap and boxes"),
+)}
+
+# What a run writes unless told otherwise (what every reader of a slide folder expects).
+DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")
+
+
+def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[str, ...]:
+    """Names as given (``"geojson.gz,parquet"`` or a list) -> a tuple in :data:`FORMATS`' order,
+    without repeats. ConfigError for an empty list, an unknown name, or a format whose library
+    is not installed (naming the extra that installs it)."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    if not all(isinstance(n, str) for n in items):
+        raise ConfigError(f"{source}: formats: expected format names, found {value!r}")
+    names = {n.strip().lower() for n in items if n.strip()}
+    if not names:
+        raise ConfigError(f"{source}: formats: expected at least one of {', '.join(FORMATS)}, found {value!r}")
+    unknown = sorted(names - set(FORMATS))
+    if unknown:
+        raise ConfigError(f"{source}: formats: unknown format {unknown[0]!r} (known: {', '.join(FORMATS)})")
+    for name in names:
+        fmt = FORMATS[name]
+        missing = fmt.missing()
+        if missing:
+            raise ConfigError(f"{source}: formats: {name} needs {' and '.join(missing)}, which is not installed: "
+                              f"pip install 'wsi-pipeline[{fmt.extra}]'")
+    return tuple(n for n in FORMATS if n in names)
+
+
+def chosen(names: Iterable[str], kind: str | None = None) -> list[OutputFormat]:
+    """The formats of ``names`` (of ``kind`` when given), in :data:`FORMATS`' order."""
+    names = set(names)
+    return [f for n, f in FORMATS.items() if n in names and (kind is None or f.kind == kind)]
+
+
+def output_files(names: Iterable[str], heatmap: bool = True) -> list[str]:
+    """The files a slide folder holds for formats ``names``, ``summary.json`` last; heatmap files
+    only with ``heatmap`` (a model with a heatmap output)."""
+    return [f.filename for f in chosen(names) if heatmap or f.kind != HEATMAP] + ["summary.json"]
+
+
+def detection_notes(names: Iterable[str], dets) -> dict[str, int]:
+    """Summary entries about how formats ``names`` write the detections ``dets``:
+    ``geojson_left_out``, the boxes a GeoJSON file leaves out (no area; see
+    :func:`~.detections.polygon_rows`), when a GeoJSON format is among them."""
+    if not any(f.writer == FORMATS["geojson"].writer for f in chosen(names)):
+        return {}
+    from .detections import count_polygons
+
+    return {"geojson_left_out": len(dets) - count_polygons(dets)}
