@@ -9,9 +9,11 @@
   measurement (SCT 246262008 "Score", unit UCUM "1").
 - :func:`write_dicom_parametric_map`: the heatmap as **Parametric Map**
   instances (SOP class 1.2.840.10008.5.1.4.1.1.30), one per class in one
-  series (a folder of files), each tiled ``TILED_FULL``, one frame per tile, uint8 stored values with a real-world value
-  mapping ``value = stored / 255`` per class, pixel spacing ``mpp x heatmap
-  scale`` and its position in the slide's frame of reference; frames are
+  series (a folder of files: one instance holding every class would have
+  frames that its dimension index cannot tell apart), each tiled
+  (``TILED_SPARSE`` by default, one frame per tile with its position),
+  uint16 stored values with the real-world value mapping
+  ``value = stored / 65535``, pixel spacing ``mpp x heatmap scale`` and its position in the slide's frame of reference; frames are
   JPEG-LS lossless compressed.
 
 Source: both objects reference the slide's level-0 image. For a DICOM slide
@@ -52,7 +54,7 @@ from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
 from wsi_pipeline.io.ome_zarr import replace_tree
 
 MANUFACTURER = "wsi-pipeline"
-# Stored bytes (H x W uint8) of one class's Parametric Map: highdicom keeps every encoded
+# Stored bytes (H x W x 2, uint16) of one class's Parametric Map: highdicom keeps every encoded
 # frame of the instance in memory until the file is written (up to twice the compressed
 # size, and a heatmap that does not compress is its raw size), so the size is capped; write
 # a reduced level (``level=1`` has a quarter of the pixels) above it.
@@ -62,7 +64,10 @@ NO_UNITS = Code("1", "UCUM", "no units")
 # Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
 PLACEHOLDER_ATTRIBUTES = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber",
                           "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
-_PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
+_PRIVATE_SCHEME = "99WSIPL"
+# Parametric Map stored values: uint16, value = stored / 65535 (an 8-bit heatmap's values map exactly: 257 x).
+_STORED = np.dtype(np.uint16)
+_SCALE = 1 / 65535  # private coding scheme of the detector's class names
 
 
 def _read_header(path: Path) -> Dataset | None:
@@ -170,6 +175,16 @@ def source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[in
     if found != tuple(int(v) for v in dimensions):
         raise WSIPipelineError(f"{slide_path}: expected a DICOM level 0 of {dimensions[0]} x {dimensions[1]} pixels, "
                                f"found {found[0]} x {found[1]}")
+    # Attributes some scanners leave out: empty patient/study attributes, the usual orientation, origin 0, 0.
+    for keyword in PLACEHOLDER_ATTRIBUTES:
+        if keyword not in ds:
+            setattr(ds, keyword, "")
+    if "ImageOrientationSlide" not in ds:
+        ds.ImageOrientationSlide = [0.0, -1.0, 0.0, -1.0, 0.0, 0.0]
+    if "TotalPixelMatrixOriginSequence" not in ds:
+        origin = Dataset()
+        origin.XOffsetInSlideCoordinateSystem = origin.YOffsetInSlideCoordinateSystem = 0.0
+        ds.TotalPixelMatrixOriginSequence = [origin]
     return ds, False
 
 
@@ -255,20 +270,19 @@ def write_dicom_annotations(
 
 
 def _spool_heatmap(heatmap: np.ndarray | HeatmapFile, level: int, spool: Path) -> np.ndarray:
-    """The heatmap's level ``level`` as a C x H x W uint8 memmap (``round(value * 255)``), band by band."""
+    """The heatmap's level ``level`` as a C x H x W uint16 memmap (``round(value * 65535)``), band by band."""
     if isinstance(heatmap, HeatmapFile):
         import tifffile
 
         c, h, w = heatmap.level_shapes[level]
-        out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=np.uint8, shape=(c, h, w))
+        out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=np.uint16, shape=(c, h, w))
         with tifffile.TiffFile(heatmap.path) as tif:
             pages = tif.series[0].levels[level].pages
             for k in range(c):
                 stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=pages[k].dtype, shape=(h, w))
                 pages[k].asarray(out=stored)  # decoded tile by tile into the memmap
                 for y in range(0, h, 256):
-                    out[k, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), np.dtype(np.uint8),
-                                                 1 / 255)
+                    out[k, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
                 del stored
                 (spool / "page.npy").unlink()
         return out
@@ -277,9 +291,9 @@ def _spool_heatmap(heatmap: np.ndarray | HeatmapFile, level: int, spool: Path) -
     array = np.asarray(heatmap)
     if array.ndim != 3:
         raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {array.shape}")
-    out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=np.uint8, shape=array.shape)
+    out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=_STORED, shape=array.shape)
     for y in range(0, array.shape[1], 256):
-        out[:, y:y + 256] = quantise(array[:, y:y + 256], np.dtype(np.uint8), 1 / 255)
+        out[:, y:y + 256] = quantise(array[:, y:y + 256], _STORED, _SCALE)
     return out
 
 
@@ -305,6 +319,7 @@ def write_dicom_parametric_map(
     tile: int = 256,
     max_bytes: int = MAX_PARAMETRIC_MAP_BYTES,
     series_number: int = 902,
+    dimension_organization: str = "TILED_SPARSE",
 ) -> Path:
     """Write a heatmap as a series of tiled Parametric Maps, one file per class, in the folder ``path``.
 
@@ -315,16 +330,20 @@ def write_dicom_parametric_map(
     Args:
         path: output folder, conventionally ``heatmap.dcm.d`` or similar.
         heatmap: C x H x W float values in [0, 1] (heatmap pixels), or a
-            :class:`~wsi_pipeline.io.ome_tiff.HeatmapFile`; stored as uint8
-            ``round(value * 255)`` with the mapping ``value = stored / 255``.
+            :class:`~wsi_pipeline.io.ome_tiff.HeatmapFile`; stored as uint16
+            ``round(value * 65535)`` with the mapping ``value = stored / 65535``.
         channel_names: C class names (default: the HeatmapFile's, or ``channel_k``).
         scale_level0: level-0 pixels per heatmap pixel (of level 0 of the heatmap).
         dimensions: the slide's level-0 (width, height) in pixels.
         slide_path, mpp: as for :func:`write_dicom_annotations`.
         level: pyramid level of a HeatmapFile to write (2**level coarser).
         tile: frame side in heatmap pixels.
-        max_bytes: refuse a class plane H x W (bytes, uint8) larger than this
-            (see :data:`MAX_PARAMETRIC_MAP_BYTES`).
+        max_bytes: refuse a class plane H x W x 2 (bytes, uint16) larger than
+            this (see :data:`MAX_PARAMETRIC_MAP_BYTES`).
+        dimension_organization: ``"TILED_SPARSE"`` (each frame with its
+            position: what every reader of Parametric Maps takes, and what
+            dciodvfy validates) or ``"TILED_FULL"`` (frames in row-major tile
+            order without per-frame metadata: smaller, newer in the standard).
     """
     path = Path(path)
     if isinstance(heatmap, HeatmapFile):
@@ -340,7 +359,10 @@ def write_dicom_parametric_map(
     if len(names) != shape[0]:
         raise ConfigError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
                           f"found {len(names)}")
-    plane_bytes = shape[1] * shape[2]
+    if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
+        raise ConfigError(f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', "
+                          f"found {dimension_organization!r}")
+    plane_bytes = shape[1] * shape[2] * 2
     if plane_bytes > max_bytes:
         raise WSIPipelineError(f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
                                f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
@@ -370,16 +392,16 @@ def write_dicom_parametric_map(
         for k, (name, file_name) in enumerate(zip(names, parametric_map_file_names(names), strict=True)):
             mapping = hd.pm.RealWorldValueMapping(
                 lut_label=name[:16], lut_explanation=f"probability of {name}"[:64], unit=NO_UNITS,
-                value_range=(0, 255), slope=1 / 255, intercept=0)
+                value_range=(0, 65535), slope=1 / 65535, intercept=0)
             pm = hd.pm.ParametricMap(
                 source_images=[src], pixel_array=stored[k:k + 1],  # 1 x H x W: one total pixel matrix
                 series_instance_uid=series_uid, series_number=series_number, sop_instance_uid=hd.UID(),
                 instance_number=k + 1, contains_recognizable_visual_features=False,
                 real_world_value_mappings=[mapping],
-                voi_lut_transformations=[hd.VOILUTTransformation(window_center=127.5, window_width=256.0)],
+                voi_lut_transformations=[hd.VOILUTTransformation(window_center=32767.5, window_width=65536.0)],
                 transfer_syntax_uid=JPEGLSLossless, content_label=f"HEATMAP{k}",
                 content_description=f"Probability of {name}"[:64],
-                tile_pixel_array=True, tile_size=(tile, tile), dimension_organization_type="TILED_FULL",
+                tile_pixel_array=True, tile_size=(tile, tile), dimension_organization_type=dimension_organization,
                 **geometry, **_equipment(),
             )
             pm.save_as(tmp / file_name, enforce_file_format=True)
