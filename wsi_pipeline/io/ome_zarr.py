@@ -70,7 +70,9 @@ def halve(band: np.ndarray) -> np.ndarray:
     data = band.astype(np.float32)
     if (2 * h2, 2 * w2) != (h, w):
         data = np.pad(data, ((0, 0), (0, 2 * h2 - h), (0, 2 * w2 - w)), mode="edge")
-    mean = data.reshape(c, h2, 2, w2, 2).mean(axis=(2, 4))
+    # The four pixels of each 2x2 block summed as strided views: several times faster than a mean over two
+    # axes of a 5-D reshape, and exact for stored integers.
+    mean = (data[:, 0::2, 0::2] + data[:, 1::2, 0::2] + data[:, 0::2, 1::2] + data[:, 1::2, 1::2]) * np.float32(0.25)
     return (mean if band.dtype.kind == "f" else np.rint(mean)).astype(band.dtype)
 
 
