@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import highdicom as hd
 import numpy as np
 import pydicom
@@ -231,3 +233,32 @@ def test_no_detections_make_a_file_without_groups(tmp_path):
     path = write_dicom_annotations(tmp_path / "d.dcm", _detections(0), CLASSES, dimensions=(100, 100))
     ann = hd.ann.annread(path)
     assert ann.get_annotation_groups() == []
+
+
+def _spool_peak(tmp_path, c: int, h: int, w: int) -> int:
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    heatmap = np.stack([0.5 + 0.4 * np.sin(x / (50 + 10 * k)) * np.cos(y / 70) for k in range(c)])
+    with OmeTiffHeatmapWriter(tmp_path / f"h{h}.ome.tif", w, h, c, tile=256) as writer:
+        writer(0, heatmap)
+    hf = HeatmapFile(tmp_path / f"h{h}.ome.tif")
+    spool = tmp_path / f"spool{h}"
+    spool.mkdir()
+    del heatmap, x, y
+    tracemalloc.start()
+    try:
+        stored = dicom._spool_heatmap(hf, 0, spool)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert stored.shape == (c, h, w) and stored.dtype == np.uint16
+    np.testing.assert_array_equal(stored[1], np.asarray(hf.read(0, [1])[0] * 65535 + 0.5, np.uint16))
+    return peak
+
+
+def test_a_heatmap_file_is_spooled_without_reading_a_level_whole(tmp_path):
+    """The OME-TIFF is decoded into the spool file page by page, converted band by band: heap use is a few
+    bands, the same for a heatmap 4x taller."""
+    small = _spool_peak(tmp_path, 2, 1024, 1536)
+    large = _spool_peak(tmp_path, 2, 4096, 1536)
+    assert large < 1.25 * small + 1e6, f"peak {small / 1e6:.1f} MB at 1024 rows, {large / 1e6:.1f} MB at 4096"
+    assert large < 2 * 4096 * 1536 * 2 / 2  # half the uint16 level it spools
