@@ -9,6 +9,8 @@ import pytest
 import zarr
 from ome_zarr.io import parse_url
 from ome_zarr.reader import Reader
+from ome_zarr_models.v04.image import Image as NgffImage04
+from ome_zarr_models.v05.image import Image as NgffImage05
 
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
 from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, pyramid_shapes
@@ -58,6 +60,8 @@ def test_round_trip_values_names_scales_and_pyramid(tmp_path, ngff_version, zarr
     np.testing.assert_array_equal(level0, np.rint(data * 255).astype(np.uint8))
     group = zarr.open_group(str(path), mode="r")
     assert group.metadata.zarr_format == zarr_format
+    # The NGFF schema of that version (pydantic models of the spec) accepts the metadata.
+    (NgffImage04 if ngff_version == "0.4" else NgffImage05).from_zarr(group)
     assert group.attrs["wsi_pipeline"]["value_scale"] == pytest.approx(1 / 255)
     array = zarr.open_array(str(path / "0"), mode="r")
     assert array.chunks == (1, 64, 64)
