@@ -246,17 +246,17 @@ def _spool_peak(tmp_path, c: int, h: int, w: int) -> int:
     del heatmap, x, y
     tracemalloc.start()
     try:
-        stored = dicom._spool_heatmap(hf, 0, spool)
+        stored = dicom._spool_class(hf, 0, 1, spool)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert stored.shape == (c, h, w) and stored.dtype == np.uint16
-    np.testing.assert_array_equal(stored[1], np.asarray(hf.read(0, [1])[0] * 65535 + 0.5, np.uint16))
+    assert stored.shape == (1, h, w) and stored.dtype == np.uint16
+    np.testing.assert_array_equal(stored[0], np.asarray(hf.read(0, [1])[0] * 65535 + 0.5, np.uint16))
     return peak
 
 
 def test_a_heatmap_file_is_spooled_without_reading_a_level_whole(tmp_path):
-    """The OME-TIFF is decoded into the spool file page by page, converted band by band: heap use is a few
+    """The OME-TIFF page of a class is decoded into a spool file, converted band by band: heap use is a few
     bands, the same for a heatmap 4x taller."""
     small = _spool_peak(tmp_path, 2, 1024, 1536)
     large = _spool_peak(tmp_path, 2, 4096, 1536)

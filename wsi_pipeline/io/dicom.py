@@ -269,31 +269,30 @@ def write_dicom_annotations(
     return _save(path, ann)
 
 
-def _spool_heatmap(heatmap: np.ndarray | HeatmapFile, level: int, spool: Path) -> np.ndarray:
-    """The heatmap's level ``level`` as a C x H x W uint16 memmap (``round(value * 65535)``), band by band."""
+def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: Path) -> np.ndarray:
+    """Class ``k`` of the heatmap's level ``level`` as a 1 x H x W uint16 memmap (``round(value * 65535)``).
+
+    Written band by band (a HeatmapFile's page is first decoded tile by tile
+    into a file of its own): heap use is a few bands, whatever the size.
+    """
+    for old in spool.glob("*.npy"):
+        old.unlink()
     if isinstance(heatmap, HeatmapFile):
         import tifffile
 
-        c, h, w = heatmap.level_shapes[level]
-        out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=np.uint16, shape=(c, h, w))
+        _, h, w = heatmap.level_shapes[level]
+        out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
         with tifffile.TiffFile(heatmap.path) as tif:
-            pages = tif.series[0].levels[level].pages
-            for k in range(c):
-                stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=pages[k].dtype, shape=(h, w))
-                pages[k].asarray(out=stored)  # decoded tile by tile into the memmap
-                for y in range(0, h, 256):
-                    out[k, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
-                del stored
-                (spool / "page.npy").unlink()
+            page = tif.series[0].levels[level].pages[k]
+            stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=page.dtype, shape=(h, w))
+            page.asarray(out=stored)
+            for y in range(0, h, 256):
+                out[0, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
         return out
-    if level:
-        raise ConfigError(f"level: a numpy heatmap has only level 0, found level {level}")
-    array = np.asarray(heatmap)
-    if array.ndim != 3:
-        raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {array.shape}")
-    out = np.lib.format.open_memmap(spool / "heatmap.npy", mode="w+", dtype=_STORED, shape=array.shape)
-    for y in range(0, array.shape[1], 256):
-        out[:, y:y + 256] = quantise(array[:, y:y + 256], _STORED, _SCALE)
+    _, h, w = heatmap.shape
+    out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+    for y in range(0, h, 256):
+        out[0, y:y + 256] = quantise(heatmap[k, y:y + 256], _STORED, _SCALE)
     return out
 
 
@@ -352,9 +351,12 @@ def write_dicom_parametric_map(
         shape = heatmap.level_shapes[level]
         names = list(channel_names) if channel_names is not None else list(heatmap.channel_names)
     else:
-        shape = tuple(np.shape(heatmap))
+        heatmap = np.asarray(heatmap)
+        shape = heatmap.shape
         if len(shape) != 3:
             raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {shape}")
+        if level:
+            raise ConfigError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
         names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
     if len(names) != shape[0]:
         raise ConfigError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
@@ -388,13 +390,13 @@ def write_dicom_parametric_map(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        stored = _spool_heatmap(heatmap, level, tmp)
         for k, (name, file_name) in enumerate(zip(names, parametric_map_file_names(names), strict=True)):
+            stored = _spool_class(heatmap, level, k, tmp)
             mapping = hd.pm.RealWorldValueMapping(
                 lut_label=name[:16], lut_explanation=f"probability of {name}"[:64], unit=NO_UNITS,
                 value_range=(0, 65535), slope=1 / 65535, intercept=0)
             pm = hd.pm.ParametricMap(
-                source_images=[src], pixel_array=stored[k:k + 1],  # 1 x H x W: one total pixel matrix
+                source_images=[src], pixel_array=stored,  # 1 x H x W: one total pixel matrix
                 series_instance_uid=series_uid, series_number=series_number, sop_instance_uid=hd.UID(),
                 instance_number=k + 1, contains_recognizable_visual_features=False,
                 real_world_value_mappings=[mapping],
@@ -405,9 +407,9 @@ def write_dicom_parametric_map(
                 **geometry, **_equipment(),
             )
             pm.save_as(tmp / file_name, enforce_file_format=True)
-            del pm
-        del stored
-        (tmp / "heatmap.npy").unlink()
+            del pm, stored
+        for spooled in tmp.glob("*.npy"):
+            spooled.unlink()
         replace_tree(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
