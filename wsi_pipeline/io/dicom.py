@@ -13,8 +13,9 @@
   frames that its dimension index cannot tell apart), each tiled
   (``TILED_SPARSE`` by default, one frame per tile with its position),
   uint16 stored values with the real-world value mapping
-  ``value = stored / 65535``, pixel spacing ``mpp x heatmap scale`` and its position in the slide's frame of reference; frames are
-  JPEG-LS lossless compressed.
+  ``value = stored / 65535``, pixel spacing ``mpp x heatmap scale`` and
+  its position in the slide's frame of reference; frames are JPEG-LS
+  lossless compressed.
 
 Source: both objects reference the slide's level-0 image. For a DICOM slide
 (a VL Whole Slide Microscopy series) that is the real instance: its patient,
@@ -48,10 +49,9 @@ from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage
 
 from wsi_pipeline import __version__
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
-from wsi_pipeline.io.atomic import atomic_write, partial_name
+from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
-from wsi_pipeline.io.ome_zarr import replace_tree
 
 MANUFACTURER = "wsi-pipeline"
 # Stored bytes (H x W x 2, uint16) of one class's Parametric Map: highdicom keeps every encoded
@@ -64,10 +64,10 @@ NO_UNITS = Code("1", "UCUM", "no units")
 # Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
 PLACEHOLDER_ATTRIBUTES = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber",
                           "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
-_PRIVATE_SCHEME = "99WSIPL"
+_PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
 # Parametric Map stored values: uint16, value = stored / 65535 (an 8-bit heatmap's values map exactly: 257 x).
 _STORED = np.dtype(np.uint16)
-_SCALE = 1 / 65535  # private coding scheme of the detector's class names
+_SCALE = 1 / 65535
 
 
 def _read_header(path: Path) -> Dataset | None:

@@ -50,7 +50,7 @@ from ome_zarr.format import FormatV04, FormatV05
 from ome_zarr.writer import write_multiscales_metadata
 
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
-from wsi_pipeline.io.atomic import partial_name
+from wsi_pipeline.io.atomic import partial_name, replace_tree
 from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, pyramid_shapes, quantise
 
@@ -111,29 +111,6 @@ class _Level:
         self._flush()
         if self.child is not None:
             self.child.finish()
-
-
-def replace_tree(tmp: Path, final: Path) -> None:
-    """Move the directory ``tmp`` to ``final``; an existing ``final`` (file or directory) is replaced.
-
-    ``os.replace`` cannot put a directory over a non-empty one: the old output
-    is renamed aside first and removed after, so ``final`` is at every moment
-    either the old complete output, absent, or the new complete one.
-    """
-    if not final.exists() and not final.is_symlink():
-        os.replace(tmp, final)
-        return
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        os.replace(old, final)
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink(missing_ok=True)
 
 
 class OmeZarrHeatmapWriter(HeatmapRowWriter):
