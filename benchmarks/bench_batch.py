@@ -29,7 +29,7 @@ from wsi_pipeline.batch_folder import slide_dir
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _write(args: tuple[str, int, int]) -> str:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from wsi_pipeline import Pipeline  # noqa: E402
 from wsi_pipeline.slide import open_slide  # noqa: E402
-from wsi_pipeline.slide.synthetic import write_synthetic_slide  # noqa: E402
-from wsi_pipeline.tiling.grid import read_tile  # noqa: E402
+from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.tiling.grid import TileGrid, read_tile  # noqa: E402
 from wsi_pipeline.tiling.tissue import tissue_mask  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> int:
     write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
     with Pipeline.from_card(backend="ort") as pipe:
         with open_slide(path) as slide:
-            grid = pipe._grid(slide)
+            grid = TileGrid(slide, geometry=pipe._geometry(slide))
             sel = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
             tiles = np.stack([read_tile(slide, t) for t in sel])
         pipe.run(path)  # warm-up

@@ -159,7 +159,7 @@ def make_loader(kind: str, slide, tiles, batch: int, streams: int, reader_worker
     if kind == "cpu_decode":
         return TileLoader(slide, tiles, batch_size=batch, workers=reader_workers, prefetch=4,
                           auto_release=False, max_held=streams + 3)
-    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
 
     jpeg = "nvjpeg" if kind == "gpu_decode_nvjpeg" else "threads"
     return GpuTileLoader(slide, tiles, batch_size=batch, prefetch=4, decode_threads=2, jpeg_decoder=jpeg)
@@ -200,8 +200,8 @@ def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: s
 
 def nvjpeg_vs_libjpeg(slide_path: str) -> str:
     """Pixel differences of nvJPEG against libjpeg-turbo on one batch of patches."""
-    from wsi_pipeline.inference.gpu_decode import GpuTileDecoder
     from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
     from wsi_pipeline.tiling.grid import TileGrid
 
     with TiffSlide(slide_path) as slide:
@@ -221,8 +221,8 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
 
     import torchvision.io
 
-    from wsi_pipeline.inference import gpu_decode
     from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.tiling import gpu_loader as gpu_decode
     from wsi_pipeline.tiling.grid import TileGrid
 
     out: dict = {}
@@ -300,7 +300,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     card = load_card(args.model) if args.model else demo_card(tmp)
     if args.profile_readers:
-        from wsi_pipeline.slide.synthetic import write_synthetic_slide
+        from wsi_pipeline.synthetic import write_synthetic_slide
 
         slide_path = args.slide or str(tmp / "synthetic.tif")
         if not args.slide:
@@ -359,7 +359,7 @@ def main() -> int:
     if args.slide or args.slide_px:
         slide_path = args.slide
         if slide_path is None:
-            from wsi_pipeline.slide.synthetic import write_synthetic_slide
+            from wsi_pipeline.synthetic import write_synthetic_slide
 
             slide_path = str(tmp / "synthetic.tif")
             t0 = time.perf_counter()

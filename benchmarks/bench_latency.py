@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from wsi_pipeline import Pipeline
-from wsi_pipeline.slide.synthetic import SyntheticScene
+from wsi_pipeline.synthetic import SyntheticScene
 
 MODEL = os.path.join(os.path.dirname(__file__), "..", "engines", "defects_industrial.card.json")
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def main() -> None:

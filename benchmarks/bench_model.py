@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from wsi_pipeline.inference import create_backend, decode, load_card  # noqa: E402
-from wsi_pipeline.inference.quantize import load_calibration_tiles  # noqa: E402
+from wsi_pipeline.models.quantize import load_calibration_tiles  # noqa: E402
 
 
 def calibration_folder(card) -> Path:

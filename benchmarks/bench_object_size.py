@@ -23,7 +23,7 @@ from wsi_pipeline.inference.decoders import decode
 from wsi_pipeline.inference.ort_backend import OrtBackend
 from wsi_pipeline.models.data import EVAL_SEEDS, SCENE_SAMPLING, render_tile, tile_origins
 from wsi_pipeline.models.evaluate import detection_counts
-from wsi_pipeline.slide.synthetic import SyntheticScene
+from wsi_pipeline.synthetic import SyntheticScene
 
 BINS_PX = (0, 8, 14, 20, 26, 32, 40, 52, 64, 128, 256)
 MODELS = {"pathology": ("engines/nuclei_pathology.card.json", (0.25, 0.167, 0.125)),

@@ -105,14 +105,14 @@ def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> di
 
 def split_stages(pipe: Pipeline, slide_path: str) -> dict:
     """tiles/s of the GPU loader alone, and of loader + executor without the stitcher."""
-    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
     from wsi_pipeline.pipeline import GPU_DECODE_BATCHES
     from wsi_pipeline.slide import open_slide
-    from wsi_pipeline.tiling import tissue_mask
+    from wsi_pipeline.tiling import TileGrid, tissue_mask
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
 
     out = {}
     with open_slide(slide_path) as slide:
-        grid = pipe._grid(slide)
+        grid = TileGrid(slide, geometry=pipe._geometry(slide))
         tiles = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
 
         def loader():
@@ -285,7 +285,7 @@ def main() -> int:
     save = _saver(args.json, res)
     slide_path = args.slide
     if slide_path is None:
-        from wsi_pipeline.slide.synthetic import write_synthetic_slide
+        from wsi_pipeline.synthetic import write_synthetic_slide
 
         slide_path = str(work / "s.tiff")
         t0 = time.perf_counter()

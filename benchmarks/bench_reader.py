@@ -37,7 +37,7 @@ import numpy as np
 
 from wsi_pipeline import open_slide
 from wsi_pipeline.slide.base import Slide
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 from wsi_pipeline.tiling import Tile, TileGrid, TileLoader, read_tile
 
 

@@ -59,10 +59,11 @@ def bench_nms(n_boxes: int) -> tuple[float, int]:
 
 
 def _blend_case(width_px: int, height_px: int, use_writer: bool) -> tuple[int, int, float, tuple[int, int]]:
+    from wsi_pipeline.geometry import TilingGeometry
     from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
     from wsi_pipeline.stitch import BlendGeometry, HeatmapBlender, tile_weights
 
-    geom = BlendGeometry.from_slide(width_px, height_px, tile_size_px=512, overlap_px=64, downsample=1, stride=8)
+    geom = BlendGeometry.from_tiling(TilingGeometry(width_px, height_px, 512, 64, heatmap_stride=8))
     channels = 2
     t = geom.tile_size_out
     tiles = [np.full((channels, t, t), v, dtype=np.float32) for v in np.linspace(0, 1, 7)]

@@ -17,7 +17,7 @@ import tempfile
 from wsi_pipeline import Pipeline
 from wsi_pipeline.io.detections import detection_boxes
 from wsi_pipeline.models.evaluate import detection_counts
-from wsi_pipeline.slide.synthetic import SyntheticScene, load_truth, write_synthetic_slide
+from wsi_pipeline.synthetic import SyntheticScene, load_truth, write_synthetic_slide
 
 SETTINGS = [
     ("nms, iou (default)", {}),

@@ -19,6 +19,7 @@ import threading
 import time
 
 import wsi_pipeline.io.ome_tiff as ome_tiff
+import wsi_pipeline.outputs as outputs
 import wsi_pipeline.pipeline as pipeline
 import wsi_pipeline.stages as stages
 
@@ -71,7 +72,7 @@ def main() -> None:
     stages.StageTimer.__call__ = stage
     # GeoJSON, CSV and the overlay's drawing run in writer processes (not this process's memory);
     # here: reading the overlay's thumbnail and finishing the heatmap file.
-    for owner, name, label in [(pipeline._Stitcher, "overlay_inputs", "write: overlay thumbnail"),
+    for owner, name, label in [(outputs.SlideOutputs, "overlay_inputs", "write: overlay thumbnail"),
                                (ome_tiff.OmeTiffHeatmapWriter, "close", "write: heatmap file")]:
         _label(owner, name, label)
     threading.Thread(target=_sample, daemon=True).start()

@@ -8,7 +8,7 @@ import sys
 
 from wsi_pipeline.inference import backend
 
-_SCRIPT = ("import sys; from wsi_pipeline.pipeline import resolve_backend; "
+_SCRIPT = ("import sys; import wsi_pipeline.pipeline; from wsi_pipeline.inference.backend import resolve_backend; "
            "print(resolve_backend('auto'), 'torch' in sys.modules)")
 
 

@@ -26,7 +26,7 @@ from wsi_pipeline.errors import ConfigError, ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
 from wsi_pipeline.run_key import RunKey
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 ENGINES = DEFAULT_MODEL.parent
 

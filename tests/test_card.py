@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.toy_models import build_toy_model
 
-from wsi_pipeline.errors import ConfigError, ModelError
+from wsi_pipeline.errors import ModelError
 from wsi_pipeline.inference.card import card_path_for, file_sha256, load_card
-from wsi_pipeline.inference.toy_models import build_toy_model
 
 pytest.importorskip("onnx")
 
@@ -112,7 +112,7 @@ def test_card_that_disagrees_with_the_model_is_refused(toy, edit, message):
 def test_malformed_card_names_file_and_field(toy, edit, field):
     card, doc = toy
     edit(doc)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ModelError) as info:
         load_card(rewrite(card, doc))
     assert str(card.card_path) in str(info.value)
     assert repr(field) in str(info.value) or f"'{field}'" in str(info.value)
@@ -121,7 +121,7 @@ def test_malformed_card_names_file_and_field(toy, edit, field):
 def test_uint8_input_cannot_ask_the_backend_to_normalise(toy):
     card, doc = toy
     doc["input"].update(normalize_in_graph=False, mean=[1, 2, 3])
-    with pytest.raises(ConfigError, match="normalize_in_graph"):
+    with pytest.raises(ModelError, match="normalize_in_graph"):
         load_card(rewrite(card, doc))
 
 
@@ -133,7 +133,7 @@ def test_missing_card_model_and_bad_json(tmp_path, toy):
     with pytest.raises(ModelError, match="gone.onnx does not exist"):
         load_card(rewrite(card, doc))
     card.card_path.write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ModelError, match="not valid JSON"):
         load_card(card.card_path)
 
 

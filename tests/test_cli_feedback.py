@@ -12,7 +12,7 @@ import pytest
 from wsi_pipeline import cli
 from wsi_pipeline.batch import BatchReport, SlideOutcome
 from wsi_pipeline.errors import UsageError
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _cli(*args, cwd=None):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsi_pipeline.errors import ConfigError, ModelError
+from wsi_pipeline.errors import ModelError
 from wsi_pipeline.inference.card import (
     ClassSpec,
     DecoderSpec,
@@ -172,7 +172,7 @@ def test_mismatched_shapes_are_refused():
 ])
 def test_bad_decoder_params_are_config_errors(params, message):
     card = make_card("centernet", CENTERNET_OUTPUTS, **params)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelError, match=message):
         validate_decoder_params(card)
 
 

@@ -10,7 +10,7 @@ import pydicom
 import pytest
 from helpers import write_dicom_wsi
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io import dicom
 from wsi_pipeline.io.detections import make_detections
 from wsi_pipeline.io.dicom import (
@@ -190,7 +190,7 @@ def test_too_large_a_heatmap_is_refused_with_the_level_to_use(tmp_path):
     with pytest.raises(WSIPipelineError, match=r"at most 1000 bytes a class, found a 40 x 30 heatmap.*level=1"):
         write_dicom_parametric_map(tmp_path / "pm", np.zeros((1, 30, 40), np.float32), scale_level0=4,
                                    dimensions=(160, 120), max_bytes=1000)
-    with pytest.raises(ConfigError, match="expected 2 channel names"):
+    with pytest.raises(ValueError, match="expected 2 channel names"):
         write_dicom_parametric_map(tmp_path / "pm", np.zeros((2, 30, 40), np.float32), ["a"], scale_level0=4,
                                    dimensions=(160, 120))
     assert list(tmp_path.iterdir()) == []

@@ -5,10 +5,10 @@ import threading
 import numpy as np
 import pytest
 
-from wsi_pipeline.errors import ConfigError, ModelError, TileReadError
+from wsi_pipeline.errors import ConfigError, InferenceError, ModelError, TileReadError
 from wsi_pipeline.inference.backend import create_backend
 from wsi_pipeline.inference.decoders import decode
-from wsi_pipeline.inference.executor import BatchInferenceError, Executor
+from wsi_pipeline.inference.executor import Executor
 from wsi_pipeline.slide.image import ImageSlide
 from wsi_pipeline.tiling.grid import TileGrid
 from wsi_pipeline.tiling.loader import TileLoader
@@ -118,10 +118,10 @@ def test_error_names_tiles_and_stops_cleanly(tiny_card):
     loader = TileLoader(slide, grid, batch_size=4, workers=2, auto_release=False, max_held=2)
     counting = CountingLoader(loader)
     ex = Executor(FailingBackend(tiny_card), streams=2)
-    with pytest.raises(BatchInferenceError, match=r"tiles \[8, 9, 10, 11\].*illegal memory") as ei:
+    with pytest.raises(InferenceError, match=r"tiles \[8, 9, 10, 11\].*illegal memory") as ei:
         for _ in ex.run(counting):
             pass
-    assert 9 in ei.value.tile_indices and ei.value.sequence == 2
+    assert 9 in ei.value.tile_ids and ei.value.sequence == 2
     assert not _executor_threads()
     assert counting.released == counting.given
     # The executor stays usable after a failed run.

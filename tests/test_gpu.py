@@ -25,10 +25,10 @@ from helpers import (  # noqa: E402
     smooth_image,
 )
 
-from wsi_pipeline.errors import BackendUnavailableError  # noqa: E402
+from wsi_pipeline.errors import BackendUnavailableError, InferenceError  # noqa: E402
 from wsi_pipeline.inference.backend import create_backend  # noqa: E402
 from wsi_pipeline.inference.decoders import decode  # noqa: E402
-from wsi_pipeline.inference.executor import BatchInferenceError, Executor  # noqa: E402
+from wsi_pipeline.inference.executor import Executor  # noqa: E402
 from wsi_pipeline.slide.image import ImageSlide  # noqa: E402
 from wsi_pipeline.tiling.grid import TileGrid  # noqa: E402
 from wsi_pipeline.tiling.loader import TileLoader  # noqa: E402
@@ -122,7 +122,7 @@ def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
     loader = TileLoader(slide, grid, batch_size=4, workers=2, auto_release=False, max_held=2)
     counting = CountingLoader(loader)
     ex = Executor(tb, streams=2)
-    with pytest.raises(BatchInferenceError, match=r"tiles \[\d+, \d+, \d+, \d+\].*out of memory"):
+    with pytest.raises(InferenceError, match=r"tiles \[\d+, \d+, \d+, \d+\].*out of memory"):
         for _ in ex.run(counting):
             pass
     assert not _executor_threads()
@@ -131,10 +131,10 @@ def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
 
 
 def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
-    from conftest import smooth_rgb, write_pyramid_tiff
+    from helpers import smooth_rgb, write_pyramid_tiff
 
-    from wsi_pipeline.inference.gpu_decode import GpuTileLoader
     from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
 
     path = tmp_path / "s.tif"
     write_pyramid_tiff(str(path), smooth_rgb(1500, 2000, seed=4), levels=2)
@@ -185,7 +185,7 @@ def test_tensorrt_backend_when_installed(tmp_path, card512, slide_and_grid, refe
 
 @pytest.fixture(scope="module")
 def pathology_slide(tmp_path_factory):
-    from wsi_pipeline.slide.synthetic import write_synthetic_slide
+    from wsi_pipeline.synthetic import write_synthetic_slide
 
     path = tmp_path_factory.mktemp("gpu_pipe") / "slide.tiff"
     write_synthetic_slide(path, 4096, 3072, seed=77, kind="pathology")
@@ -196,7 +196,7 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
     from wsi_pipeline import Pipeline
     from wsi_pipeline.io.detections import detection_boxes
     from wsi_pipeline.models.evaluate import detection_counts
-    from wsi_pipeline.slide.synthetic import load_truth
+    from wsi_pipeline.synthetic import load_truth
 
     with Pipeline.from_card(backend="ort") as cpu:
         ref = cpu.run(pathology_slide)

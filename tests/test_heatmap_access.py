@@ -12,7 +12,7 @@ from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     """The pathology model on one image: heatmap in memory, and written to a folder."""
-    from wsi_pipeline.slide.synthetic import SyntheticScene
+    from wsi_pipeline.synthetic import SyntheticScene
 
     image = SyntheticScene(900, 700, seed=5, kind="pathology").render(0, 0, 900, 700)
     with Pipeline.from_card(backend="ort", mpp=None, level=0) as pipe:

@@ -9,7 +9,8 @@ import pytest
 import tifffile
 
 from wsi_pipeline.errors import WSIPipelineError
-from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter, heatmap_physical_size_um
+from wsi_pipeline.geometry import TilingGeometry
+from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
 from wsi_pipeline.stitch import BlendGeometry, HeatmapBlender, tile_weights
 
 OME_NS = {"ome": "http://www.openmicroscopy.org/Schemas/OME/2016-06"}
@@ -31,7 +32,8 @@ def blend_random(geom: BlendGeometry, channels: int, sinks, seed=0):
 
 
 def test_blended_heatmap_round_trips_as_pyramidal_ome_tiff(tmp_path):
-    geom = BlendGeometry.from_slide(4000, 3000, tile_size_px=512, overlap_px=64, downsample=1, stride=8)
+    tiling = TilingGeometry(4000, 3000, 512, 64, heatmap_stride=8)
+    geom = BlendGeometry.from_tiling(tiling)
     names = ["tumor", "stroma"]
     path = tmp_path / "heatmap.ome.tif"
     reference = np.zeros((2, geom.out_height, geom.out_width), dtype=np.float32)
@@ -39,7 +41,7 @@ def test_blended_heatmap_round_trips_as_pyramidal_ome_tiff(tmp_path):
     def keep(y0, rows):
         reference[:, y0 : y0 + rows.shape[1]] = rows
 
-    pixel_um = heatmap_physical_size_um(0.25, 0.25, downsample=1, stride=8)
+    pixel_um = tiling.heatmap_pixel_size_um((0.25, 0.25))
     writer = OmeTiffHeatmapWriter(path, geom.out_width, geom.out_height, 2, names, pixel_um, tile=128)
     blend_random(geom, 2, [keep, writer])
     assert writer.close() == path

@@ -12,7 +12,7 @@ from ome_zarr.reader import Reader
 from ome_zarr_models.v04.image import Image as NgffImage04
 from ome_zarr_models.v05.image import Image as NgffImage05
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, pyramid_shapes
 from wsi_pipeline.io.ome_zarr import OmeZarrHeatmapWriter
 
@@ -160,8 +160,8 @@ def test_rows_out_of_order_or_missing_are_errors(tmp_path):
     ({"ngff_version": "0.3"}, "ngff_version expected"),
     ({"physical_size_um": (0.0, 1.0)}, "physical_size_um expected"),
 ])
-def test_bad_settings_are_config_errors(tmp_path, kwargs, message):
-    with pytest.raises(ConfigError, match=message):
+def test_bad_settings_are_value_errors(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
         OmeZarrHeatmapWriter(tmp_path / "h.ome.zarr", 32, 32, 2, **kwargs)
     assert list(tmp_path.iterdir()) == []
 

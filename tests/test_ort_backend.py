@@ -6,12 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.toy_models import TOY_BOXES, TOY_LABELS, TOY_SCORES, build_toy_model
 
 from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.inference import create_backend, decode
 from wsi_pipeline.inference.backend import Backend
 from wsi_pipeline.inference.ort_backend import OrtBackend
-from wsi_pipeline.inference.toy_models import TOY_BOXES, TOY_LABELS, TOY_SCORES, build_toy_model
 
 pytest.importorskip("onnx")
 

@@ -6,7 +6,6 @@ import cv2
 import numpy as np
 import pytest
 
-from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.io.overlay import render_overlay, write_png
 
 
@@ -44,9 +43,9 @@ def test_overlay_without_heatmap_or_boxes_is_the_thumbnail():
 
 
 def test_bad_inputs_raise():
-    with pytest.raises(ConfigError, match="thumbnail"):
+    with pytest.raises(ValueError, match="thumbnail"):
         render_overlay(np.zeros((10, 10), dtype=np.uint8), 1.0)
-    with pytest.raises(ConfigError, match="uint8"):
+    with pytest.raises(ValueError, match="uint8"):
         write_png("/tmp/never.png", np.zeros((4, 4, 3), dtype=np.float32))
 
 

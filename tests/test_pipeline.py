@@ -17,7 +17,7 @@ from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.models.evaluate import detection_counts, dice
 from wsi_pipeline.pipeline import OUTPUT_FILES
-from wsi_pipeline.slide.synthetic import SyntheticScene, load_truth, write_synthetic_slide
+from wsi_pipeline.synthetic import SyntheticScene, load_truth, write_synthetic_slide
 
 INDUSTRIAL = "engines/defects_industrial.card.json"
 

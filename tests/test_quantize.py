@@ -10,7 +10,7 @@ import pytest
 
 from wsi_pipeline.errors import ConfigError, ModelError
 from wsi_pipeline.inference import create_backend, decode, load_card
-from wsi_pipeline.inference.quantize import load_calibration_tiles, make_variant
+from wsi_pipeline.models.quantize import load_calibration_tiles, make_variant
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("pycocotools")
@@ -102,8 +102,8 @@ def test_committed_calibration_data_is_complete():
 
 
 def test_calibration_sample_takes_tissue_tiles_from_a_slide(tmp_path):
-    from wsi_pipeline.inference.calibration import sample_calibration_tiles
-    from wsi_pipeline.slide.synthetic import SyntheticScene, write_synthetic_slide
+    from wsi_pipeline.models.calibration import sample_calibration_tiles
+    from wsi_pipeline.synthetic import SyntheticScene, write_synthetic_slide
 
     slide = tmp_path / "s.tiff"
     write_synthetic_slide(slide, 2048, 2048, 9700, kind="pathology")

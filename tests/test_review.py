@@ -289,7 +289,7 @@ def test_widgets_report_unavailable_outside_a_kernel(capsys):
 @pytest.fixture(scope="module")
 def pathology_run(tmp_path_factory):
     from wsi_pipeline import Pipeline
-    from wsi_pipeline.slide.synthetic import write_synthetic_slide
+    from wsi_pipeline.synthetic import write_synthetic_slide
 
     root = tmp_path_factory.mktemp("review_run")
     info = write_synthetic_slide(root / "slide.tif", 1024, 1024, seed=5)
@@ -318,7 +318,7 @@ def test_load_run_matches_the_result(pathology_run):
 
 
 def test_zoom_boxes_land_on_truth_objects(pathology_run):
-    from wsi_pipeline.slide.synthetic import load_truth
+    from wsi_pipeline.synthetic import load_truth
 
     root, info, _ = pathology_run
     run = load_run(root / "run")

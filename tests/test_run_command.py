@@ -20,7 +20,7 @@ from wsi_pipeline.errors import ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
 from wsi_pipeline.run_key import RunKey
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _cli(*args, cwd=None, timeout=300):

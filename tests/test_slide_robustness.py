@@ -17,8 +17,8 @@ from helpers import smooth_rgb, write_pyramid_tiff
 from wsi_pipeline import Pipeline, open_slide
 from wsi_pipeline.errors import SlideOpenError, TileReadError
 from wsi_pipeline.slide import base as slide_base
-from wsi_pipeline.slide.synthetic import write_synthetic_slide
 from wsi_pipeline.slide.tiff_backend import TiffSlide
+from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _cli(*args, limit_bytes: int | None = None):

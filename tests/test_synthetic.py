@@ -11,7 +11,7 @@ import tifffile
 
 from wsi_pipeline import cli
 from wsi_pipeline.errors import ConfigError
-from wsi_pipeline.slide.synthetic import (
+from wsi_pipeline.synthetic import (
     SyntheticScene,
     default_truth_path,
     load_truth,

@@ -12,7 +12,7 @@ from wsi_pipeline.slide import open_slide
 from wsi_pipeline.tiling import TileGrid
 
 pytest.importorskip("torchvision")
-from wsi_pipeline.inference.gpu_decode import gpu_decode_refusal  # noqa: E402
+from wsi_pipeline.tiling.gpu_loader import gpu_decode_refusal  # noqa: E402
 
 
 def _tiff(path, photometric: str, compression: str = "jpeg"):
@@ -75,7 +75,7 @@ def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatc
     """The fallback inside the GPU loader (run here on the CPU device): same pixels as the CPU reader."""
     import torchvision.io
 
-    from wsi_pipeline.inference.gpu_decode import GpuTileDecoder
+    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
     from wsi_pipeline.tiling.grid import read_tile
 
     def refuse(*args, **kwargs):

@@ -14,7 +14,7 @@ from helpers import write_pyramid_tiff
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.slide.image import ImageSlide
-from wsi_pipeline.slide.synthetic import SyntheticScene
+from wsi_pipeline.synthetic import SyntheticScene
 from wsi_pipeline.tiling import TileGrid, tissue_mask
 from wsi_pipeline.tiling.tissue import otsu_tissue_mask
 

@@ -32,7 +32,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +49,14 @@ from .batch_folder import (
     slide_dir,
     slides_dir,
 )
+from .batch_jobs import PipelineFactory, SlideOutcome, path_record
 from .config import RunConfig
-from .errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from .errors import UsageError
 from .inference.card import ModelCard
 from .io.atomic import write_json
-from .run_key import RunKey, input_identity, read_summary, why_redo
+from .run_key import RunKey, input_identity, why_redo
 from .slide_worker import make_runner, slide_time_limit
+from .summary import read_summary
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -216,7 +218,7 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
                                                                                  str | None]:
     """(summary, why the slide at ``path`` needs running) for its outputs ``folder``; the reason is None
     when they are its result under ``key``."""
-    from .pipeline import OUTPUT_FILES
+    from .outputs import OUTPUT_FILES
 
     if not folder.is_dir():
         return None, "not run yet"
@@ -272,59 +274,6 @@ def _now() -> str:
 
 
 # -- one slide ------------------------------------------------------------------
-
-@dataclass
-class SlideOutcome:
-    """What became of one slide: ``status`` is done, skipped (already done) or failed."""
-
-    name: str
-    path: str
-    status: str
-    seconds: float = 0.0
-    counts: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
-    worker: str | None = None
-    tiles: int | None = None  # tiles read (None when not run)
-
-    def as_record(self) -> dict[str, Any]:
-        return {**path_record(self.path), "status": self.status, "seconds": round(self.seconds, 3),
-                "counts": self.counts, "error": self.error, "worker": self.worker, "tiles": self.tiles}
-
-    def describe(self) -> str:
-        """One line for the log: seconds, tiles read, detections per class."""
-        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items()) or "no classes"
-        tiles = f"{self.tiles} tiles read, " if self.tiles is not None else ""
-        return f"{self.path}: done in {self.seconds:.1f} s, {tiles}{counts}"
-
-
-def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
-    """A slide's path for the manifest: absolute (``path``) and as the input gave it (``path_as_given``)."""
-    return {"path": os.path.abspath(path), "path_as_given": os.fspath(path)}
-
-
-@dataclass(frozen=True)
-class PipelineFactory:
-    """Builds a batch's pipeline (picklable, so that the process that runs the slides builds its own).
-
-    ``card``: a validated card, or None for ``config.model``.
-    """
-
-    config: RunConfig
-    card: ModelCard | None = None
-
-    def __call__(self) -> Any:
-        from .pipeline import Pipeline
-
-        try:
-            return Pipeline(self.card or self.config.model, backend=self.config.backend, config=self.config)
-        except (ConfigError, ModelError) as exc:
-            raise UsageError(str(exc)) from exc
-        except BackendUnavailableError as exc:
-            if self.config.backend == "auto":
-                raise
-            raise UsageError(f"backend {self.config.backend}: {exc}; --backend ort runs on the CPU, "
-                             "--backend auto takes the best this machine has") from exc
-
 
 def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
                   key: RunKey, progress: bool | Callable[[int], None] = False) -> SlideOutcome:

@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .stitch.policies import MERGE_POLICIES
+from .stitch.weights import KINDS as BLEND_KINDS
 
 BACKEND_CHOICES = ("auto", "ort", "torch", "tensorrt")
 TISSUE_CHOICES = ("auto", "otsu", "all", "file")
-MERGE_CHOICES = ("nms", "nmm", "wbf", "ownership")
-BLEND_CHOICES = ("gaussian", "hann", "linear", "constant")
+MERGE_CHOICES = tuple(MERGE_POLICIES)
+BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 # What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
 DAMAGED_TILE_CHOICES = ("warn", "fail")

@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 from .batch_folder import slide_dir
 from .cli import main as cli_main
-from .slide.synthetic import write_synthetic_slide
+from .summary import load_summary
+from .synthetic import write_synthetic_slide
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     folder = slide_dir(results, "demo_slide").resolve()  # absolute: the notebook runs from notebooks/
-    with open(folder / "summary.json", encoding="utf-8") as f:
-        summary = json.load(f)
+    summary = load_summary(folder)
     tumour = (summary.get("heatmap_scores") or {}).get("tumour", {})
     print(f"\nfound {summary['detections_total']} nuclei; tissue {summary['tissue']['area_mm2']:.3f} mm2, "
           f"tumour {tumour.get('area_above_0.5_mm2', 0):.3f} mm2 "

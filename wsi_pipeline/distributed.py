@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .batch import PipelineFactory, SlideOutcome
+from .batch_jobs import PipelineFactory, SlideOutcome
 from .config import RunConfig
 from .errors import UsageError
-from .pipeline import default_reader_workers
+from .inference.choice import default_reader_workers
 from .run_key import RunKey
 from .slide_worker import make_runner, slide_time_limit
 

@@ -8,6 +8,7 @@ exit non-zero without a traceback.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 class WSIPipelineError(Exception):
@@ -47,6 +48,26 @@ class TileReadError(SlideError):
 
 class ModelError(WSIPipelineError):
     """A model file or its card is missing, corrupt or inconsistent."""
+
+
+class InferenceError(WSIPipelineError):
+    """The model failed on a batch of tiles.
+
+    ``tile_ids``: the batch's tiles (grid indices, or the ids the caller
+    gave); ``sequence``: the batch's number in its run, where it has one.
+    """
+
+    def __init__(self, reason: str, tile_ids: Sequence[int] = (), sequence: int | None = None):
+        self.tile_ids = list(tile_ids)
+        self.sequence = sequence
+        self.reason = reason
+        shown = self.tile_ids if len(self.tile_ids) <= 16 else [*self.tile_ids[:8], "...", *self.tile_ids[-4:]]
+        batch = f"batch {sequence} " if sequence is not None else ""
+        super().__init__(f"inference failed on {batch}(tiles {shown}): {reason}")
+
+
+class ClosedError(WSIPipelineError, ValueError):
+    """An object (slide, loader, executor, service, pipeline) used after it was closed."""
 
 
 class ConfigError(WSIPipelineError):

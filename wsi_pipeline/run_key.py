@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .config import RunConfig
@@ -143,10 +142,3 @@ def why_redo(summary: dict[str, Any] | None, key: RunKey, identity: dict[str, An
     return None
 
 
-def read_summary(folder: Path) -> dict[str, Any] | None:
-    try:
-        with open(folder / "summary.json", encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None

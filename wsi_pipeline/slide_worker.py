@@ -171,7 +171,7 @@ class ChildProcessRunner:
             next_slide: tuple[Path, str] | None = None):
         """The slide's outcome. ``next_slide`` (path, name): the slide that will be asked for next,
         which the child starts while this one's files are written."""
-        from .batch import SlideOutcome
+        from .batch_jobs import SlideOutcome
 
         self.prepare()
         assert self.send_conn is not None and self.proc is not None

@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inference.quantize import make_variant
+    from ..models.quantize import make_variant
 
     card = make_variant(args.model, args.precision, args.calibration, args.out, method=args.method,
                         limit=args.limit)
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    from ..inference.calibration import sample_calibration_tiles
+    from ..models.calibration import sample_calibration_tiles
 
     rows = sample_calibration_tiles(args.slides, args.out, n=args.n, tile_px=args.tile_size, mpp=args.mpp,
                                     tissue=args.tissue, min_tissue=args.min_tissue, seed=args.seed,

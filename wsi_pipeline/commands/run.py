@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="slide files, folders (recursive), globs, or .txt/.csv lists of paths")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
     p.add_argument("--model", metavar="CARD", help="model card (default: the shipped pathology model)")
-    p.add_argument("--backend", choices=BACKEND_CHOICES, help="default auto: TensorRT, torch on CUDA, ONNX Runtime")
+    p.add_argument("--backend", choices=BACKEND_CHOICES, help="default auto: TensorRT, torch on CUDA, ONNX Runtime; torch for a .pt2 model")
     p.add_argument("--tile", type=int, help="tile size in pixels (must match the model's input)")
     p.add_argument("--overlap", type=int, help="tile overlap in pixels (default 64)")
     res = p.add_mutually_exclusive_group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..slide.synthetic import KINDS, write_synthetic_slide
+from ..synthetic import KINDS, write_synthetic_slide
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,8 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, ConfigError
-from .card import ModelCard, load_card
+from ..errors import BackendUnavailableError, ConfigError, ModelError
+from .card import ModelCard, load_card, require_onnx
 
 
 @runtime_checkable
@@ -83,12 +83,26 @@ def cuda_may_be_present() -> bool:
     return bool(ctypes.util.find_library("cuda") or ctypes.util.find_library("nvcuda"))
 
 
-def resolve_backend(name: str) -> str:
+def resolve_backend(name: str, card: ModelCard | None = None) -> str:
     """``auto`` -> ``tensorrt`` where TensorRT and CUDA are present, else ``torch`` on CUDA, else ``ort``.
 
     torch is imported only where :func:`cuda_may_be_present` (importing it
-    takes seconds, which a CPU-only run should not pay).
+    takes seconds, which a CPU-only run should not pay). A ``card`` whose
+    model is a ``torch.export`` program (``.pt2``) resolves to ``torch``, on
+    CUDA or the CPU alike: ModelError where ``name`` is ``ort`` or
+    ``tensorrt`` (which run ONNX only) or where PyTorch is not installed.
     """
+    if card is not None and card.format == "torch_export":
+        if name in ("ort", "tensorrt"):
+            require_onnx(card, f"the {name} backend")
+        if name in ("auto", "torch"):
+            try:
+                import torch  # noqa: F401
+            except ImportError:
+                raise ModelError(f"{card.model_path}: a torch.export program runs with PyTorch, which is "
+                                 "not installed here: pip install 'wsi-pipeline[gpu]'") from None
+            return "torch"
+        return name
     if name != "auto":
         return name
     if not cuda_may_be_present():

@@ -1,6 +1,7 @@
 """Model cards: the JSON file beside each model that says how to feed and decode it.
 
-A card ``engines/NAME.card.json`` describes ``engines/NAME.onnx``: the input
+A card ``engines/NAME.card.json`` describes ``engines/NAME.onnx`` (or a
+``torch.export`` program ``NAME.pt2``, see :data:`MODEL_FORMATS`): the input
 tensor (name, size, layout, dtype, channel order, normalisation), the
 resolution the model was trained at (``mpp``, micrometres per pixel, or
 ``null`` for industrial models), every output (name, shape, dtype), the
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MAX_TILE
-from ..errors import ConfigError, ModelError
+from ..errors import ModelError
 
 CARD_SUFFIX = ".card.json"
 SCHEMA_VERSION = 1
@@ -34,6 +35,11 @@ DECODER_TYPES = ("centernet", "boxes_scores_labels", "yolo")
 HEATMAP_ACTIVATIONS = ("none", "sigmoid", "softmax")
 PRECISIONS = ("fp32", "fp16", "int8")
 OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
+# The card's ``format``: ``onnx`` (an ONNX graph; every backend runs it) or ``torch_export``
+# (a program saved with ``torch.export.save``; only the torch backend runs it). Without the
+# field the model file's extension decides: ``.pt2`` is ``torch_export``, anything else ``onnx``.
+MODEL_FORMATS = ("onnx", "torch_export")
+TORCH_EXPORT_SUFFIX = ".pt2"
 # A card is a few KB; anything far larger is not one.
 MAX_CARD_BYTES = 1 << 20
 # The largest model input side accepted (pixels): a tile is read, held and batched whole.
@@ -129,6 +135,7 @@ class ModelCard:
     precision: str = "fp32"
     card_path: Path | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    format: str = "onnx"
 
     @property
     def class_names(self) -> list[str]:
@@ -172,8 +179,23 @@ class ModelCard:
                 "activation": self.heatmap.activation,
             },
         }
+        if self.format != "onnx":
+            doc["format"] = self.format
         doc.update(dict(self.extra))
         return doc
+
+
+def format_for(model_path: str | os.PathLike[str]) -> str:
+    """The model format a file's extension implies: ``torch_export`` for ``.pt2``, else ``onnx``."""
+    return "torch_export" if Path(model_path).suffix.lower() == TORCH_EXPORT_SUFFIX else "onnx"
+
+
+def require_onnx(card: ModelCard, what: str) -> None:
+    """ModelError unless ``card`` names an ONNX model; ``what`` (e.g. "the ort backend") needs one."""
+    if card.format != "onnx":
+        raise ModelError(f"{card.model_path}: expected an ONNX model for {what}, found a torch.export "
+                         f"program (card {card.card_path}, format {card.format!r}); the torch backend "
+                         "runs it (--backend torch, or --backend auto)")
 
 
 def card_path_for(model_path: str | os.PathLike[str]) -> Path:
@@ -207,8 +229,8 @@ class _Reader:
     def __init__(self, path: Path):
         self.path = path
 
-    def fail(self, where: str, expected: str, found: Any) -> ConfigError:
-        return ConfigError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
+    def fail(self, where: str, expected: str, found: Any) -> ModelError:
+        return ModelError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
 
     def get(self, obj: Mapping[str, Any], key: str, where: str, kinds: type | tuple[type, ...],
             expected: str, default: Any = ..., optional: bool = False) -> Any:
@@ -216,7 +238,7 @@ class _Reader:
         if key not in obj or (optional and obj[key] is None):
             if default is not ...:
                 return default
-            raise ConfigError(f"{self.path}: missing field {full!r} ({expected})")
+            raise ModelError(f"{self.path}: missing field {full!r} ({expected})")
         value = obj[key]
         # bool is an int in Python; never accept it where a number is meant.
         if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
@@ -270,6 +292,11 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
         raise r.fail("sha256", "64 hex digits", sha)
     precision = r.choice(doc, "precision", "", PRECISIONS, "fp32")
+    implied = format_for(model_file)
+    model_format = r.choice(doc, "format", "", MODEL_FORMATS, implied)
+    if model_format != implied:
+        raise r.fail("format", f"{implied!r} for the model file {model_file!r} "
+                     f"(a torch.export program ends in {TORCH_EXPORT_SUFFIX})", model_format)
 
     inp = r.get(doc, "input", "", dict, "an object")
     size = r.get(inp, "size", "input", list, "[height, width] in pixels")
@@ -355,13 +382,13 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if heatmap.output not in names:
             raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
 
-    known = {"schema_version", "name", "version", "model_file", "sha256", "precision", "input",
+    known = {"schema_version", "name", "version", "model_file", "sha256", "precision", "format", "input",
              "mpp", "outputs", "decoder", "classes", "heatmap"}
     extra = {k: v for k, v in doc.items() if k not in known}
     card = ModelCard(
         name=name, version=version, model_path=(path.parent / model_file).resolve(), sha256=sha.lower(),
         input=input_spec, outputs=tuple(outputs), decoder=decoder, classes=tuple(classes), mpp=mpp,
-        heatmap=heatmap, precision=precision, card_path=path, extra=extra,
+        heatmap=heatmap, precision=precision, card_path=path, extra=extra, format=model_format,
     )
     # Imported here: decoders import this module for the card types.
     from .decoders import validate_decoder_params
@@ -375,26 +402,26 @@ def _no_constant(name: str) -> Any:
 
 
 def read_card_json(path: Path) -> Any:
-    """The card's JSON document; ConfigError for a file that is not a small UTF-8 JSON text of plain numbers."""
+    """The card's JSON document; ModelError for a file that is not a small UTF-8 JSON text of plain numbers."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CARD_BYTES + 1)
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
     if len(raw) > MAX_CARD_BYTES:
-        raise ConfigError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
+        raise ModelError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
                           "found a larger file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
+        raise ModelError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
                           f"0x{raw[exc.start]:02x} at offset {exc.start}") from None
     try:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON: nested too deeply") from None
+        raise ModelError(f"{path}: not valid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers of thousands of digits
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+        raise ModelError(f"{path}: not valid JSON: {exc}") from None
 
 
 def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
@@ -402,10 +429,13 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
     """Read and validate a model card.
 
     ``path`` is the card (``NAME.card.json``) or the model file beside it.
-    With ``verify_sha256`` the model file must hash to the card's ``sha256``;
-    with ``verify_model`` its input and output names, dtypes and fixed dims
-    must match the card (read with ``onnx``, or ``onnxruntime`` without it).
-    Raises ConfigError for a malformed card, ModelError for a missing or
+    With ``verify_sha256`` the model file must hash to the card's ``sha256``
+    (an ONNX file or a ``.pt2`` program alike); with ``verify_model`` an
+    ONNX model's input and output names, dtypes and fixed dims must match
+    the card (read with ``onnx``, or ``onnxruntime`` without it), and a
+    ``.pt2`` must be a ``torch.export`` archive (its signature is checked
+    when the torch backend loads it: reading it needs torch).
+    Raises ModelError for a malformed card and for a missing or
     mismatching model file.
     """
     p = Path(path)
@@ -421,7 +451,13 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
         if found != card.sha256:
             raise ModelError(f"{card.model_path}: SHA-256 does not match its card {p}: "
                              f"expected {card.sha256}, found {found}")
-    if verify_model and card.model_path.suffix == ".onnx":
+    if verify_model and card.format == "torch_export":
+        import zipfile
+
+        if not zipfile.is_zipfile(card.model_path):
+            raise ModelError(f"{card.model_path}: not a torch.export program: expected the zip archive "
+                             "torch.export.save writes, found another kind of file")
+    elif verify_model and card.model_path.suffix == ".onnx":
         check_onnx_matches_card(card)
     return card
 
@@ -479,7 +515,12 @@ def _dims_conflict(expected: Dim, found: Dim) -> bool:
 
 def check_onnx_matches_card(card: ModelCard) -> None:
     """Raise ModelError unless the ONNX file's input/outputs agree with the card."""
-    inputs, outputs = _onnx_signature(card.model_path)
+    check_signature_matches_card(card, *_onnx_signature(card.model_path))
+
+
+def check_signature_matches_card(card: ModelCard, inputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
+                                  outputs: Mapping[str, tuple[str, tuple[Dim, ...]]]) -> None:
+    """Raise ModelError unless a model's ``{name: (dtype, shape)}`` input and outputs agree with the card."""
     where = f"{card.model_path} (card {card.card_path})"
     if len(inputs) != 1 or card.input.name not in inputs:
         raise ModelError(f"{where}: input: expected one input named {card.input.name!r}, "

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ModelError, UsageError
+from ..errors import ModelError, UsageError
 from .card import (
     DECODER_TYPES,
     INPUT_DTYPES,
@@ -35,6 +35,7 @@ from .card import (
     ModelCard,
     card_path_for,
     file_sha256,
+    format_for,
     load_card,
     ort_session,
     ort_signature,
@@ -60,6 +61,10 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
                name: str | None = None) -> dict[str, Any]:
     """The JSON document of a first card for ``model_path`` (see the module docstring)."""
     model = Path(model_path)
+    if format_for(model) != "onnx":
+        raise ModelError(f"{model}: expected an ONNX model, found a torch.export program; card init reads "
+                         "ONNX graphs only: write a .pt2's card by hand (docs/model_card.md, format "
+                         "torch_export) and check it with card check")
     if not model.is_file():
         raise ModelError(f"{model}: ONNX model not found")
     card_file = Path(card_path) if card_path is not None else card_path_for(model)
@@ -146,23 +151,25 @@ def todo_fields(doc: Any, where: str = "") -> list[str]:
 
 def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard:
     """Validate a card: no :data:`TODO` left, :func:`~.card.load_card`'s checks, and (``run``) one blank
-    tile through ONNX Runtime and the decoder. Raises ConfigError or ModelError naming the card."""
+    tile through ONNX Runtime and the decoder. Raises ModelError or ModelError naming the card."""
     path = Path(card_path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the card: {exc}") from exc
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        raise ModelError(f"{path}: not valid JSON: {exc}") from exc
     todo = todo_fields(doc)
     if todo:
-        raise ConfigError(f"{path}: fields still to fill in: {', '.join(todo)}")
+        raise ModelError(f"{path}: fields still to fill in: {', '.join(todo)}")
     card = load_card(path)
     if run:
         from .backend import create_backend
         from .decoders import decode
 
-        backend = create_backend(card, "ort")
+        # A torch.export program runs with torch only: on the CPU here, like ORT for an ONNX model.
+        backend = create_backend(card, "ort") if card.format == "onnx" else \
+            create_backend(card, "torch", device="cpu", precision="fp32")
         try:
             h, w = card.input.size_hw
             decode(backend.infer(np.zeros((1, h, w, 3), np.uint8)), card)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import cv2
 import numpy as np
 
-from ..errors import ConfigError, ModelError
+from ..errors import ModelError
 
 if TYPE_CHECKING:
     from .card import ModelCard
@@ -103,31 +103,31 @@ def decoder_params(card: ModelCard) -> dict[str, Any]:
 
 
 def validate_decoder_params(card: ModelCard) -> None:
-    """Raise ConfigError for unknown, mistyped or inconsistent decoder params of ``card``."""
+    """Raise ModelError for unknown, mistyped or inconsistent decoder params of ``card``."""
     kind = card.decoder.type
     spec = _PARAMS[kind]
     where = card.card_path
     for key, value in card.decoder.params.items():
         if key not in spec:
-            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected one of "
+            raise ModelError(f"{where}: field 'decoder.params.{key}': expected one of "
                               f"{sorted(spec)} for decoder {kind!r}, found unknown key")
         kinds = spec[key][0]
         if (isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))) \
                 or not isinstance(value, kinds):
-            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected "
+            raise ModelError(f"{where}: field 'decoder.params.{key}': expected "
                               f"{_kind_name(kinds)}, found {value!r}")
     params = decoder_params(card)
     names = {o.name for o in card.outputs}
     for key in ("boxes", "scores", "labels", "num_detections", "output"):
         if key in spec and params[key] is not None and params[key] not in names:
-            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected one of the outputs "
+            raise ModelError(f"{where}: field 'decoder.params.{key}': expected one of the outputs "
                               f"{sorted(names)}, found {params[key]!r}")
     if kind == "boxes_scores_labels" and params["box_format"] not in BOX_FORMATS:
-        raise ConfigError(f"{where}: field 'decoder.params.box_format': expected one of "
+        raise ModelError(f"{where}: field 'decoder.params.box_format': expected one of "
                           f"{list(BOX_FORMATS)}, found {params['box_format']!r}")
     for key in ("score_threshold", "iou_threshold"):
         if params.get(key) is not None and not 0.0 <= float(params[key]) <= 1.0:
-            raise ConfigError(f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], "
+            raise ModelError(f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], "
                               f"found {params[key]!r}")
 
 

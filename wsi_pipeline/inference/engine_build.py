@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
 from ..io.atomic import atomic_write
-from .card import file_sha256
+from .card import file_sha256, format_for
 
 TRT_MISSING = "TensorRT is not installed (no tensorrt Python package)"
 DEFAULT_MAX_BATCH = 64
@@ -106,8 +106,11 @@ def build_engine(model_path: str | os.PathLike[str], max_batch: int = DEFAULT_MA
     BackendUnavailableError without TensorRT or a GPU, ModelError when the
     parser or the builder rejects the model.
     """
-    trt = import_tensorrt()
     model_path = Path(model_path)
+    if format_for(model_path) != "onnx":
+        raise ModelError(f"{model_path}: expected an ONNX model, found a torch.export program; TensorRT "
+                         "builds engines from ONNX only (the torch backend runs a .pt2: --backend torch)")
+    trt = import_tensorrt()
     if not model_path.is_file():
         raise ModelError(f"{model_path}: ONNX model not found")
     opt = _check_batches(int(max_batch), opt_batch)

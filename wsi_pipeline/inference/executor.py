@@ -27,30 +27,40 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError, WSIPipelineError
-from ..tiling.grid import Tile
+from ..errors import ClosedError, ConfigError, InferenceError, WSIPipelineError
+from .backend import Backend
 from .card import ModelCard, load_card
 from .decoders import TileDetections, decode, decode_names, decoder_params
+
+if TYPE_CHECKING:  # the executor reads only a tile's ``index``
+    from ..tiling.grid import Tile
+
+
+class TileBatch(Protocol):
+    """What :meth:`Executor.run` takes: a loader's batch of tiles.
+
+    ``images``: ``N x H x W x 3`` uint8 RGB, a numpy array or a CUDA tensor;
+    ``tiles``: their grid tiles, in order; ``sequence``: the batch's position
+    in its loader's output; ``ready``: a CUDA event to wait on before reading
+    ``images`` (None: readable now); ``release()`` gives the pixels back to
+    the loader once they are copied.
+    """
+
+    images: Any
+    tiles: Sequence[Tile]
+    sequence: int
+    ready: Any
+
+    def release(self) -> None: ...
 
 DEFAULT_CUDA_STREAMS = 4
 DEFAULT_CPU_WORKERS = 2
 _POLL_S = 0.1
 _COUNT = "\0rows kept"  # the compacted row count per tile, beside the model outputs
-
-
-class BatchInferenceError(WSIPipelineError):
-    """Inference failed on one batch; ``tile_indices`` names its tiles (grid indices)."""
-
-    def __init__(self, tile_indices: Sequence[int], sequence: int, reason: str):
-        self.tile_indices = list(tile_indices)
-        self.sequence = sequence
-        shown = self.tile_indices if len(self.tile_indices) <= 16 else \
-            [*self.tile_indices[:8], "...", *self.tile_indices[-4:]]
-        super().__init__(f"inference failed on batch {sequence} (tiles {shown}): {reason}")
 
 
 @dataclass
@@ -357,7 +367,7 @@ class Executor:
     them.
     """
 
-    def __init__(self, backend: Any, streams: int | None = None, register_host: bool = True):
+    def __init__(self, backend: Backend, streams: int | None = None, register_host: bool = True):
         backends = list(backend) if isinstance(backend, list | tuple) else [backend]
         if not backends:
             raise ConfigError("Executor: expected a backend, found an empty list")
@@ -430,21 +440,21 @@ class Executor:
             return w.process(images)
 
     # -- streaming ---------------------------------------------------------------
-    def run(self, batches: Iterable[Any], ordered: bool = False) -> Iterator[BatchResult]:
+    def run(self, batches: Iterable[TileBatch], ordered: bool = False) -> Iterator[BatchResult]:
         """Yield a :class:`BatchResult` per batch of ``batches``.
 
         ``batches``: loader :class:`~..tiling.loader.Batch` es (``images``
         ``n x H x W x 3 uint8``, ``tiles``, ``sequence``, ``release()``), from
         a loader made with ``auto_release=False``; each is released as soon as
         its pixels are copied. Batches whose ``images`` is a CUDA tensor
-        (:mod:`.gpu_decode`) are copied device to device after their
+        (:mod:`~wsi_pipeline.tiling.gpu_loader`) are copied device to device after their
         ``ready`` event. Results come in COMPLETION order, which may differ
         from input order with several streams; ``ordered=True`` yields them
         in input order instead (holding finished ones back).
 
         An error in a batch stops the run: the workers and the feeding thread
         are stopped and joined, held batches released, and the error raised
-        as :class:`BatchInferenceError` naming the batch's tile indices (a
+        as :class:`~wsi_pipeline.errors.InferenceError` naming the batch's tile indices (a
         loader's own TileReadError passes through unchanged). Leaving the loop
         early stops the run the same way.
         """
@@ -505,23 +515,21 @@ class Executor:
                     if stop.is_set():
                         _release(batch)
                         continue
-                    tiles = list(getattr(batch, "tiles", []))
+                    tiles = list(batch.tiles)
                     try:
                         with worker.lock:
-                            dets = worker.process(batch.images, release=getattr(batch, "release", None),
-                                                  ready=getattr(batch, "ready", None))
+                            dets = worker.process(batch.images, release=batch.release, ready=batch.ready)
                         if len(dets) != len(tiles) and tiles:
                             raise WSIPipelineError(f"{len(dets)} results for {len(tiles)} tiles")
                     except BaseException as exc:
                         _release(batch)
                         stop.set()
                         indices = [t.index for t in tiles]
-                        err = BatchInferenceError(indices, getattr(batch, "sequence", seq),
-                                                  f"{type(exc).__name__}: {exc}")
+                        err = InferenceError(f"{type(exc).__name__}: {exc}", indices, batch.sequence)
                         err.__cause__ = exc
                         out_q.put(_Failure(err))
                         break
-                    put_out((seq, BatchResult(tiles, dets, getattr(batch, "sequence", seq))))
+                    put_out((seq, BatchResult(tiles, dets, batch.sequence)))
             finally:
                 out_q.put(_DONE)
 
@@ -599,7 +607,7 @@ class Executor:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise WSIPipelineError("executor is closed")
+            raise ClosedError("executor is closed")
 
     def close(self) -> None:
         """Synchronise and free the streams, buffers and graphs (the backend stays open)."""
@@ -618,10 +626,8 @@ class Executor:
         self.close()
 
 
-def _release(batch: Any) -> None:
-    release = getattr(batch, "release", None)
-    if release is not None:
-        release()
+def _release(batch: TileBatch) -> None:
+    batch.release()
 
 
 def _is_torch_tensor(x: Any) -> bool:

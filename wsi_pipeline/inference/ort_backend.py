@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError, ModelError
-from .card import ModelCard, load_card
+from .card import ModelCard, load_card, require_onnx
 
 
 def check_tile_batch(batch: np.ndarray, card: ModelCard) -> np.ndarray:
@@ -59,6 +59,7 @@ class OrtBackend:
         import onnxruntime as ort
 
         self.card = card if isinstance(card, ModelCard) else load_card(card)
+        require_onnx(self.card, "the ort backend")
         if max_batch < 1:
             raise ConfigError(f"max_batch: expected >= 1, found {max_batch}")
         opts = ort.SessionOptions()

@@ -20,18 +20,10 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..errors import WSIPipelineError
+from ..errors import ClosedError, InferenceError, WSIPipelineError
 from .decoders import TileDetections
 
 InferFn = Callable[[np.ndarray], list[TileDetections]]
-
-
-class InferenceError(WSIPipelineError):
-    """The model failed on a batch; ``tile_ids`` names the caller's tiles in it."""
-
-    def __init__(self, message: str, tile_ids: list[int] | None = None):
-        self.tile_ids = tile_ids or []
-        super().__init__(message)
 
 
 class _Request:
@@ -79,7 +71,7 @@ class TileService:
             return req.future
         with self._cv:
             if self._closed:
-                raise WSIPipelineError("inference service is closed")
+                raise ClosedError("inference service is closed")
             self._queue.append((req, 0))
             self._cv.notify_all()  # idle workers, and one waiting for its batch to fill
         return req.future
@@ -136,7 +128,7 @@ class TileService:
                 for req, a, b in parts:
                     if not req.future.done():
                         ids = req.tile_ids[a:b] if req.tile_ids else list(range(a, b))
-                        err = InferenceError(f"inference failed on tiles {ids}: {exc}", ids)
+                        err = InferenceError(f"{type(exc).__name__}: {exc}", ids)
                         err.__cause__ = exc
                         req.future.set_exception(err)
                 continue

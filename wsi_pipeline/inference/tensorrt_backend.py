@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
-from .card import ModelCard, load_card
+from .card import ModelCard, load_card, require_onnx
 from .engine_build import DEFAULT_MAX_BATCH, build_engine, import_tensorrt
 from .ort_backend import check_tile_batch
 
@@ -99,6 +99,9 @@ class TensorRTBackend:
     def __init__(self, card: ModelCard | str | os.PathLike[str], max_batch: int = DEFAULT_MAX_BATCH,
                  opt_batch: int | None = None, engine_path: str | os.PathLike[str] | None = None,
                  device: str = "cuda", workspace_gb: float | None = None):
+        if not isinstance(card, ModelCard):
+            card = load_card(card)
+        require_onnx(card, "the tensorrt backend")
         trt = import_tensorrt()
         import torch
 

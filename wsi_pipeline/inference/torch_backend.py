@@ -1,14 +1,22 @@
-"""PyTorch backend: the card's ONNX graph run as a torch module, on CUDA or on the CPU.
+"""PyTorch backend: the card's model run as a torch module, on CUDA or on the CPU.
 
-The model is taken from the ONNX file itself (the shipped artefact, whose
+The model is the card's ONNX graph, or a ``torch.export`` program (``.pt2``,
+:class:`ExportedModule`; only this backend runs one). Both become a module
+giving the outputs by the card's names, and everything after that (device
+input buffers, autocast, CUDA graphs, the executor) is one code path.
+
+An ONNX model is taken from the ONNX file itself (the shipped artefact, whose
 SHA-256 the card pins), not from a separate checkpoint: :class:`OnnxModule`
 turns the graph's initializers into tensors and runs its nodes with torch
 ops, so the torch path computes exactly the function ONNX Runtime and
 TensorRT compute. It is hand-written rather than taken from onnx2torch
-because it must work offline, keep shape arithmetic on the host (so the
-forward pass can be captured in a CUDA graph) and needs only the ops our
-detectors export (see ``OnnxModule.SUPPORTED_OPS``); an unsupported op is
-refused when the model is loaded, naming the op.
+because it must work offline and keep shape arithmetic on the host (so the
+forward pass can be captured in a CUDA graph); it covers the ops detectors
+and UNets commonly export (``OnnxModule.SUPPORTED_OPS``: convolutions and
+transposed ones, pooling, batch and layer norm, MatMul/Gemm, Pad, Split,
+Resize, indexing and element-wise ops). An unsupported op is refused when
+the model is loaded, naming the ops and the ways out (``--backend ort``, or
+the model as a ``.pt2``).
 
 On CUDA, :meth:`TorchBackend.create_runner` gives each executor stream its
 own :class:`TorchRunner`: a device input buffer, and one captured CUDA graph
@@ -20,6 +28,7 @@ plain fp32 (TF32 convolutions, cuDNN's default).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -29,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
-from .card import ModelCard, load_card
+from .card import ModelCard, check_signature_matches_card, load_card
 from .ort_backend import check_tile_batch
 
 try:
@@ -40,6 +49,7 @@ except ImportError as exc:  # the torch extra is not installed
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_INPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 # ONNX TensorProto element type -> torch dtype.
 _ONNX_DTYPES: dict[int, torch.dtype] = {
@@ -251,6 +261,12 @@ def _op_softmax(node, x):
     return torch.softmax(x, dim=_attr(node, "axis", -1))
 
 
+def _op_softmax_before_13(node, x):
+    """Softmax of opsets 1-12: over all axes from ``axis`` (default 1) on, as one flattened axis."""
+    axis = _attr(node, "axis", 1) % max(x.dim(), 1)
+    return torch.softmax(x.reshape(*x.shape[:axis], -1), dim=-1).reshape(x.shape)
+
+
 def _op_cast(node, x):
     return x.to(_ONNX_DTYPES[_attr(node, "to")])
 
@@ -279,11 +295,114 @@ def _op_argmax(node, x):
     return torch.argmax(x, dim=_attr(node, "axis", 0), keepdim=bool(_attr(node, "keepdims", 1)))
 
 
+def _op_conv_transpose(node, x, w, b=None):
+    """ConvTranspose: explicit (possibly asymmetric) pads cropped from the full output."""
+    nd = w.dim() - 2
+    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID") or _attr(node, "output_shape") is not None:
+        raise ModelError(f"node {node.name!r} (ConvTranspose): auto_pad / output_shape are not supported "
+                         "(export with explicit pads)")
+    pads = list(_attr(node, "pads", [0] * (2 * nd)))
+    begin, end = pads[:nd], pads[nd:]
+    conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
+    sym = begin == end
+    y = conv(x, w, b, stride=_attr(node, "strides", [1] * nd), padding=begin if sym else 0,
+             output_padding=_attr(node, "output_padding", [0] * nd), groups=_attr(node, "group", 1),
+             dilation=_attr(node, "dilations", [1] * nd))
+    if sym:
+        return y
+    index = [slice(None), slice(None)] + [slice(bg, y.shape[2 + i] - e) for i, (bg, e) in enumerate(zip(begin, end,
+                                                                                                       strict=True))]
+    return y[tuple(index)]
+
+
+def _op_batch_norm(node, x, scale, bias, mean, var):
+    if _attr(node, "training_mode", 0) or (len(node.output) > 1 and any(node.output[1:])):
+        raise ModelError(f"node {node.name!r}: BatchNormalization in training mode is not supported "
+                         "(export the model in eval mode)")
+    x, scale = _to_device_of(x, scale)
+    bias, mean, var = (t.to(x.device) for t in (bias, mean, var))
+    return F.batch_norm(x, mean, var, scale, bias, False, 0.0, _attr(node, "epsilon", 1e-5))
+
+
+def _op_layer_norm(node, x, scale, bias=None):
+    if len(node.output) > 1 and any(node.output[1:]):
+        raise ModelError(f"node {node.name!r}: LayerNormalization's Mean / InvStdDev outputs are not supported")
+    if _attr(node, "stash_type", 1) != 1:
+        raise ModelError(f"node {node.name!r}: LayerNormalization stash_type {_attr(node, 'stash_type')} "
+                         "is not supported (expected 1: float32)")
+    axis = _attr(node, "axis", -1) % x.dim()
+    y = F.layer_norm(x, x.shape[axis:], eps=_attr(node, "epsilon", 1e-5))
+    y, scale = _to_device_of(y, scale)
+    y = y * scale
+    if bias is not None:
+        y, bias = _to_device_of(y, bias)
+        y = y + bias
+    return y
+
+
+def _op_gemm(node, a, b, c=None):
+    a, b = _to_device_of(a, b)
+    if _attr(node, "transA", 0):
+        a = a.transpose(0, 1)
+    if _attr(node, "transB", 0):
+        b = b.transpose(0, 1)
+    y = torch.matmul(a, b)
+    alpha, beta = _attr(node, "alpha", 1.0), _attr(node, "beta", 1.0)
+    if alpha != 1.0:
+        y = y * alpha
+    if c is not None:
+        y, c = _to_device_of(y, c)
+        y = y + (c * beta if beta != 1.0 else c)
+    return y
+
+
+def _op_split(node, x, split=None):
+    axis = _attr(node, "axis", 0) % x.dim()
+    if split is not None and split.numel():
+        sizes = _ints(split)
+    elif _attr(node, "split") is not None:  # opset < 13: an attribute
+        sizes = list(_attr(node, "split"))
+    else:  # equal parts; opset 18's num_outputs makes the last one smaller when it does not divide
+        parts = _attr(node, "num_outputs", len(node.output))
+        sizes = [-(-x.shape[axis] // parts)] * parts
+        sizes[-1] = x.shape[axis] - sizes[0] * (parts - 1)
+    return tuple(torch.split(x, sizes, dim=axis))
+
+
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
+
+
+def _op_pad(node, x, pads=None, value=None, axes=None):
+    mode = _attr(node, "mode", "constant")
+    if mode not in _PAD_MODES:
+        raise ModelError(f"node {node.name!r}: Pad mode {mode!r} is not supported")
+    pad_list = _ints(pads) if pads is not None else list(_attr(node, "pads"))  # opset < 11: attributes
+    fill = float(value.reshape(-1)[0]) if value is not None and value.numel() else _attr(node, "value", 0.0)
+    rank = x.dim()
+    ax = [a % rank for a in _ints(axes)] if axes is not None else list(range(rank))
+    n = len(ax)
+    begin, end = dict(zip(ax, pad_list[:n], strict=True)), dict(zip(ax, pad_list[n:], strict=True))
+    torch_pad: list[int] = []
+    for d in reversed(range(rank)):  # torch lists the last axis first
+        torch_pad += [begin.get(d, 0), end.get(d, 0)]
+    while torch_pad and torch_pad[-2:] == [0, 0]:
+        torch_pad = torch_pad[:-2]
+    if not torch_pad:
+        return x
+    if mode == "constant":
+        return F.pad(x, torch_pad, value=fill)
+    if len(torch_pad) // 2 > min(3, rank - 2) or min(torch_pad) < 0:
+        raise ModelError(f"node {node.name!r}: Pad mode {mode!r} pads {torch_pad} (torch order): only the "
+                         "spatial axes of a 3- to 5-D tensor, by non-negative amounts, are supported")
+    return F.pad(x, torch_pad, mode=_PAD_MODES[mode])
+
+
 # Inputs read as Python numbers (shapes, axes, scales, k): always passed as host tensors.
 _HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Resize": (1, 2, 3), "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "TopK": (1,),
     "Unsqueeze": (1,), "Squeeze": (1,), "ConstantOfShape": (0,), "Clip": (1, 2),
-    "ReduceMax": (1,), "ReduceMean": (1,), "ReduceSum": (1,),
+    "ReduceMax": (1,), "ReduceMean": (1,), "ReduceSum": (1,), "Split": (1,), "Pad": (1, 2, 3),
+    "Range": (0, 1, 2),
 }
 
 _OPS: dict[str, Callable[..., Any]] = {
@@ -300,6 +419,9 @@ _OPS: dict[str, Callable[..., Any]] = {
                    if not a.is_floating_point() and not b.is_floating_point() else torch.div(a, b)),
     "Pow": _binary(torch.pow), "Equal": _binary(torch.eq), "Greater": _binary(torch.gt),
     "Less": _binary(torch.lt), "And": _binary(torch.logical_and), "Or": _binary(torch.logical_or),
+    "Xor": _binary(torch.logical_xor),
+    # fmod=0: the remainder takes the divisor's sign (integers only); fmod=1: the dividend's (C fmod).
+    "Mod": lambda n, a, b: _binary(torch.fmod if _attr(n, "fmod", 0) else torch.remainder)(n, a, b),
     "Max": _binary(torch.maximum), "Min": _binary(torch.minimum),
     "Cast": _op_cast, "Transpose": _op_transpose, "Reshape": _op_reshape, "Expand": _op_expand,
     "Unsqueeze": _op_unsqueeze, "Squeeze": _op_squeeze, "Slice": _op_slice, "Gather": _op_gather,
@@ -309,6 +431,13 @@ _OPS: dict[str, Callable[..., Any]] = {
     "ReduceMax": _op_reduce(torch.amax), "ReduceMean": _op_reduce(torch.mean),
     "ReduceSum": _op_reduce(torch.sum),
     "Identity": lambda n, x: x,
+    "ConvTranspose": _op_conv_transpose, "BatchNormalization": _op_batch_norm,
+    "LayerNormalization": _op_layer_norm, "Gemm": _op_gemm, "MatMul": _binary(torch.matmul),
+    "Split": _op_split, "Pad": _op_pad, "Erf": lambda n, x: torch.erf(x),
+    "Range": lambda n, start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(),
+                                                         dtype=start.dtype),
+    "GlobalAveragePool": lambda n, x: x.mean(dim=tuple(range(2, x.dim())), keepdim=True),
+    "GlobalMaxPool": lambda n, x: x.amax(dim=tuple(range(2, x.dim())), keepdim=True),
     "Shape": lambda n, x: torch.tensor(list(x.shape), dtype=torch.int64),
 }
 
@@ -337,11 +466,16 @@ class OnnxModule(torch.nn.Module):
         except Exception as exc:  # onnx raises DecodeError and others
             raise ModelError(f"{model_path}: cannot be read as ONNX: {exc}") from exc
         graph = model.graph
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        # Ops whose meaning changed with the opset: the version this graph was written for.
+        self._ops = {**_OPS, "Softmax": _op_softmax if opset >= 13 else _op_softmax_before_13}
         unsupported = sorted({n.op_type for n in graph.node if n.op_type not in self.SUPPORTED_OPS
                               or n.domain not in ("", "ai.onnx")})
         if unsupported:
-            raise ModelError(f"{model_path}: the torch backend cannot run op(s) {unsupported}; "
-                             "use --backend ort or tensorrt")
+            raise ModelError(f"{model_path}: the torch backend's ONNX interpreter cannot run op(s) "
+                             f"{unsupported}; run the model with --backend ort (or tensorrt), or give "
+                             "the torch backend the model as a torch.export program (.pt2, "
+                             "docs/model_card.md)")
         consts: dict[str, torch.Tensor] = {}
         for init in graph.initializer:
             consts[init.name] = torch.from_numpy(numpy_helper.to_array(init).copy())
@@ -362,7 +496,7 @@ class OnnxModule(torch.nn.Module):
             ins = [i for i in node.input]
             if all(not i or i in consts for i in ins):
                 # Constant folding on the host.
-                outs = _OPS[node.op_type](node, *[consts[i] if i else None for i in ins])
+                outs = self._ops[node.op_type](node, *[consts[i] if i else None for i in ins])
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 for name, value in zip(node.output, outs, strict=False):
                     consts[name] = value
@@ -407,7 +541,7 @@ class OnnxModule(torch.nn.Module):
                     args.append(host[name])
             while args and args[-1] is None:
                 args.pop()
-            outs = _OPS[node.op_type](node, *args)
+            outs = self._ops[node.op_type](node, *args)
             if isinstance(outs, tuple):
                 for name, value in zip(node.output, outs, strict=False):
                     if name:
@@ -415,6 +549,131 @@ class OnnxModule(torch.nn.Module):
             else:
                 env[node.output[0]] = outs
         return tuple(env[name] for name in self.output_names)
+
+
+_CARD_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.int32: "int32",
+                torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}
+
+
+def _meta_signature(node: Any) -> tuple[str, tuple[Any, ...]]:
+    """(card dtype name, shape: ints fixed, None symbolic) of an exported graph node's value."""
+    val = node.meta.get("val") if node is not None else None
+    if not isinstance(val, torch.Tensor):
+        return "not-a-tensor", ()
+    return (_CARD_DTYPES.get(val.dtype, str(val.dtype)),
+            tuple(d if isinstance(d, int) else None for d in val.shape))
+
+
+def _training_nodes(program: Any) -> list[str]:
+    """Nodes of an exported program that run in training mode (batch norm on batch statistics, dropout)."""
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = str(node.target)
+        if "batch_norm" in target:
+            flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("training")
+        elif target.startswith("aten.dropout") or target.startswith("aten.feature_dropout"):
+            flag = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+        else:
+            continue
+        if flag is True:
+            found.append(node.name)
+    return found
+
+
+class ExportedModule(torch.nn.Module):
+    """A ``torch.export`` program (``.pt2``) as a module giving the card's outputs in card order.
+
+    ``forward(x)`` takes the program's single input (the card's input: e.g.
+    ``[B, H, W, 3] uint8`` NHWC, or ``[B, 3, H, W] float32`` NCHW) and
+    returns one tensor per card output, in the card's ``outputs`` order.
+    How the program's outputs map to the card's names: a dict by its keys
+    (they must be the card's output names); a tuple or list by position (its
+    i-th element is the card's i-th output); a single tensor is the card's
+    only output. The program must take the batch axis as dynamic
+    (``dynamic_shapes``), and is checked against the card's input and output
+    dtypes and fixed dims when loaded. The program is moved to the device
+    with ``torch.export.passes.move_to_device_pass``, so tensors the graph
+    makes itself (``arange``, ``zeros``) are made there too; its dtype
+    assertions (``_assert_tensor_metadata``, which autocast's half-precision
+    tensors would fail) are taken out.
+
+    ``torch.export.load`` reads the program's graph and weights; like any
+    model file, a ``.pt2`` should come from a trusted source.
+    """
+
+    def __init__(self, card: ModelCard, device: torch.device):
+        super().__init__()
+        path = card.model_path
+        try:
+            program = torch.export.load(str(path))
+        except Exception as exc:  # torch raises many kinds for a foreign or corrupt archive
+            raise ModelError(f"{path}: cannot be read as a torch.export program: {exc}") from exc
+        sig = program.graph_signature
+        nodes = {n.name: n for n in program.graph.nodes}
+        if len(sig.user_inputs) != 1:
+            raise ModelError(f"{path}: expected a program of one input (the tile batch), found "
+                             f"{len(sig.user_inputs)}: {list(sig.user_inputs)}")
+        training = sorted(sig.buffers_to_mutate.values()) + _training_nodes(program)
+        if training:
+            raise ModelError(f"{path}: the program runs in training mode ({', '.join(training)}: batch "
+                             "statistics, dropout or buffer updates); expected a program exported after "
+                             "model.eval()")
+        in_dtype, in_shape = _meta_signature(nodes.get(sig.user_inputs[0]))
+        if in_shape and in_shape[0] is not None:
+            raise ModelError(f"{path}: the input's batch axis is fixed at {in_shape[0]}; expected a dynamic "
+                             "one: export with dynamic_shapes=({0: torch.export.Dim('batch', min=1)},)")
+        names = [o.name for o in card.outputs]
+        spec = program.call_spec.out_spec
+        flat = spec.num_children == spec.num_leaves  # no nesting
+        if spec.is_leaf():
+            self._kind, self._pick, leaf_names = "leaf", [0], names
+            if len(names) != 1:
+                raise ModelError(f"{path}: the program returns one tensor; the card names {len(names)} "
+                                 f"outputs {names}")
+        elif spec.type is dict and flat:
+            keys = list(spec.context)
+            leaf_names = [str(k) for k in keys]
+            if sorted(leaf_names) != sorted(names):
+                raise ModelError(f"{path}: outputs: expected a dict with the card's names {sorted(names)}, "
+                                 f"found keys {sorted(leaf_names)}")
+            self._kind, self._pick = "dict", [keys[leaf_names.index(n)] for n in names]
+        elif spec.type in (tuple, list) and flat:
+            leaf_names = names
+            if spec.num_leaves != len(names):
+                raise ModelError(f"{path}: outputs: expected a tuple of {len(names)} tensors (the card's "
+                                 f"{names}, in that order), found {spec.num_leaves}")
+            self._kind, self._pick = "sequence", list(range(len(names)))
+        else:
+            raise ModelError(f"{path}: outputs: expected a tensor, a tuple/list of tensors or a dict of them, "
+                             f"found {spec}")
+        outputs = {name: _meta_signature(nodes.get(node_name))
+                   for name, node_name in zip(leaf_names, sig.user_outputs, strict=True)}
+        check_signature_matches_card(card, {card.input.name: (in_dtype, in_shape)}, outputs)
+        from torch.export.passes import move_to_device_pass
+
+        module = move_to_device_pass(program, device).module()
+        # The graph asserts that tensors keep the dtypes they had when exported (before each
+        # ``.to(dtype)``); under autocast they are half precision, which is what autocast means.
+        # The input's dtype and shape were checked against the card above.
+        asserts = [n for n in module.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for node in asserts:
+            module.graph.erase_node(node)
+        if asserts:
+            module.recompile()
+        self.program = module
+        self.output_names = names
+
+    def train(self, mode: bool = True) -> ExportedModule:
+        """Only the flag: an exported program's mode was fixed when it was exported."""
+        self.training = mode
+        return self
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.program(x)
+        return (out,) if self._kind == "leaf" else tuple(out[k] for k in self._pick)
 
 
 class TorchRunner:
@@ -480,7 +739,7 @@ class TorchRunner:
 
 
 class TorchBackend:
-    """Runs the card's ONNX model with PyTorch (CUDA or CPU).
+    """Runs the card's model (ONNX graph or ``.pt2`` program) with PyTorch (CUDA or CPU).
 
     ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"``. ``precision``:
     ``fp32`` | ``fp16`` | ``bf16`` (autocast; on the CPU fp32 or bf16).
@@ -489,7 +748,9 @@ class TorchBackend:
     captures the forward pass per batch size bucket (CUDA only). ``infer``
     takes ``N x H x W x 3 uint8`` tiles and returns numpy outputs
     ``{name: [N, ...]}`` like :class:`~.ort_backend.OrtBackend`; the executor
-    uses :meth:`create_runner` instead to keep everything on the device.
+    uses :meth:`create_runner` instead to keep everything on the device. The
+    tiles are turned into the card's input on the device (:meth:`_prepare`:
+    channel order, dtype, mean/std, layout), as ONNX Runtime's are on the host.
     """
 
     def __init__(self, card: ModelCard | str | os.PathLike[str], device: str = "cuda",
@@ -505,25 +766,25 @@ class TorchBackend:
             raise BackendUnavailableError("CUDA is not available here (torch sees no GPU)")
         if self.device.type == "cpu" and precision == "fp16":
             raise ConfigError("precision fp16 needs CUDA; use fp32 or bf16 on the CPU")
-        if self.card.input.layout != "NHWC" or self.card.input.dtype != "uint8" or \
-                self.card.input.channel_order != "RGB":
-            raise ModelError(f"{self.card.model_path}: the torch backend feeds uint8 NHWC RGB tiles; "
-                             f"the card wants {self.card.input.dtype} {self.card.input.layout} "
-                             f"{self.card.input.channel_order}")
         self.precision = precision
         self.max_batch = int(max_batch)
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.channels_last = channels_last
-        module = OnnxModule(self.card.model_path).eval()
-        if sorted(module.output_names) != sorted(o.name for o in self.card.outputs):
-            raise ModelError(f"{self.card.model_path}: outputs {sorted(module.output_names)} "
-                             "differ from the card's")
-        module = module.to(self.device)
+        if self.card.format == "torch_export":
+            module: torch.nn.Module = ExportedModule(self.card, self.device)
+        else:
+            module = OnnxModule(self.card.model_path)
+            if sorted(module.output_names) != sorted(o.name for o in self.card.outputs):
+                raise ModelError(f"{self.card.model_path}: outputs {sorted(module.output_names)} "
+                                 "differ from the card's")
+        module = module.eval().to(self.device)
         if channels_last:
-            for key in list(module._buffers):
-                buf = module._buffers[key]
-                if buf is not None and buf.dim() == 4:
-                    module._buffers[key] = buf.contiguous(memory_format=torch.channels_last)
+            for t in itertools.chain(module.parameters(), module.buffers()):
+                if t.dim() == 4:
+                    t.data = t.data.contiguous(memory_format=torch.channels_last)
+        spec = self.card.input
+        self._mean = torch.tensor(spec.mean, dtype=torch.float32, device=self.device)
+        self._std = torch.tensor(spec.std, dtype=torch.float32, device=self.device)
         self.module = module
         self.output_names = list(module.output_names)
         self._capture_lock = threading.Lock()
@@ -536,9 +797,28 @@ class TorchBackend:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Device tiles ``[n, H, W, 3] uint8 RGB`` -> the model's input (the card's order, dtype, layout).
+
+        The device twin of :func:`~.ort_backend.prepare_input`: mean/std are
+        applied only where the card says the model does not apply them itself.
+        """
+        spec = self.card.input
+        if spec.channel_order == "BGR":
+            x = x.flip(-1)
+        if spec.dtype != "uint8":
+            x = x.float()
+            if not spec.normalize_in_graph:
+                x = (x - self._mean) / self._std
+            x = x.to(_INPUT_DTYPES[spec.dtype])
+        if spec.layout == "NCHW":
+            x = x.permute(0, 3, 1, 2)  # a view: channels-last in memory
+        return x
+
     def _forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model on a device batch ``[n, H, W, 3] uint8``; outputs as the graph gives them."""
         with torch.no_grad():
+            x = self._prepare(x)
             if self.precision == "fp32":
                 outs = self.module(x)
             else:

@@ -48,7 +48,7 @@ from pydicom.sr.coding import Code
 from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage
 
 from wsi_pipeline import __version__
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
@@ -347,7 +347,7 @@ def write_dicom_parametric_map(
     path = Path(path)
     if isinstance(heatmap, HeatmapFile):
         if not 0 <= level < heatmap.level_count:
-            raise ConfigError(f"{heatmap.path}: level {level} does not exist ({heatmap.level_count} levels)")
+            raise ValueError(f"{heatmap.path}: level {level} does not exist ({heatmap.level_count} levels)")
         shape = heatmap.level_shapes[level]
         names = list(channel_names) if channel_names is not None else list(heatmap.channel_names)
     else:
@@ -356,13 +356,13 @@ def write_dicom_parametric_map(
         if len(shape) != 3:
             raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {shape}")
         if level:
-            raise ConfigError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
+            raise ValueError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
         names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
     if len(names) != shape[0]:
-        raise ConfigError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
+        raise ValueError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
                           f"found {len(names)}")
     if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
-        raise ConfigError(f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', "
+        raise ValueError(f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', "
                           f"found {dimension_organization!r}")
     plane_bytes = shape[1] * shape[2] * 2
     if plane_bytes > max_bytes:

@@ -9,7 +9,8 @@ Layout of the file (what QuPath / Bio-Formats read):
   2x2 mean), as the OME-TIFF pyramid convention asks; BigTIFF when the raw
   data could pass 2 GiB.
 - OME metadata: channel names, PhysicalSizeX/Y in µm (slide mpp x downsample
-  x heatmap stride, see :func:`heatmap_physical_size_um`), and a
+  x heatmap stride, see
+  :meth:`~wsi_pipeline.geometry.TilingGeometry.heatmap_pixel_size_um`), and a
   MapAnnotation whose ``value_scale`` says how stored values map to the
   model's output: ``value = stored * value_scale`` (uint8 probabilities are
   stored as 0..255 with scale 1/255).
@@ -40,7 +41,7 @@ from typing import Any, Self
 import numpy as np
 import tifffile
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
 # Output rows of a reduced level computed at a time when building the pyramid.
@@ -65,11 +66,6 @@ def _drop_pages(array: np.ndarray) -> None:
     mm.madvise(mmap.MADV_DONTNEED)
 
 
-def heatmap_physical_size_um(mpp_x: float, mpp_y: float, downsample: float, stride: int) -> tuple[float, float]:
-    """Physical size (x, y) in µm of one heatmap pixel: slide mpp x downsample x stride."""
-    return (mpp_x * downsample * stride, mpp_y * downsample * stride)
-
-
 def quantise(values: np.ndarray, dtype: np.dtype, value_scale: float) -> np.ndarray:
     """Values (float) to stored values: ``values / value_scale``, rounded and clipped to an integer ``dtype``."""
     scaled = np.asarray(values).astype(np.float32) * np.float32(1.0 / value_scale)
@@ -92,7 +88,7 @@ def pyramid_shapes(height: int, width: int, tile: int, levels: int | str = "auto
         return shapes
     if not isinstance(levels, int) or levels < 1:
         msg = f"levels: expected 'auto' or an int >= 1, found {levels!r}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     while len(shapes) < levels and max(shapes[-1]) > 1:
         h, w = shapes[-1]
         shapes.append((math.ceil(h / 2), math.ceil(w / 2)))
@@ -117,22 +113,22 @@ class HeatmapRowWriter:
         dtype_name = np.dtype(dtype).name
         if dtype_name not in _DTYPES:
             msg = f"{self.path}: dtype expected one of {sorted(_DTYPES)}, found {dtype_name}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if width <= 0 or height <= 0 or channels <= 0:
             msg = f"{self.path}: expected positive width, height and channels, found {width}, {height}, {channels}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if tile <= 0 or tile % 16:
             msg = f"{self.path}: tile expected a positive multiple of 16, found {tile}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if channel_names is None:
             channel_names = [f"channel_{k}" for k in range(channels)]
         channel_names = [str(n) for n in channel_names]
         if len(channel_names) != channels:
             msg = f"{self.path}: expected {channels} channel names, found {len(channel_names)}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if physical_size_um is not None and not all(float(v) > 0 for v in physical_size_um):
             msg = f"{self.path}: physical_size_um expected two sizes > 0, found {physical_size_um}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         self.width, self.height, self.channels = int(width), int(height), int(channels)
         self.channel_names = channel_names
         self.physical_size_um = physical_size_um
@@ -142,7 +138,7 @@ class HeatmapRowWriter:
             value_scale = {"uint8": 1 / 255, "uint16": 1 / 65535, "float32": 1.0}[dtype_name]
         if not value_scale > 0:
             msg = f"{self.path}: value_scale expected > 0, found {value_scale}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         self.value_scale = float(value_scale)
         self._next_row = 0
         self._finished = False
@@ -231,7 +227,7 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
         if compression not in ("zlib", "zstd"):
             msg = f"{self.path}: compression expected 'zlib' or 'zstd', found {compression!r}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         self.compression = compression
         self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)
         spool_parent = Path(spool_dir) if spool_dir is not None else (self.path.parent or Path("."))

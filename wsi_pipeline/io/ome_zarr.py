@@ -49,7 +49,7 @@ import zarr
 from ome_zarr.format import FormatV04, FormatV05
 from ome_zarr.writer import write_multiscales_metadata
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import partial_name, replace_tree
 from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, pyramid_shapes, quantise
@@ -156,11 +156,11 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
     ) -> None:
         self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
         if ngff_version not in NGFF_VERSIONS:
-            raise ConfigError(f"{self.path}: ngff_version expected one of {NGFF_VERSIONS}, found {ngff_version!r}")
+            raise ValueError(f"{self.path}: ngff_version expected one of {NGFF_VERSIONS}, found {ngff_version!r}")
         colors = [_PALETTE[k % len(_PALETTE)] for k in range(channels)] if channel_colors is None else \
             ["{:02X}{:02X}{:02X}".format(*parse_color(c)) for c in channel_colors]
         if len(colors) != channels:
-            raise ConfigError(f"{self.path}: expected {channels} channel colours, found {len(colors)}")
+            raise ValueError(f"{self.path}: expected {channels} channel colours, found {len(colors)}")
         self.channel_colors = colors
         self.ngff_version = ngff_version
         self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)

@@ -9,7 +9,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write
 
 Color = tuple[int, int, int]
@@ -63,10 +63,10 @@ def render_overlay(
     thumbnail = np.asarray(thumbnail)
     if thumbnail.ndim != 3 or thumbnail.shape[2] != 3 or thumbnail.dtype != np.uint8:
         msg = f"thumbnail: expected an H x W x 3 uint8 array, found {thumbnail.shape} {thumbnail.dtype}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     if thumb_downsample <= 0 or heatmap_scale_level0 <= 0:
         msg = "thumb_downsample and heatmap_scale_level0: expected > 0"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     out = thumbnail.copy()
     th, tw = out.shape[:2]
 
@@ -76,7 +76,7 @@ def render_overlay(
             heatmap = heatmap[None]
         if heatmap.ndim != 3:
             msg = f"heatmap: expected C x H x W, found shape {heatmap.shape}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         value = np.clip(heatmap.max(axis=0), 0.0, 1.0)
         # Thumbnail pixel (x, y) centre is level-0 (x + 0.5) * thumb_downsample,
         # i.e. heatmap pixel (x + 0.5) * thumb_downsample / heatmap_scale - 0.5.
@@ -97,7 +97,7 @@ def render_overlay(
         boxes = np.asarray(boxes, dtype=np.float64)
         if boxes.ndim != 2 or boxes.shape[1] != 4:
             msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         corners = np.rint(boxes / thumb_downsample).astype(np.int64)
         label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
         colors = np.array([_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
@@ -171,7 +171,7 @@ def write_png(path: str | os.PathLike[str], image: np.ndarray) -> Path:
     image = np.asarray(image)
     if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
         msg = f"{path}: expected an H x W x 3 or H x W uint8 image, found {image.shape} {image.dtype}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     bgr = cv2.cvtColor(image, cv2.COLOR_RGB2BGR) if image.ndim == 3 else image
     ok, encoded = cv2.imencode(".png", bgr)
     if not ok:

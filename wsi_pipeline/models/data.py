@@ -1,6 +1,6 @@
 """Training and evaluation tiles rendered from synthetic scenes, and CenterNet targets.
 
-Tiles are rendered on the fly from :class:`wsi_pipeline.slide.synthetic.SyntheticScene`
+Tiles are rendered on the fly from :class:`wsi_pipeline.synthetic.SyntheticScene`
 with fixed seeds (training and held-out seeds never overlap), JPEG-encoded and
 decoded again like the tiles of a JPEG-compressed slide, and returned with
 their truth in tile pixels (origin top-left of the tile, x right, y down).
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import cv2
 import numpy as np
+
+from ..synthetic import SyntheticScene
 
 # Seeds: training scenes 1000..1999, held-out evaluation scenes 9000+.
 TRAIN_SEEDS = range(1000, 2000)
@@ -44,17 +46,8 @@ class TileSample:
     regions: np.ndarray
 
 
-def scene_class():
-    """:class:`SyntheticScene` from the slide package."""
-    try:
-        from ..slide.synthetic import SyntheticScene
-    except ImportError:
-        from ..slide.synthetic_scene import SyntheticScene
-    return SyntheticScene
-
-
 def make_scene(kind: str, seed: int, size_px: int = SCENE_SIZE_PX):
-    return scene_class()(size_px, size_px, seed, kind=kind)
+    return SyntheticScene(size_px, size_px, seed, kind=kind)
 
 
 def jpeg_roundtrip(image_rgb: np.ndarray, quality: int) -> np.ndarray:

@@ -68,7 +68,7 @@ PRESETS = {
         region_labels=((1, 2), (2,)), mpp=0.25, top_k=512, steps=3000,
         scope={
             "trained_on": (
-                "synthetic H&E-like scenes only (wsi_pipeline/slide/synthetic_scene.py, seeds 1000-1119) "
+                "synthetic H&E-like scenes only (wsi_pipeline/synthetic/scene.py, seeds 1000-1119) "
                 "at 0.25 um/px: nuclei 8-20 px across, denser and darker in tumour regions; no real slide"
             ),
             "works_for": (
@@ -169,7 +169,7 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
 
     Refuses (UsageError, before training) to replace an existing model or card unless ``force``.
     """
-    from .data import scene_class
+    from ..synthetic import SyntheticScene
     from .export import export_with_card
 
     out_dir = Path(out_dir)
@@ -180,7 +180,7 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     rng = np.random.default_rng(seed)
-    class_names = list(scene_class()(512, 512, 0, kind=kind).class_names)
+    class_names = list(SyntheticScene(512, 512, 0, kind=kind).class_names)
     t0 = time.perf_counter()
     seeds = list(TRAIN_SEEDS)[:n_scenes]
     samples = render_tiles(kind, seeds, preset.tiles_per_scene, region_stride=REGION_STRIDE,

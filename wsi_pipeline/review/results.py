@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import WSIPipelineError
+from ..inference.card import read_card_json
 from ..io.detections import DETECTION_DTYPE, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
+from ..summary import load_summary
 
 RGB = tuple[int, int, int]
 
@@ -34,11 +36,10 @@ def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | No
     if not card_path or not os.path.isfile(card_path):
         return None
     try:
-        with open(card_path, encoding="utf-8") as f:
-            card = json.load(f)
+        card = read_card_json(Path(card_path))  # the document only: the model file may be gone since
         names = [c["name"] for c in card["classes"]]
         colors = [parse_color(c.get("color", PALETTE[i % len(PALETTE)])) for i, c in enumerate(card["classes"])]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (WSIPipelineError, ValueError, KeyError, TypeError, AttributeError):
         return None
     stride = (card.get("heatmap") or {}).get("stride")
     return names, colors, int(stride) if stride else None
@@ -217,14 +218,7 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
     replaces the slide path the summary records (for a moved slide).
     """
     run_dir = _slide_folder(Path(run_dir))
-    summary_path = run_dir / "summary.json"
-    try:
-        with open(summary_path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except FileNotFoundError as exc:
-        raise WSIPipelineError(f"{summary_path}: no summary.json; is {run_dir} a finished run folder?") from exc
-    except (OSError, ValueError) as exc:
-        raise WSIPipelineError(f"{summary_path}: not readable JSON: {exc}") from exc
+    summary = load_summary(run_dir)
 
     card = _card_classes((summary.get("model") or {}).get("card"))
     names = list((summary.get("counts") or {}).keys())

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 import cv2
 import numpy as np
 
-from ..errors import SlideError, TileReadError
+from ..errors import ClosedError, SlideError, TileReadError
 from .damage import DamagedTile, DamageLog
 
 # A microscope slide scanned at any objective lies well inside this range;
@@ -137,6 +137,31 @@ class Slide(abc.ABC):
         with self._reading((x0, y0), level):
             return self._read_level(x0, y0, level, w, h)
 
+    def read_region_into(
+        self, location: tuple[int, int], level: int, size: tuple[int, int], out: np.ndarray
+    ) -> np.ndarray:
+        """:meth:`read_region` written into ``out`` (``height x width x 3`` uint8), returned.
+
+        Readers that assemble regions from stored tiles write into ``out``
+        directly (no copy from a new array); this default copies.
+        """
+        self._check_out(size, out)
+        out[...] = self.read_region(location, level, size)
+        return out
+
+    def _check_out(self, size: tuple[int, int], out: np.ndarray) -> None:
+        w, h = int(size[0]), int(size[1])
+        if out.shape != (h, w, 3) or out.dtype != np.uint8:
+            raise ValueError(f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8")
+
+    # -- decoded-tile cache (readers that keep one override these) ------------
+    def clear_cache(self) -> None:  # noqa: B027  (no cache: nothing to free)
+        """Free the decoded pixels this reader holds; reads after it decode again."""
+
+    def reserve_cache_band(self, level: int, height_px: int) -> int:
+        """Let the cache hold a band ``height_px`` pixels tall across ``level``; its limit in bytes (0: none)."""
+        return 0
+
     @contextlib.contextmanager
     def _reading(self, location_level0: tuple[int, int], level: int) -> Iterator[None]:
         """The read paths' error boundary: what a reader library raises becomes :class:`TileReadError`."""
@@ -209,7 +234,7 @@ class Slide(abc.ABC):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"{self.path}: slide is closed")
+            raise ClosedError(f"{self.path}: slide is closed")
 
     def __enter__(self) -> Slide:
         return self

@@ -517,11 +517,8 @@ class TiffSlide(Slide):
         Saves the copy from a new array when the caller has a buffer (a
         batch slot of the tile loader).
         """
-        w, h = self._check_region(level, size)
-        if out.shape != (h, w, 3) or out.dtype != np.uint8:
-            raise ValueError(
-                f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8"
-            )
+        self._check_region(level, size)
+        self._check_out(size, out)
         x0, y0 = int(location[0]), int(location[1])
         with self._reading((x0, y0), level):
             self._assemble(x0, y0, level, out)

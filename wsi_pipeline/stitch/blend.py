@@ -8,9 +8,9 @@ for columns. Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
 cover it, with ``w`` the tile's position weights (:mod:`.weights`); a tile
 the tissue mask skipped counts as p = 0 with its weights.
 
-Memory: only a band of tile rows is held, ``window_rows`` tile rows deep
-(accumulators C x band_height x canvas_width float32 plus a band_height x
-canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
+Memory: only a band of tile rows is held, ``window_rows`` tile rows deep, in
+buffers twice its height (accumulators C x 2 band_height x canvas_width
+float32 plus a 2 band_height x canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
 rows above ``(r + 1) * step_out`` are touched by no later tile: they are
 normalised, handed to the sink top to bottom, and the band moves down. Peak
 memory depends on the canvas width and the window, not on the slide height.
@@ -18,13 +18,13 @@ memory depends on the canvas width and the window, not on the slide height.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError, WSIPipelineError
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.geometry import TilingGeometry
 
 Sink = Callable[[int, np.ndarray], None]
 
@@ -51,16 +51,16 @@ class BlendGeometry:
     def __post_init__(self) -> None:
         if min(self.n_rows, self.n_cols, self.tile_size_out, self.step_out) <= 0:
             msg = f"blend geometry: expected positive grid size, tile size and step, found {self}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if self.step_out > self.tile_size_out:
             msg = f"blend geometry: step_out {self.step_out} > tile_size_out {self.tile_size_out} leaves gaps"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if not (0 < self.out_height <= self.canvas_height and 0 < self.out_width <= self.canvas_width):
             msg = (
                 f"blend geometry: output {self.out_height} x {self.out_width} must be positive and "
                 f"within the tiles' canvas {self.canvas_height} x {self.canvas_width}"
             )
-            raise ConfigError(msg)
+            raise ValueError(msg)
 
     @property
     def canvas_height(self) -> int:
@@ -71,46 +71,11 @@ class BlendGeometry:
         return (self.n_cols - 1) * self.step_out + self.tile_size_out
 
     @classmethod
-    def from_slide(
-        cls,
-        width_level0: int,
-        height_level0: int,
-        tile_size_px: int = 512,
-        overlap_px: int = 64,
-        downsample: float = 1.0,
-        stride: int = 8,
-        n_rows: int | None = None,
-        n_cols: int | None = None,
-    ) -> BlendGeometry:
-        """Geometry for a slide tiled on the step lattice with padding at the right/bottom.
-
-        ``tile_size_px`` and ``overlap_px`` are in pixels of the level read
-        (level-0 pixels times ``1 / downsample``); tile size and step must be
-        multiples of ``stride``. ``n_rows``/``n_cols`` default to the fewest
-        tiles that cover the slide; pass the tile grid's own counts when it
-        has them.
-        """
-        step_px = tile_size_px - overlap_px
-        if tile_size_px % stride or step_px % stride:
-            msg = (
-                f"tile size {tile_size_px} and step {step_px} px must be multiples of the "
-                f"heatmap stride {stride}"
-            )
-            raise ConfigError(msg)
-        width_px = math.ceil(width_level0 / downsample)
-        height_px = math.ceil(height_level0 / downsample)
-        if n_cols is None:
-            n_cols = max(1, math.ceil(max(width_px - tile_size_px, 0) / step_px) + 1)
-        if n_rows is None:
-            n_rows = max(1, math.ceil(max(height_px - tile_size_px, 0) / step_px) + 1)
-        return cls(
-            n_rows=n_rows,
-            n_cols=n_cols,
-            tile_size_out=tile_size_px // stride,
-            step_out=step_px // stride,
-            out_height=math.ceil(height_px / stride),
-            out_width=math.ceil(width_px / stride),
-        )
+    def from_tiling(cls, geometry: TilingGeometry) -> BlendGeometry:
+        """The heatmap plane of a tiling (which must have a heatmap stride)."""
+        g = geometry
+        return cls(n_rows=g.n_rows, n_cols=g.n_cols, tile_size_out=g.heatmap_tile, step_out=g.heatmap_step,
+                   out_height=g.heatmap_height, out_width=g.heatmap_width)
 
 
 class HeatmapBlender:
@@ -145,25 +110,29 @@ class HeatmapBlender:
         g = geometry
         if channels <= 0:
             msg = f"channels: expected > 0, found {channels}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         weights = np.asarray(weights, dtype=np.float32)
         if weights.shape != (g.tile_size_out, g.tile_size_out):
             msg = f"weights: expected shape {(g.tile_size_out, g.tile_size_out)}, found {weights.shape}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if not (weights > 0).all():
             msg = "weights: expected all weights > 0"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         if window_rows < 1:
             msg = f"window_rows: expected >= 1, found {window_rows}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         self.geometry = g
         self.channels = channels
         self.weights = weights
         self.sink = sink
         self.window_rows = min(window_rows, g.n_rows)
         self.band_height = (self.window_rows - 1) * g.step_out + g.tile_size_out
-        self._num = np.zeros((channels, self.band_height, g.canvas_width), dtype=np.float32)
-        self._den = np.zeros((self.band_height, g.canvas_width), dtype=np.float32)
+        # The band slides down a buffer twice its height and is copied back to the top only when it
+        # reaches the bottom: one copy per band height of output, not one per tile row.
+        buf_rows = 2 * self.band_height
+        self._num = np.zeros((channels, buf_rows, g.canvas_width), dtype=np.float32)
+        self._den = np.zeros((buf_rows, g.canvas_width), dtype=np.float32)
+        self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
         self._first_open_row = 0  # lowest tile row with tiles still to come
         self._done = np.zeros((g.n_rows, g.n_cols), dtype=bool)
@@ -231,7 +200,7 @@ class HeatmapBlender:
             raise WSIPipelineError(msg)
         self._done[row, col] = True
         self._done_per_row[row] += 1
-        return row * g.step_out - self._band_y0, col * g.step_out
+        return row * g.step_out - self._band_y0 + self._off, col * g.step_out
 
     def _advance(self) -> None:
         g = self.geometry
@@ -245,12 +214,17 @@ class HeatmapBlender:
         k = final_y - self._band_y0
         self._emit(k)
         if r < g.n_rows:
-            # Move the band down by k rows.
-            self._num[:, : self.band_height - k] = self._num[:, k:]
-            self._num[:, self.band_height - k :] = 0.0
-            self._den[: self.band_height - k] = self._den[k:]
-            self._den[self.band_height - k :] = 0.0
+            # Move the band down by k rows: the rows below it in the buffer are still zero.
+            self._off += k
             self._band_y0 = final_y
+            off, end = self._off, self._den.shape[0]
+            if off + self.band_height > end:  # past the buffer's end: back to its top
+                n = end - off  # the band's rows that exist; the rest are zero
+                self._num[:, :n] = self._num[:, off:]
+                self._num[:, n:] = 0.0
+                self._den[:n] = self._den[off:]
+                self._den[n:] = 0.0
+                self._off = 0
 
     def _emit(self, k: int) -> None:
         g = self.geometry
@@ -259,9 +233,10 @@ class HeatmapBlender:
         if y1 <= y0:
             return
         h = y1 - y0
-        num = self._num[:, :h, : g.out_width]
-        den = self._den[:h, : g.out_width]
-        rows = np.zeros_like(num)
-        np.divide(num, den[None], out=rows, where=den[None] > 0)
+        off = self._off
+        num = self._num[:, off : off + h, : g.out_width]
+        den = self._den[off : off + h, : g.out_width]
+        # Every finished canvas pixel lies under some tile, and every tile adds weights > 0.
+        rows = np.divide(num, den[None])
         self.sink(y0, rows)
         self._emitted = y1

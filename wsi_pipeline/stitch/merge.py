@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.stitch.nms import (
     _check_options,
     check_boxes,
@@ -103,7 +102,7 @@ def merge_boxes(
     """
     if method not in METHODS:
         msg = f"method: expected one of {METHODS}, found {method!r}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     leader = cluster_leaders(boxes, scores, labels, iou_threshold, metric, class_agnostic)
     boxes, scores, labels = check_boxes(boxes, scores, labels)
     order = score_order(scores)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.stitch.spatial_grid import intersecting_pairs
 
 METRICS = ("iou", "ios")
@@ -38,20 +37,20 @@ def check_boxes(
     scores = np.asarray(scores)
     if boxes.ndim != 2 or boxes.shape[1] != 4:
         msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     if scores.shape != (len(boxes),):
         msg = f"scores: expected shape ({len(boxes)},) to match the boxes, found {scores.shape}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     boxes = boxes.astype(np.float64, copy=False)
     scores = scores.astype(np.float64, copy=False)
     if not (np.isfinite(boxes).all() and np.isfinite(scores).all()):
         msg = "boxes and scores: expected finite values, found NaN or infinity"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     if labels is not None:
         labels = np.asarray(labels)
         if labels.shape != (len(boxes),):
             msg = f"labels: expected shape ({len(boxes)},) to match the boxes, found {labels.shape}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         labels = labels.astype(np.int64, copy=False)
     return boxes, scores, labels
 
@@ -59,10 +58,10 @@ def check_boxes(
 def _check_options(iou_threshold: float, metric: str) -> None:
     if metric not in METRICS:
         msg = f"metric: expected one of {METRICS}, found {metric!r}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     if not 0.0 <= iou_threshold <= 1.0:
         msg = f"iou_threshold: expected a value in [0, 1], found {iou_threshold}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
 
 
 def matching_pairs(

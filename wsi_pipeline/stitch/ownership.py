@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError
-
 
 def tile_core_px(
     row: int,
@@ -31,10 +29,10 @@ def tile_core_px(
     """
     if not (0 <= row < n_rows and 0 <= col < n_cols):
         msg = f"tile (row {row}, col {col}): expected inside a grid of {n_rows} x {n_cols} tiles"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     if not 0 <= overlap_px < tile_size_px:
         msg = f"overlap_px: expected 0 <= overlap < tile size {tile_size_px}, found {overlap_px}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     half = overlap_px / 2.0
     x0 = half if col > 0 else -np.inf
     y0 = half if row > 0 else -np.inf
@@ -67,7 +65,7 @@ def owned_by_tile(
     boxes = np.asarray(boxes_tile_px, dtype=np.float64)
     if boxes.ndim != 2 or boxes.shape[1] != 4:
         msg = f"boxes_tile_px: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     x0, y0, x1, y1 = tile_core_px(row, col, n_rows, n_cols, tile_size_px, overlap_px)
     cx = (boxes[:, 0] + boxes[:, 2]) / 2.0
     cy = (boxes[:, 1] + boxes[:, 3]) / 2.0

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
 
-from wsi_pipeline.tiling.tissue import TissueMask
+from wsi_pipeline.stitch.blend import Sink
 
-Sink = Callable[[int, np.ndarray], None]
+if TYPE_CHECKING:  # statistics read the mask's array and downsample only
+    from wsi_pipeline.tiling.tissue import TissueMask
 
 
 class ArraySink:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError
 from wsi_pipeline.stitch.merge import merge_boxes
 from wsi_pipeline.stitch.nms import (
     check_boxes,
@@ -67,7 +66,7 @@ class StreamingMerger:
     def __init__(self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou",
                  class_agnostic: bool = False):
         if method not in METHODS:
-            raise ConfigError(f"method: expected one of {METHODS}, found {method!r}")
+            raise ValueError(f"method: expected one of {METHODS}, found {method!r}")
         self.method = method
         self.iou_threshold = iou_threshold
         self.metric = metric

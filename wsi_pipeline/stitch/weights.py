@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.errors import ConfigError
-
 KINDS = ("gaussian", "hann", "linear", "constant")
 # MONAI's compute_importance_map clamps its map to at least this value.
 _GAUSSIAN_MIN = 1e-3
@@ -23,7 +21,7 @@ def _size2(size_px: int | tuple[int, int]) -> tuple[int, int]:
         h, w = (int(v) for v in size_px)
     if h <= 0 or w <= 0:
         msg = f"size_px: expected positive sizes, found {size_px}"
-        raise ConfigError(msg)
+        raise ValueError(msg)
     return h, w
 
 
@@ -78,7 +76,7 @@ def tile_weights(
     if kind == "gaussian":
         if sigma_scale <= 0:
             msg = f"sigma_scale: expected > 0, found {sigma_scale}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         wy = gaussian_1d(h, sigma_scale)
         wx = gaussian_1d(w, sigma_scale)
         out = wy[:, None] * wx[None, :]
@@ -88,9 +86,9 @@ def tile_weights(
     if kind == "linear":
         if overlap_px is None or overlap_px < 0:
             msg = f"overlap_px: expected a non-negative overlap in heatmap pixels for kind='linear', found {overlap_px}"
-            raise ConfigError(msg)
+            raise ValueError(msg)
         return (linear_1d(h, overlap_px)[:, None] * linear_1d(w, overlap_px)[None, :]).astype(np.float32)
     if kind == "constant":
         return np.ones((h, w), dtype=np.float32)
     msg = f"kind: expected one of {KINDS}, found {kind!r}"
-    raise ConfigError(msg)
+    raise ValueError(msg)

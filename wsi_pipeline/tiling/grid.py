@@ -12,14 +12,13 @@ the price of some background pixels in the last row and column.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
 
-from ..errors import ConfigError
+from ..geometry import TilingGeometry
 from ..slide.base import Slide
 
 DEFAULT_TILE_SIZE = 512
@@ -81,50 +80,18 @@ class TileGrid(Sequence[Tile]):
         overlap: int = DEFAULT_OVERLAP,
         level: int | None = None,
         mpp: float | None = None,
+        *,
+        geometry: TilingGeometry | None = None,
     ):
-        if tile_size <= 0:
-            raise ConfigError(f"tile size must be positive, got {tile_size}")
-        if not 0 <= overlap < tile_size:
-            raise ConfigError(
-                f"overlap must be at least 0 and less than the tile size {tile_size}, got {overlap}"
-            )
-        if level is not None and mpp is not None:
-            raise ConfigError("give a level or a target mpp, not both")
+        if geometry is None:
+            geometry = TilingGeometry.for_slide(slide, tile_size, overlap, level=level, mpp=mpp)
         self.slide = slide
-        self.tile_size = int(tile_size)
-        self.overlap = int(overlap)
-        self.step = self.tile_size - self.overlap
-        if mpp is not None:
-            if slide.mpp is None:
-                raise ConfigError(
-                    f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
-                    "resolution is unknown; choose a level instead"
-                )
-            if mpp <= 0:
-                raise ConfigError(f"target mpp must be positive, got {mpp}")
-            downsample = mpp / slide.mpp[0]
-            if downsample < 1 - 1e-6:
-                raise ConfigError(
-                    f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
-                    f"({slide.mpp[0]:.4g} um/px); upsampling is not supported"
-                )
-            self.level = slide.best_level_for_downsample(downsample)
-            self.downsample = float(downsample)
-        else:
-            self.level = 0 if level is None else int(level)
-            if not 0 <= self.level < slide.level_count:
-                raise ConfigError(
-                    f"{slide.path}: level {self.level} does not exist (slide has {slide.level_count})"
-                )
-            self.downsample = float(slide.level_downsamples[self.level])
-        level_ds = slide.level_downsamples[self.level]
-        ratio = self.downsample / level_ds
-        self.read_size = self.tile_size if abs(ratio - 1) < 1e-6 else int(round(self.tile_size * ratio))
-        w0, h0 = slide.dimensions
-        self.width_out = math.ceil(w0 / self.downsample)
-        self.height_out = math.ceil(h0 / self.downsample)
-        self.n_cols = max(1, math.ceil(max(self.width_out - self.overlap, 1) / self.step))
-        self.n_rows = max(1, math.ceil(max(self.height_out - self.overlap, 1) / self.step))
+        self.geometry = geometry
+        g = geometry
+        self.tile_size, self.overlap, self.step = g.tile, g.overlap, g.step
+        self.level, self.downsample, self.read_size = g.level, g.downsample, g.read_size
+        self.width_grid, self.height_grid = g.width_grid, g.height_grid
+        self.n_cols, self.n_rows = g.n_cols, g.n_rows
 
     def __len__(self) -> int:
         return self.n_rows * self.n_cols
@@ -136,8 +103,8 @@ class TileGrid(Sequence[Tile]):
             index=row * self.n_cols + col,
             row=row,
             col=col,
-            x0_level0=int(round(col * self.step * self.downsample)),
-            y0_level0=int(round(row * self.step * self.downsample)),
+            x0_level0=self.geometry.col_x0_level0(col),
+            y0_level0=self.geometry.row_y0_level0(row),
             size=self.tile_size,
             downsample=self.downsample,
             level=self.level,
@@ -177,15 +144,12 @@ def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.nda
     """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp).
 
     ``out``, if given, is a ``size x size x 3`` uint8 array filled in place
-    (written directly by a backend with ``read_region_into``, such as the
-    tifffile one, when no resize is needed).
+    (written by the slide's ``read_region_into`` when no resize is needed).
     """
     location = (tile.x0_level0, tile.y0_level0)
     region_size = (tile.read_size, tile.read_size)
     if out is not None and tile.read_size == tile.size:
-        read_into = getattr(slide, "read_region_into", None)
-        if read_into is not None:
-            return read_into(location, tile.level, region_size, out)
+        return slide.read_region_into(location, tile.level, region_size, out)
     region = slide.read_region(location, tile.level, region_size)
     if tile.read_size != tile.size:
         region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)

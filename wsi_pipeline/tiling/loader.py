@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import TileReadError, WSIPipelineError
+from ..errors import ClosedError, TileReadError
 from ..slide.base import Slide
 from .grid import Tile, read_tile
 
@@ -38,6 +38,7 @@ class Batch:
     tiles: list[Tile]
     sequence: int
     _release: Callable[[], None] | None = field(default=None, repr=False)
+    ready: None = None  # host memory: readable at once
 
     def release(self) -> None:
         """Give the buffer back to the loader (idempotent)."""
@@ -100,14 +101,13 @@ class TileLoader:
 
     def _reserve_cache(self, tiles_in_flight: int) -> None:
         """Ask the slide's tile cache (where it has one) to hold the grid rows in flight."""
-        reserve = getattr(self.slide, "reserve_cache_band", None)
-        if reserve is None or not self.tiles:
+        if not self.tiles:
             return
         t = self.tiles[0]
         cols = len({tile.col for tile in self.tiles[: 4 * tiles_in_flight]}) or 1
         rows = -(-tiles_in_flight // cols) + 2  # the rows in flight, the next one's overlap
         level_ds = self.slide.level_downsamples[t.level]
-        reserve(t.level, int(rows * t.extent_level0 / level_ds))
+        self.slide.reserve_cache_band(t.level, int(rows * t.extent_level0 / level_ds))
 
     @property
     def n_batches(self) -> int:
@@ -122,7 +122,7 @@ class TileLoader:
         with self._free_cv:
             while not self._free:
                 if self._stop.is_set():
-                    raise WSIPipelineError("tile loader closed")
+                    raise ClosedError("tile loader closed")
                 self._free_cv.wait(0.1)
             return self._free.popleft()
 
@@ -167,7 +167,7 @@ class TileLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
-            raise WSIPipelineError("tile loader already closed")
+            raise ClosedError("tile loader already closed")
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tile-reader")
         pending: deque[tuple[int, np.ndarray, list[Tile], list[Future]]] = deque()
         starts = range(0, len(self.tiles), self.batch_size)

@@ -74,11 +74,10 @@ class TissueMask:
         m = self.mask.astype(np.float64)
         integral = cv2.integral(m)  # (H+1) x (W+1)
         mh, mw = m.shape
-        extent = grid.tile_size * grid.downsample
-        cols = np.arange(grid.n_cols)
-        rows = np.arange(grid.n_rows)
-        x0 = cols * grid.step * grid.downsample / self.downsample[0]
-        y0 = rows * grid.step * grid.downsample / self.downsample[1]
+        g = grid.geometry
+        extent = g.tile_extent_level0
+        x0 = g.col_x0_level0(np.arange(g.n_cols)) / self.downsample[0]
+        y0 = g.row_y0_level0(np.arange(g.n_rows)) / self.downsample[1]
         x1 = x0 + extent / self.downsample[0]
         y1 = y0 + extent / self.downsample[1]
         xi0 = np.clip(np.round(x0).astype(int), 0, mw)

@@ -2,7 +2,7 @@
 
 A scene is a pure function of level-0 coordinates and a seed. Nothing global is stored:
 
-* regions (tissue, tumour) come from :class:`~.synthetic_noise.LatticeField` noise,
+* regions (tissue, tumour) come from :class:`~.noise.LatticeField` noise,
   thresholded; the thresholds are fixed once from a 64 x 64 sample of the field;
 * objects are generated per 512 x 512 level-0 *cell* from a random generator seeded by
   (seed, cell x, cell y); an object belongs to the cell holding its centre, and a region
@@ -27,7 +27,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
-from .synthetic_noise import LatticeField, PeriodicTexture, make_texture, mix_int
+from .noise import LatticeField, PeriodicTexture, make_texture, mix_int
 
 CELL_SIZE_LEVEL0 = 512
 MAX_SIDE = 1_000_000

@@ -25,8 +25,8 @@ import numpy as np
 import tifffile
 
 from ..errors import ConfigError
-from .synthetic_scene import SyntheticScene
-from .synthetic_truth import default_truth_path, write_truth
+from .scene import SyntheticScene
+from .truth import default_truth_path, write_truth
 
 # Stop the pyramid at the first level whose longer side is at most this.
 _SMALLEST_LEVEL_SIDE = 1024

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelError
-from .card import ModelCard, file_sha256, load_card, write_card
-from .ort_backend import prepare_input
+from ..inference.card import ModelCard, file_sha256, load_card, require_onnx, write_card
+from ..inference.ort_backend import prepare_input
 
 PRECISIONS = ("fp16", "int8")
 CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
@@ -269,6 +269,7 @@ def make_variant(model: str | os.PathLike[str] | ModelCard, precision: str,
     the source model.
     """
     card = model if isinstance(model, ModelCard) else load_card(model)
+    require_onnx(card, "quantization")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision: expected one of {list(PRECISIONS)}, found {precision!r}")
     if card.precision != "fp32":

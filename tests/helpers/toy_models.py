@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .card import (
+from wsi_pipeline.inference.card import (
     ClassSpec,
     DecoderSpec,
     HeatmapSpec,

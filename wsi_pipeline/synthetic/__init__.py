@@ -12,9 +12,9 @@ See ``docs/synthetic.md`` for the scene model and the file layout.
 
 from __future__ import annotations
 
-from .synthetic_scene import CELL_SIZE_LEVEL0, KINDS, SyntheticScene
-from .synthetic_truth import Truth, default_truth_path, load_truth, trace_regions, write_truth
-from .synthetic_writer import level_dimensions, write_synthetic_slide
+from .scene import CELL_SIZE_LEVEL0, KINDS, SyntheticScene
+from .truth import Truth, default_truth_path, load_truth, trace_regions, write_truth
+from .writer import level_dimensions, write_synthetic_slide
 
 __all__ = [
     "CELL_SIZE_LEVEL0",

@@ -18,6 +18,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
+from ..geometry import TilingGeometry
 
 MANIFEST = "manifest.json"
 
@@ -47,7 +48,8 @@ def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: 
     """Write ``n`` tiles of ``tile_px`` square from ``slides`` into ``out_dir``; return the manifest rows.
 
     ``mpp``: the model's micrometres per pixel (tiles are resampled to it
-    where the slide knows its own); None reads level 0. ``tissue``: "otsu"
+    where the slide knows its own and is not coarser, as a run reads them:
+    :func:`~wsi_pipeline.geometry.read_resolution`); None reads level 0. ``tissue``: "otsu"
     or "all" (industrial images). Each slide contributes about ``n /
     len(slides)`` tiles, chosen at random (``seed``) among cells with at least
     ``min_tissue`` tissue.
@@ -67,18 +69,15 @@ def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: 
         if share == 0:
             continue
         with open_slide(path) as slide:
-            downsample = 1.0
-            if mpp is not None and slide.mpp is not None:
-                downsample = float(mpp) / float(np.mean(slide.mpp))
-            extent = tile_px * downsample
+            geometry = TilingGeometry.for_slide(slide, tile_px, 0, preferred_mpp=mpp)
+            downsample = geometry.downsample
+            extent = geometry.tile_extent_level0
             origins = _candidate_origins(slide, extent, tissue, min_tissue)
             if len(origins) == 0:
                 raise ConfigError(f"{path}: no {tile_px} px tile with {min_tissue:.0%} tissue "
                                   f"(tissue method {tissue!r}); try --tissue all or --min-tissue lower")
             picks = rng.choice(len(origins), min(share, len(origins)), replace=False)
-            level = slide.best_level_for_downsample(downsample)
-            level_ds = slide.level_downsamples[level]
-            read_px = max(1, round(extent / level_ds))
+            level, read_px = geometry.level, geometry.read_size
             stem = Path(path).stem.split(".")[0]
             for i in sorted(picks.tolist()):
                 x0, y0 = (int(v) for v in origins[i])

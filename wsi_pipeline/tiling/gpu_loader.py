@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, TileReadError
-from ..tiling.grid import Tile
+from .grid import Tile
 
 try:
     import torch

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import WSIPipelineError
 from ..io.atomic import atomic_write
-from .synthetic_scene import SyntheticScene
+from .scene import SyntheticScene
 
 # Truth regions are traced on a region mask no larger than this on its longer side.
 _MASK_MAX_SIDE = 4096

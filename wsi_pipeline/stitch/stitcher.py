@@ -1,0 +1,130 @@
+"""The stitcher: one slide's tile results, in grid order, become level-0 detections and heatmap rows.
+
+This is where tile pixels become level-0 pixels
+(:meth:`~wsi_pipeline.geometry.TilingGeometry.tile_to_level0`) and where the
+merge policy (:mod:`.policies`) sees the boxes. Heatmaps go to a
+:class:`~.blend.HeatmapBlender` whose finished rows go to the sink the
+caller gives (a file writer, statistics, an in-memory array: the stitcher
+does not know which).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.geometry import TilingGeometry
+from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
+from wsi_pipeline.stitch.policies import MergePolicy
+
+if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
+    from wsi_pipeline.inference.decoders import TileDetections
+    from wsi_pipeline.tiling.grid import Tile
+
+
+class Stitcher:
+    """Collect one slide's tile results: boxes merged in level 0, heatmaps blended into ``heatmap_sink``.
+
+    Args:
+        geometry: the slide's tiling (its heatmap plane too, when there is a heatmap).
+        policy: how boxes of overlapping tiles merge (:func:`~.policies.merge_policy`).
+        score_threshold: boxes scoring below it are dropped before merging (None: none).
+        heatmap_sink: called as ``sink(y0_heatmap, rows)`` with C x h x W float32
+            rows of the blended heatmap, top to bottom (None: the model has no heatmap).
+        heatmap_weights: the tiles' blending weights (``heatmap_tile`` square,
+            :func:`~.weights.tile_weights`), with ``heatmap_sink``.
+        heatmap_channels: C, with ``heatmap_sink``.
+        source: names the model in errors.
+
+    Use: :meth:`add_batch` with the results of tiles in grid order (tiles
+    not given are skipped: no tissue), then :meth:`finish`.
+    """
+
+    def __init__(self, geometry: TilingGeometry, policy: MergePolicy, score_threshold: float | None = None,
+                 heatmap_sink: Sink | None = None, heatmap_weights: np.ndarray | None = None,
+                 heatmap_channels: int = 0, source: str = "the model"):
+        self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
+        self.source = source
+        self._next = 0  # next grid index expected
+        self._row = -1  # grid row of the last tile added
+        self.blender: HeatmapBlender | None = None
+        if heatmap_sink is not None:
+            if heatmap_weights is None:
+                raise ValueError("heatmap_sink needs heatmap_weights")
+            self.blender = HeatmapBlender(BlendGeometry.from_tiling(geometry), heatmap_channels, heatmap_weights,
+                                          heatmap_sink, window_rows=3)
+
+    def _skip_to(self, index: int) -> None:
+        n_cols = self.geometry.n_cols
+        while self._next < index:
+            if self.blender is not None:
+                self.blender.skip(self._next // n_cols, self._next % n_cols)
+            self._next += 1
+
+    def add_batch(self, tiles: Sequence[Tile], dets: Sequence[TileDetections]) -> None:
+        """A batch's detections (tile pixels), tiles in grid order: heatmaps per tile, boxes per grid row."""
+        start = 0
+        while start < len(tiles):
+            stop = start + 1
+            while stop < len(tiles) and tiles[stop].row == tiles[start].row:
+                stop += 1
+            self._add_row_run(tiles[start:stop], dets[start:stop])
+            start = stop
+
+    def _add_row_run(self, tiles: Sequence[Tile], dets: Sequence[TileDetections]) -> None:
+        """Tiles of one grid row, in order: blend their heatmaps, then map and merge their boxes at once."""
+        for tile, det in zip(tiles, dets, strict=True):
+            if tile.index < self._next:
+                raise WSIPipelineError(f"tile {tile.index} arrived out of grid order (expected >= {self._next})")
+            self._skip_to(tile.index)
+            if self.blender is not None:
+                if det.heatmap is None:
+                    raise WSIPipelineError(f"{self.source}: the card names a heatmap, the model gave none")
+                self.blender.add(tile.row, tile.col, det.heatmap)
+            self._next = tile.index + 1
+        row = tiles[0].row
+        if row != self._row:
+            self.policy.row_started(self.geometry.row_y0_level0(row))
+        self._row = row
+        counts = np.array([len(d.boxes) for d in dets], np.int64)
+        if not counts.any():
+            return
+        boxes = np.concatenate([np.asarray(d.boxes, np.float32).reshape(-1, 4) for d in dets])
+        scores = np.concatenate([np.asarray(d.scores, np.float32).reshape(-1) for d in dets])
+        labels = np.concatenate([np.asarray(d.labels).reshape(-1) for d in dets])
+        owner = np.repeat(np.arange(len(tiles)), counts)  # each box's tile in ``tiles``
+        rows = np.full(len(boxes), row)
+        cols = np.array([t.col for t in tiles])[owner]
+        keep = self.policy.keep_in_tile(boxes, rows, cols, self.geometry)
+        if self.score_threshold is not None:
+            keep &= scores >= self.score_threshold
+        if not keep.any():
+            return
+        b = self.geometry.tile_to_level0(boxes[keep], rows[keep], cols[keep])
+        # Edge tiles are padded past the slide; boxes centred there are the padding's edge, not objects.
+        w0, h0 = self.geometry.width_level0, self.geometry.height_level0
+        cx, cy = (b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2
+        inside = (cx >= 0) & (cx < w0) & (cy >= 0) & (cy < h0)
+        b = b[inside]
+        b[:, [0, 2]] = b[:, [0, 2]].clip(0, w0)
+        b[:, [1, 3]] = b[:, [1, 3]].clip(0, h0)
+        self.policy.add(b, scores[keep][inside], labels[keep][inside])
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Skip the tiles after the last one read, close the heatmap; the merged boxes.
+
+        Returns (boxes N x 4 float32 level-0 x0, y0, x1, y1; scores N float32;
+        labels N int) in reading order: top to bottom, then left to right.
+        """
+        self._skip_to(self.geometry.n_rows * self.geometry.n_cols)
+        if self.blender is not None:
+            self.blender.close()
+        boxes, scores, labels = self.policy.finish()
+        order = np.lexsort((boxes[:, 0], boxes[:, 1]))
+        return boxes[order], scores[order], labels[order]
+
+
+__all__ = ["Stitcher"]

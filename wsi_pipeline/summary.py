@@ -1,0 +1,165 @@
+"""A slide run's summary: its schema, written by one function, read back by one.
+
+``summary.json`` is the last file of a slide's folder (its presence marks
+the folder complete) and ``Result.summary`` is the same document. The
+schema is :class:`Summary`; :func:`build_summary` makes it from a run's parts and
+:func:`read_summary` reads it back for the batch (resume), the review
+notebooks and the demo. Keys only ever get added, so older folders still read.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, TypedDict
+
+import numpy as np
+
+from .errors import WSIPipelineError
+
+SUMMARY_FILE = "summary.json"
+
+
+class ClassInfo(TypedDict):
+    name: str
+    color: str | list[int]
+
+
+class HeatmapInfo(TypedDict):
+    classes: list[str]
+    stride: int
+    scale_level0: float  # level-0 pixels per heatmap pixel
+
+
+class TissueInfo(TypedDict):
+    method: str
+    fraction: float
+    area_mm2: float | None
+
+
+class TilesInfo(TypedDict):
+    total: int
+    read: int
+    skipped: int
+    grid: list[int]  # [n_rows, n_cols]
+    level: int
+    downsample: float  # level-0 pixels per grid pixel
+
+
+class ModelInfo(TypedDict):
+    name: str
+    version: str
+    sha256: str
+    card: str
+    precision: str
+
+
+class Summary(TypedDict, total=False):
+    """``summary.json``: what one slide's run found and how it ran."""
+
+    slide: str  # absolute path
+    slide_as_given: str
+    dimensions_level0: list[int]  # [width, height]
+    mpp: list[float] | None  # [x, y] micrometres per level-0 pixel
+    status: str
+    counts: dict[str, int]  # detections per class, in label order
+    classes: list[ClassInfo]
+    heatmap: HeatmapInfo | None
+    detections_total: int
+    tissue: TissueInfo
+    tissue_warning: str | None
+    heatmap_scores: dict[str, Any] | None  # per heatmap class, see stitch.sinks.HeatmapStats
+    tiles: TilesInfo
+    seconds: dict[str, float]  # per stage, "total", and "write" once the files are written
+    damaged_tiles: dict[str, Any] | None
+    peak_host_memory_mb: float
+    peak_gpu_memory_mb: float | None
+    model: ModelInfo
+    backend: str
+    batch_size: int
+    streams: int
+    reader_workers: int
+    parameters: dict[str, Any]  # the run settings (RunConfig.as_dict)
+    versions: dict[str, str]
+    tile_decode: dict[str, Any]  # where stored tiles were decoded and why
+    run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages that decide a run's result."""
+    out = {"python": platform.python_version()}
+    for name in ("wsi-pipeline", "numpy", "tifffile", "imagecodecs", "opencv-python-headless", "openslide-python",
+                 "openslide-bin", "onnxruntime", "torch", "tensorrt"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def build_summary(*, slide: Any, dets: np.ndarray, card: Any, tiles: TilesInfo, tissue: TissueInfo,
+                  heatmap_scale_level0: float, heatmap_scores: dict[str, Any] | None,
+                  seconds: dict[str, float], run: dict[str, Any], extra: dict[str, Any]) -> Summary:
+    """The summary of a run over ``slide`` (a :class:`~.slide.Slide`) that found ``dets``.
+
+    ``card``: the :class:`~.inference.card.ModelCard`. ``run``: how it ran
+    (backend, batch_size, streams, reader_workers, parameters, versions,
+    peak memory). ``extra``: further entries (tile_decode, tissue_warning,
+    a batch's run_key).
+    """
+    names = card.class_names
+    mpp = slide.mpp
+    summary: Summary = {
+        "slide": slide.absolute_path,
+        "slide_as_given": str(slide.path),
+        "dimensions_level0": list(slide.dimensions),
+        "mpp": list(mpp) if mpp else None,
+        "status": "done",
+        "counts": {n: int((dets["label"] == i).sum()) for i, n in enumerate(names)},
+        "classes": [{"name": c.name, "color": c.color} for c in card.classes],
+        "heatmap": None if card.heatmap is None else {
+            "classes": list(card.heatmap.classes), "stride": card.heatmap.stride,
+            "scale_level0": heatmap_scale_level0},
+        "detections_total": int(len(dets)),
+        "tissue": tissue,
+        "heatmap_scores": heatmap_scores,
+        "tiles": tiles,
+        "seconds": seconds,
+        "damaged_tiles": slide.damage_summary(),
+        "model": {"name": card.name, "version": card.version, "sha256": card.sha256,
+                  "card": str(card.card_path), "precision": card.precision},
+    }
+    summary.update(run)  # type: ignore[typeddict-item]
+    summary.update(extra)  # type: ignore[typeddict-item]
+    return summary
+
+
+def read_summary(folder: str | os.PathLike[str]) -> Summary | None:
+    """The summary in ``folder``, or None where it is missing, unreadable or not a JSON object."""
+    try:
+        with open(Path(folder) / SUMMARY_FILE, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None  # type: ignore[return-value]
+
+
+def load_summary(folder: str | os.PathLike[str]) -> Summary:
+    """The summary in the run folder ``folder``; :class:`~.errors.WSIPipelineError` naming what is wrong."""
+    path = Path(folder) / SUMMARY_FILE
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError as exc:
+        raise WSIPipelineError(f"{path}: no {SUMMARY_FILE}; is {folder} a finished run folder?") from exc
+    except (OSError, ValueError) as exc:
+        raise WSIPipelineError(f"{path}: not readable JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise WSIPipelineError(f"{path}: expected a JSON object, found {type(doc).__name__}")
+    return doc  # type: ignore[return-value]
+
+
+__all__ = ["SUMMARY_FILE", "Summary", "build_summary", "load_summary", "package_versions", "read_summary"]
