@@ -167,6 +167,16 @@ class HeatmapRowWriter:
     def close(self) -> Path:  # pragma: no cover
         raise NotImplementedError
 
+    def _must_finish(self) -> bool:
+        """Whether ``close()`` has work to do: False once closed; after ``abort()``, an error when rows are missing."""
+        if self._finished:
+            return False
+        if self._next_row != self.height:
+            self.abort()
+            msg = f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows"
+            raise WSIPipelineError(msg)
+        return True
+
     def abort(self) -> None:  # pragma: no cover
         raise NotImplementedError
 
@@ -253,12 +263,8 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
     # -- finishing --------------------------------------------------------
     def close(self) -> Path:
         """Build the pyramid, write the file, move it into place; returns its path."""
-        if self._finished:
+        if not self._must_finish():
             return self.path
-        if self._next_row != self.height:
-            self.abort()
-            msg = f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows"
-            raise WSIPipelineError(msg)
         tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
         try:
             self._level0.flush()

@@ -49,7 +49,6 @@ import zarr
 from ome_zarr.format import FormatV04, FormatV05
 from ome_zarr.writer import write_multiscales_metadata
 
-from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import partial_name, replace_tree
 from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, pyramid_shapes, quantise
@@ -204,11 +203,8 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
     # -- finishing --------------------------------------------------------
     def close(self) -> Path:
         """Write the last bands and the NGFF metadata, move the directory into place; returns its path."""
-        if self._finished:
+        if not self._must_finish():
             return self.path
-        if self._next_row != self.height:
-            self.abort()
-            raise WSIPipelineError(f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows")
         try:
             self._level0.finish()
             self._write_metadata()
