@@ -10,70 +10,9 @@ import numpy as np
 import openslide
 import pydicom
 import pytest
-from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, VLWholeSlideMicroscopyImageStorage, generate_uid
+from helpers import write_dicom_wsi
 
 from wsi_pipeline.batch import expand_inputs
-
-
-def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int, mpp: float, tile: int = 256) -> None:
-    """One pyramid level of a DICOM WSI: uncompressed RGB frames, TILED_FULL, as OpenSlide reads them."""
-    h, w = image.shape[:2]
-    frames = []
-    for y in range(0, h, tile):
-        for x in range(0, w, tile):
-            frame = np.zeros((tile, tile, 3), np.uint8)
-            part = image[y:y + tile, x:x + tile]
-            frame[:part.shape[0], :part.shape[1]] = part
-            frames.append(frame)
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = VLWholeSlideMicroscopyImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID = VLWholeSlideMicroscopyImageStorage
-    ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
-    for name, uid in uids.items():
-        setattr(ds, name, uid)
-    ds.Modality = "SM"
-    ds.ImageType = ["ORIGINAL" if level == 0 else "DERIVED", "PRIMARY", "VOLUME", "NONE" if level == 0 else "RESAMPLED"]
-    ds.InstanceNumber = level + 1
-    ds.DimensionOrganizationType = "TILED_FULL"
-    ds.SamplesPerPixel = 3
-    ds.PhotometricInterpretation = "RGB"
-    ds.PlanarConfiguration = 0
-    ds.NumberOfFrames = len(frames)
-    ds.Rows = ds.Columns = tile
-    ds.BitsAllocated = ds.BitsStored = 8
-    ds.HighBit = 7
-    ds.PixelRepresentation = 0
-    ds.TotalPixelMatrixColumns, ds.TotalPixelMatrixRows = w, h
-    ds.TotalPixelMatrixFocalPlanes = ds.NumberOfOpticalPaths = 1
-    measures = Dataset()
-    measures.PixelSpacing = [mpp / 1000, mpp / 1000]  # mm
-    measures.SliceThickness = 0
-    shared = Dataset()
-    shared.PixelMeasuresSequence = [measures]
-    ds.SharedFunctionalGroupsSequence = [shared]
-    optical = Dataset()
-    optical.OpticalPathIdentifier = "0"
-    ds.OpticalPathSequence = [optical]
-    ds.PixelData = np.stack(frames).tobytes()
-    ds.save_as(path, enforce_file_format=True)
-
-
-def write_dicom_wsi(folder, stem: str, image: np.ndarray, levels: int = 2, mpp: float = 0.25) -> list:
-    """A DICOM WSI of ``levels`` files ``stem_N.dcm`` in ``folder`` (one series); returns the paths."""
-    uids = {name: generate_uid() for name in
-            ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID", "PyramidUID")}
-    paths = []
-    for level in range(levels):
-        path = folder / f"{stem}_{level}.dcm"
-        write_dicom_level(path, np.ascontiguousarray(image[::2 ** level, ::2 ** level]), uids, level,
-                          mpp * 2 ** level)
-        paths.append(path)
-    return paths
 
 
 @pytest.fixture

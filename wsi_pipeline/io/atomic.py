@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +48,29 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", **open_kw: Any) 
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def replace_tree(tmp: Path, final: Path) -> None:
+    """Move the directory ``tmp`` to ``final``; an existing ``final`` (file or directory) is replaced.
+
+    ``os.replace`` cannot put a directory over a non-empty one: the old output
+    is renamed aside first and removed after, so ``final`` is at every moment
+    either the old complete output, absent, or the new complete one.
+    """
+    if not final.exists() and not final.is_symlink():
+        os.replace(tmp, final)
+        return
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
 
 
 def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:

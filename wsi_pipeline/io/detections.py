@@ -56,7 +56,7 @@ def detection_boxes(dets: np.ndarray) -> np.ndarray:
     return np.stack([dets[k] for k in ("x0", "y0", "x1", "y1")], axis=1).astype(np.float32)
 
 
-def _class(classes: Sequence[dict], label: int) -> dict:
+def detection_class(classes: Sequence[dict], label: int) -> dict:
     if 0 <= label < len(classes):
         return classes[label]
     return {"name": f"class_{label}", "color": [255, 0, 0]}
@@ -149,8 +149,8 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
     chunk = chunk or CHUNK
-    cls_json = {lab: json.dumps({"name": _class(classes, lab)["name"],
-                                 "color": list(parse_color(_class(classes, lab).get("color", [255, 0, 0])))},
+    cls_json = {lab: json.dumps({"name": detection_class(classes, lab)["name"],
+                                 "color": list(parse_color(detection_class(classes, lab).get("color", [255, 0, 0])))},
                                 separators=(",", ":"))
                 for lab in labels_present(dets)}
     prefix = feature_ids(dets)
@@ -210,7 +210,7 @@ def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[
     Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs.
     """
     labels = labels_present(dets)
-    names = {lab: _csv_field(_class(classes, int(lab))["name"]) for lab in labels}
+    names = {lab: _csv_field(detection_class(classes, int(lab))["name"]) for lab in labels}
     with atomic_write(path, newline="") as f:
         f.write(",".join(CSV_COLUMNS) + "\r\n")
         for start in range(0, len(dets), CHUNK):

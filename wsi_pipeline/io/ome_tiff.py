@@ -36,7 +36,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import tifffile
@@ -66,6 +66,15 @@ def _drop_pages(array: np.ndarray) -> None:
     mm.madvise(mmap.MADV_DONTNEED)
 
 
+def quantise(values: np.ndarray, dtype: np.dtype, value_scale: float) -> np.ndarray:
+    """Values (float) to stored values: ``values / value_scale``, rounded and clipped to an integer ``dtype``."""
+    scaled = np.asarray(values).astype(np.float32) * np.float32(1.0 / value_scale)
+    if dtype.kind == "f":
+        return scaled.astype(dtype)
+    info = np.iinfo(dtype)
+    return np.clip(np.rint(scaled), info.min, info.max).astype(dtype)
+
+
 def pyramid_shapes(height: int, width: int, tile: int, levels: int | str = "auto") -> list[tuple[int, int]]:
     """(height, width) of each pyramid level, level 0 first, each half the previous (rounded up).
 
@@ -86,7 +95,106 @@ def pyramid_shapes(height: int, width: int, tile: int, levels: int | str = "auto
     return shapes
 
 
-class OmeTiffHeatmapWriter:
+class HeatmapRowWriter:
+    """What every streaming heatmap writer shares: its settings, checked, and the order of the rows it takes.
+
+    Subclasses call :meth:`_init_heatmap` first in ``__init__`` and
+    :meth:`_check_rows` first in ``write_rows``.
+    """
+
+    path: Path
+    _next_row: int
+    _finished: bool
+
+    def _init_heatmap(self, path: str | os.PathLike[str], width: int, height: int, channels: int,
+                      channel_names: Sequence[str] | None, physical_size_um: tuple[float, float] | None,
+                      tile: int, dtype: str | np.dtype, value_scale: float | None) -> None:
+        self.path = Path(path)
+        dtype_name = np.dtype(dtype).name
+        if dtype_name not in _DTYPES:
+            msg = f"{self.path}: dtype expected one of {sorted(_DTYPES)}, found {dtype_name}"
+            raise ValueError(msg)
+        if width <= 0 or height <= 0 or channels <= 0:
+            msg = f"{self.path}: expected positive width, height and channels, found {width}, {height}, {channels}"
+            raise ValueError(msg)
+        if tile <= 0 or tile % 16:
+            msg = f"{self.path}: tile expected a positive multiple of 16, found {tile}"
+            raise ValueError(msg)
+        if channel_names is None:
+            channel_names = [f"channel_{k}" for k in range(channels)]
+        channel_names = [str(n) for n in channel_names]
+        if len(channel_names) != channels:
+            msg = f"{self.path}: expected {channels} channel names, found {len(channel_names)}"
+            raise ValueError(msg)
+        if physical_size_um is not None and not all(float(v) > 0 for v in physical_size_um):
+            msg = f"{self.path}: physical_size_um expected two sizes > 0, found {physical_size_um}"
+            raise ValueError(msg)
+        self.width, self.height, self.channels = int(width), int(height), int(channels)
+        self.channel_names = channel_names
+        self.physical_size_um = physical_size_um
+        self.tile = int(tile)
+        self.dtype = np.dtype(_DTYPES[dtype_name])
+        if value_scale is None:
+            value_scale = {"uint8": 1 / 255, "uint16": 1 / 65535, "float32": 1.0}[dtype_name]
+        if not value_scale > 0:
+            msg = f"{self.path}: value_scale expected > 0, found {value_scale}"
+            raise ValueError(msg)
+        self.value_scale = float(value_scale)
+        self._next_row = 0
+        self._finished = False
+
+    def _check_rows(self, y0_out: int, rows: np.ndarray) -> tuple[np.ndarray, int]:
+        """``rows`` as an array and the row after them, once they are the next rows of the right shape."""
+        if self._finished:
+            msg = f"{self.path}: rows written after the heatmap was closed"
+            raise WSIPipelineError(msg)
+        rows = np.asarray(rows)
+        if rows.ndim != 3 or rows.shape[0] != self.channels or rows.shape[2] != self.width:
+            msg = f"{self.path}: expected rows of shape ({self.channels}, h, {self.width}), found {rows.shape}"
+            raise WSIPipelineError(msg)
+        if y0_out != self._next_row:
+            msg = f"{self.path}: expected rows from {self._next_row} (top to bottom), found rows from {y0_out}"
+            raise WSIPipelineError(msg)
+        y1 = y0_out + rows.shape[1]
+        if y1 > self.height:
+            msg = f"{self.path}: rows {y0_out}..{y1} pass the heatmap height {self.height}"
+            raise WSIPipelineError(msg)
+        return rows, y1
+
+    def write_rows(self, y0_out: int, rows: np.ndarray) -> None:  # pragma: no cover - every subclass has its own
+        raise NotImplementedError
+
+    def close(self) -> Path:  # pragma: no cover
+        raise NotImplementedError
+
+    def _must_finish(self) -> bool:
+        """Whether ``close()`` has work to do: False once closed; after ``abort()``, an error when rows are missing."""
+        if self._finished:
+            return False
+        if self._next_row != self.height:
+            self.abort()
+            msg = f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows"
+            raise WSIPipelineError(msg)
+        return True
+
+    def abort(self) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def __call__(self, y0_out: int, rows: np.ndarray) -> None:
+        """Store output rows ``y0_out .. y0_out + h`` (rows: C x h x width float)."""
+        self.write_rows(y0_out, rows)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class OmeTiffHeatmapWriter(HeatmapRowWriter):
     """Write a C x H x W heatmap, arriving as row bands, to a pyramidal OME-TIFF.
 
     Usable as :class:`wsi_pipeline.stitch.HeatmapBlender`'s sink: call it as
@@ -126,37 +234,10 @@ class OmeTiffHeatmapWriter:
         compression: str = "zlib",
         spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = Path(path)
-        dtype_name = np.dtype(dtype).name
-        if dtype_name not in _DTYPES:
-            msg = f"{self.path}: dtype expected one of {sorted(_DTYPES)}, found {dtype_name}"
-            raise ValueError(msg)
-        if width <= 0 or height <= 0 or channels <= 0:
-            msg = f"{self.path}: expected positive width, height and channels, found {width}, {height}, {channels}"
-            raise ValueError(msg)
-        if tile <= 0 or tile % 16:
-            msg = f"{self.path}: tile expected a positive multiple of 16, found {tile}"
-            raise ValueError(msg)
-        if channel_names is None:
-            channel_names = [f"channel_{k}" for k in range(channels)]
-        channel_names = [str(n) for n in channel_names]
-        if len(channel_names) != channels:
-            msg = f"{self.path}: expected {channels} channel names, found {len(channel_names)}"
-            raise ValueError(msg)
+        self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
         if compression not in ("zlib", "zstd"):
             msg = f"{self.path}: compression expected 'zlib' or 'zstd', found {compression!r}"
             raise ValueError(msg)
-        self.width, self.height, self.channels = int(width), int(height), int(channels)
-        self.channel_names = channel_names
-        self.physical_size_um = physical_size_um
-        self.tile = int(tile)
-        self.dtype = np.dtype(_DTYPES[dtype_name])
-        if value_scale is None:
-            value_scale = {"uint8": 1 / 255, "uint16": 1 / 65535, "float32": 1.0}[dtype_name]
-        if not value_scale > 0:
-            msg = f"{self.path}: value_scale expected > 0, found {value_scale}"
-            raise ValueError(msg)
-        self.value_scale = float(value_scale)
         self.compression = compression
         self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)
         spool_parent = Path(spool_dir) if spool_dir is not None else (self.path.parent or Path("."))
@@ -169,49 +250,21 @@ class OmeTiffHeatmapWriter:
         self._finished = False
 
     # -- streaming -------------------------------------------------------
-    def __call__(self, y0_out: int, rows: np.ndarray) -> None:
-        """Store output rows ``y0_out .. y0_out + h`` (rows: C x h x width float)."""
-        self.write_rows(y0_out, rows)
-
     def write_rows(self, y0_out: int, rows: np.ndarray) -> None:
         """Same as calling the writer."""
-        if self._finished:
-            msg = f"{self.path}: rows written after the heatmap was closed"
-            raise WSIPipelineError(msg)
-        rows = np.asarray(rows)
-        if rows.ndim != 3 or rows.shape[0] != self.channels or rows.shape[2] != self.width:
-            msg = f"{self.path}: expected rows of shape ({self.channels}, h, {self.width}), found {rows.shape}"
-            raise WSIPipelineError(msg)
-        if y0_out != self._next_row:
-            msg = f"{self.path}: expected rows from {self._next_row} (top to bottom), found rows from {y0_out}"
-            raise WSIPipelineError(msg)
-        y1 = y0_out + rows.shape[1]
-        if y1 > self.height:
-            msg = f"{self.path}: rows {y0_out}..{y1} pass the heatmap height {self.height}"
-            raise WSIPipelineError(msg)
-        self._level0[:, y0_out:y1] = self._quantise(rows)
+        rows, y1 = self._check_rows(y0_out, rows)
+        self._level0[:, y0_out:y1] = quantise(rows, self.dtype, self.value_scale)
         self._unflushed += self._level0[:, y0_out:y1].nbytes
         if self._unflushed >= _RESIDENT_BYTES:
             _drop_pages(self._level0)
             self._unflushed = 0
         self._next_row = y1
 
-    def _quantise(self, values: np.ndarray) -> np.ndarray:
-        scaled = values.astype(np.float32) * np.float32(1.0 / self.value_scale)
-        if self.dtype.kind == "f":
-            return scaled.astype(self.dtype)
-        info = np.iinfo(self.dtype)
-        return np.clip(np.rint(scaled), info.min, info.max).astype(self.dtype)
-
     # -- finishing --------------------------------------------------------
     def close(self) -> Path:
         """Build the pyramid, write the file, move it into place; returns its path."""
-        if self._finished:
+        if not self._must_finish():
             return self.path
-        if self._next_row != self.height:
-            self.abort()
-            msg = f"{self.path}: closed after {self._next_row} of {self.height} heatmap rows"
-            raise WSIPipelineError(msg)
         tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
         try:
             self._level0.flush()
@@ -230,15 +283,6 @@ class OmeTiffHeatmapWriter:
     def abort(self) -> None:
         """Drop everything written so far; no output file is made."""
         self._cleanup()
-
-    def __enter__(self) -> OmeTiffHeatmapWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def _cleanup(self) -> None:
         self._finished = True

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .atomic import atomic_write
-from .detections import _class, labels_present
+from .detections import detection_class, labels_present
 
 # Rows a row group: ~2 MiB of columns; the GeoParquet writer holds their shapely boxes too (~0.1 GiB).
 ROW_GROUP = 1 << 16
@@ -65,8 +65,8 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
     import pyarrow.parquet as pq
 
     labels = np.array(labels_present(dets), np.int32)
-    names = pa.array([_class(classes, int(lab))["name"] for lab in labels], pa.string())
-    classes_doc = [{"label": int(lab), "name": _class(classes, int(lab))["name"]} for lab in labels]
+    names = pa.array([detection_class(classes, int(lab))["name"] for lab in labels], pa.string())
+    classes_doc = [{"label": int(lab), "name": detection_class(classes, int(lab))["name"]} for lab in labels]
     schema = _schema(geometry, classes_doc, _bbox(dets) if geometry else None)
     with atomic_write(path, "wb") as f, pq.ParquetWriter(f, schema, compression=COMPRESSION) as writer:
         for start in range(0, len(dets), ROW_GROUP):

@@ -1,0 +1,264 @@
+"""DICOM outputs, read back with highdicom: bulk annotations of the detections, parametric maps of the heatmap."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import highdicom as hd
+import numpy as np
+import pydicom
+import pytest
+from helpers import write_dicom_wsi
+
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io import dicom
+from wsi_pipeline.io.detections import make_detections
+from wsi_pipeline.io.dicom import (
+    PLACEHOLDER_ATTRIBUTES,
+    parametric_map_file_names,
+    write_dicom_annotations,
+    write_dicom_parametric_map,
+)
+from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
+
+CLASSES = [{"name": "nucleus", "color": "#ff0000"}, {"name": "mitosis", "color": [0, 0, 255]}]
+SCT_SCORE = ("246262008", "SCT")
+
+
+def _detections(n: int = 50, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    xy = rng.random((n, 2)) * 900
+    wh = 5 + rng.random((n, 2)) * 40
+    boxes = np.concatenate([xy, xy + wh], axis=1)
+    labels = rng.integers(0, 3, n)  # label 2 has no class: named class_2
+    return make_detections(np.round(boxes, 2), rng.random(n), labels)
+
+
+def _groups(path):
+    ann = hd.ann.annread(path)
+    out = {}
+    for g in ann.get_annotation_groups():
+        names, values, units = g.get_measurements()
+        assert [(n.value, n.scheme_designator) for n in names] == [SCT_SCORE]
+        assert units[0].value == "1"
+        out[g.label] = (g.graphic_type, g.get_graphic_data(ann.AnnotationCoordinateType), values[:, 0])
+    return ann, out
+
+
+def test_annotations_hold_the_boxes_classes_and_scores(tmp_path):
+    dets = _detections()
+    path = write_dicom_annotations(tmp_path / "detections.dcm", dets, CLASSES, dimensions=(1000, 1000),
+                                   slide_path=tmp_path / "slide.svs", mpp=(0.25, 0.25))
+    ann, groups = _groups(path)
+    assert ann.AnnotationCoordinateType == "2D"
+    assert sorted(groups) == ["class_2", "mitosis", "nucleus"]
+    for label, name in enumerate(["nucleus", "mitosis", "class_2"]):
+        want = dets[dets["label"] == label]
+        graphic_type, coords, scores = groups[name]
+        assert graphic_type == hd.ann.GraphicTypeValues.POLYGON
+        corners = np.stack(coords)  # N x 4 x (column, row), level-0 pixels
+        np.testing.assert_array_equal(corners[:, 0], np.stack([want["x0"], want["y0"]], 1))
+        np.testing.assert_array_equal(corners[:, 2], np.stack([want["x1"], want["y1"]], 1))
+        np.testing.assert_array_equal(corners[:, 1], np.stack([want["x1"], want["y0"]], 1))
+        np.testing.assert_array_equal(corners[:, 3], np.stack([want["x0"], want["y1"]], 1))
+        np.testing.assert_array_equal(scores, want["score"])
+    assert list(tmp_path.iterdir()) == [path]
+
+
+def test_a_placeholder_source_is_described_and_empty_where_a_person_must_fill_it(tmp_path):
+    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(1000, 1000),
+                                   slide_path=tmp_path / "case-17.svs")
+    ds = pydicom.dcmread(path)
+    for keyword in ("PatientID", "PatientName", "StudyID", "AccessionNumber"):
+        assert keyword in PLACEHOLDER_ATTRIBUTES and ds.get(keyword) == ""
+    assert ds.ContainerIdentifier == "case-17"
+    assert ds.SpecimenDescriptionSequence[0].SpecimenIdentifier == "case-17"
+    ref = ds.ReferencedSeriesSequence[0].ReferencedInstanceSequence[0]
+    assert ref.ReferencedSOPClassUID == pydicom.uid.VLWholeSlideMicroscopyImageStorage
+    assert ds.StudyInstanceUID and ds.SeriesInstanceUID != ds.ReferencedSeriesSequence[0].SeriesInstanceUID
+
+
+@pytest.fixture
+def dicom_slide(tmp_path):
+    folder = tmp_path / "scan"
+    folder.mkdir()
+    image = np.random.default_rng(0).integers(0, 255, (512, 640, 3), dtype=np.uint8)
+    paths = write_dicom_wsi(folder, "s", image, levels=3, mpp=0.5)
+    for p in paths:  # what a scanner adds
+        ds = pydicom.dcmread(p)
+        ds.PatientID, ds.PatientName, ds.StudyID = "P-0042", "Doe^Jane", "S1"
+        ds.save_as(p, enforce_file_format=True)
+    return paths
+
+
+def test_a_dicom_slide_is_referenced_with_its_patient_and_study(tmp_path, dicom_slide):
+    level0 = pydicom.dcmread(dicom_slide[0], stop_before_pixels=True)
+    # The batch names the series by any of its files: level 0 is found all the same.
+    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(640, 512),
+                                   slide_path=dicom_slide[2])
+    ds = pydicom.dcmread(path)
+    assert (ds.PatientID, str(ds.PatientName), ds.StudyInstanceUID) == ("P-0042", "Doe^Jane",
+                                                                        level0.StudyInstanceUID)
+    series = ds.ReferencedSeriesSequence[0]
+    assert series.SeriesInstanceUID == level0.SeriesInstanceUID
+    assert series.ReferencedInstanceSequence[0].ReferencedSOPInstanceUID == level0.SOPInstanceUID
+
+    heatmap = np.random.default_rng(1).random((1, 64, 80)).astype(np.float32)
+    folder = write_dicom_parametric_map(tmp_path / "pm", heatmap, ["tumour"], scale_level0=8,
+                                        dimensions=(640, 512), slide_path=dicom_slide[0])
+    pm = pydicom.dcmread(folder / parametric_map_file_names(["tumour"])[0])
+    assert pm.FrameOfReferenceUID == level0.FrameOfReferenceUID
+    assert pm.StudyInstanceUID == level0.StudyInstanceUID and pm.PatientID == "P-0042"
+    assert pm.ReferencedSeriesSequence[0].SeriesInstanceUID == level0.SeriesInstanceUID
+
+
+def test_a_dicom_slide_of_another_size_is_an_error(tmp_path, dicom_slide):
+    with pytest.raises(WSIPipelineError, match="expected a DICOM level 0 of 700 x 512 pixels, found 640 x 512"):
+        write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(700, 512),
+                                slide_path=dicom_slide[0])
+    assert not (tmp_path / "d.dcm").exists()
+
+
+def _total_pixel_matrix(path) -> np.ndarray:
+    """Real-world values of a Parametric Map, put together from its frames and their positions."""
+    pm = hd.pm.ParametricMap.from_file(path)
+    out = np.full((pm.TotalPixelMatrixRows, pm.TotalPixelMatrixColumns), np.nan)
+    rwvm = pm.SharedFunctionalGroupsSequence[0].get("RealWorldValueMappingSequence")
+    for i, item in enumerate(pm.PerFrameFunctionalGroupsSequence):
+        pos = item.PlanePositionSlideSequence[0]
+        r, c = pos.RowPositionInTotalImagePixelMatrix - 1, pos.ColumnPositionInTotalImagePixelMatrix - 1
+        mapping = (rwvm or item.RealWorldValueMappingSequence)[0]
+        frame = pm.get_stored_frame(i + 1) * mapping.RealWorldValueSlope + mapping.RealWorldValueIntercept
+        h, w = min(pm.Rows, out.shape[0] - r), min(pm.Columns, out.shape[1] - c)
+        out[r:r + h, c:c + w] = frame[:h, :w]
+    return out
+
+
+def test_parametric_maps_hold_the_heatmap_one_class_a_file(tmp_path):
+    heatmap = np.random.default_rng(2).random((2, 150, 190)).astype(np.float32)
+    folder = write_dicom_parametric_map(tmp_path / "heatmap_dicom", heatmap, ["tumour", "stroma"], scale_level0=8,
+                                        dimensions=(1520, 1200), slide_path=tmp_path / "s.svs", mpp=(0.25, 0.5),
+                                        tile=64)
+    files = [folder / n for n in parametric_map_file_names(["tumour", "stroma"])]
+    assert sorted(folder.iterdir()) == sorted(files)
+    assert [p.name for p in tmp_path.iterdir()] == ["heatmap_dicom"]
+    series = set()
+    for k, path in enumerate(files):
+        ds = pydicom.dcmread(path, stop_before_pixels=True)
+        assert ds.SOPClassUID == "1.2.840.10008.5.1.4.1.1.30" and ds.InstanceNumber == k + 1
+        assert ds.NumberOfFrames == 3 * 3 and (ds.Rows, ds.Columns) == (64, 64)
+        assert ds.DimensionOrganizationType == "TILED_SPARSE"
+        assert (ds.TotalPixelMatrixRows, ds.TotalPixelMatrixColumns) == (150, 190)
+        spacing = ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing
+        assert [float(v) for v in spacing] == pytest.approx([0.5 * 8 / 1000, 0.25 * 8 / 1000])
+        series.add(ds.SeriesInstanceUID)
+        values = _total_pixel_matrix(path)
+        np.testing.assert_allclose(values, heatmap[k], atol=0.5 / 65535 + 1e-7)
+    assert len(series) == 1
+
+
+def test_the_heatmap_lies_where_the_slide_is(tmp_path):
+    """The centre of heatmap pixel (0, 0) is the centre of level-0 pixels 0..7 at scale 8: 3.5 pixels in."""
+    folder = write_dicom_parametric_map(tmp_path / "pm", np.zeros((1, 16, 16), np.float32), ["t"], scale_level0=8,
+                                        dimensions=(128, 128), slide_path=None, mpp=(0.5, 0.5))
+    pm = pydicom.dcmread(next(folder.iterdir()), stop_before_pixels=True)
+    first = pm.PerFrameFunctionalGroupsSequence[0].PlanePositionSlideSequence[0]
+    origin = pm.TotalPixelMatrixOriginSequence[0]
+    # Placeholder orientation: rows along -X, columns along -Y; origin at (128, 128) x 0.5 µm.
+    assert float(first.XOffsetInSlideCoordinateSystem) == pytest.approx(0.064 - 3.5 * 0.0005)
+    assert float(first.YOffsetInSlideCoordinateSystem) == pytest.approx(0.064 - 3.5 * 0.0005)
+    assert float(origin.XOffsetInSlideCoordinateSystem) == pytest.approx(0.064 - 3.5 * 0.0005)
+
+
+def test_a_heatmap_file_and_its_reduced_level(tmp_path):
+    heatmap = np.random.default_rng(3).random((2, 100, 120)).astype(np.float32)
+    with OmeTiffHeatmapWriter(tmp_path / "h.ome.tif", 120, 100, 2, ["a", "b"], (2.0, 2.0), tile=32) as w:
+        w(0, heatmap)
+    hf = HeatmapFile(tmp_path / "h.ome.tif")
+    for level in (0, 1):
+        folder = write_dicom_parametric_map(tmp_path / f"pm{level}", hf, scale_level0=8, dimensions=(960, 800),
+                                            level=level, tile=32, dimension_organization="TILED_FULL")
+        files = [folder / n for n in parametric_map_file_names(["a", "b"])]
+        for k, path in enumerate(files):
+            pm = hd.pm.ParametricMap.from_file(path)
+            assert pm.DimensionOrganizationType == "TILED_FULL"
+            got = pm.get_total_pixel_matrix(apply_real_world_transform=True)
+            np.testing.assert_allclose(got, hf.read(level)[k], atol=1e-6)  # 8-bit values map exactly
+
+
+def test_too_large_a_heatmap_is_refused_with_the_level_to_use(tmp_path):
+    with pytest.raises(WSIPipelineError, match=r"at most 1000 bytes a class, found a 40 x 30 heatmap.*level=1"):
+        write_dicom_parametric_map(tmp_path / "pm", np.zeros((1, 30, 40), np.float32), scale_level0=4,
+                                   dimensions=(160, 120), max_bytes=1000)
+    with pytest.raises(ValueError, match="expected 2 channel names"):
+        write_dicom_parametric_map(tmp_path / "pm", np.zeros((2, 30, 40), np.float32), ["a"], scale_level0=4,
+                                   dimensions=(160, 120))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_half_way_leaves_nothing_and_keeps_an_old_output(tmp_path, monkeypatch):
+    heatmap = np.zeros((2, 20, 20), np.float32)
+    kwargs = {"scale_level0": 4, "dimensions": (80, 80)}
+    folder = write_dicom_parametric_map(tmp_path / "pm", heatmap, ["a", "b"], **kwargs)
+    before = sorted(p.name for p in folder.iterdir())
+    real = hd.pm.ParametricMap
+    calls = []
+
+    def second_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dicom.hd.pm, "ParametricMap", second_fails)
+    with pytest.raises(OSError, match="disk full"):
+        write_dicom_parametric_map(tmp_path / "pm", heatmap + 1, ["a", "b"], **kwargs)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["pm"]
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert _total_pixel_matrix(folder / before[0]).max() == 0  # the old output, whole
+
+
+def test_an_annotation_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    def broken(*_a, **_k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pydicom.dataset.Dataset, "save_as", broken)
+    with pytest.raises(OSError, match="disk full"):
+        write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(1000, 1000))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_detections_make_a_file_without_groups(tmp_path):
+    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(0), CLASSES, dimensions=(100, 100))
+    ann = hd.ann.annread(path)
+    assert ann.get_annotation_groups() == []
+
+
+def _spool_peak(tmp_path, c: int, h: int, w: int) -> int:
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    heatmap = np.stack([0.5 + 0.4 * np.sin(x / (50 + 10 * k)) * np.cos(y / 70) for k in range(c)])
+    with OmeTiffHeatmapWriter(tmp_path / f"h{h}.ome.tif", w, h, c, tile=256) as writer:
+        writer(0, heatmap)
+    hf = HeatmapFile(tmp_path / f"h{h}.ome.tif")
+    spool = tmp_path / f"spool{h}"
+    spool.mkdir()
+    del heatmap, x, y
+    tracemalloc.start()
+    try:
+        stored = dicom._spool_class(hf, 0, 1, spool)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert stored.shape == (1, h, w) and stored.dtype == np.uint16
+    np.testing.assert_array_equal(stored[0], np.asarray(hf.read(0, [1])[0] * 65535 + 0.5, np.uint16))
+    return peak
+
+
+def test_a_heatmap_file_is_spooled_without_reading_a_level_whole(tmp_path):
+    """The OME-TIFF page of a class is decoded into a spool file, converted band by band: heap use is a few
+    bands, the same for a heatmap 4x taller."""
+    small = _spool_peak(tmp_path, 2, 1024, 1536)
+    large = _spool_peak(tmp_path, 2, 4096, 1536)
+    assert large < 1.25 * small + 1e6, f"peak {small / 1e6:.1f} MB at 1024 rows, {large / 1e6:.1f} MB at 4096"
+    assert large < 2 * 4096 * 1536 * 2 / 2  # half the uint16 level it spools

@@ -1,0 +1,417 @@
+"""Detections and heatmaps as DICOM objects (through highdicom), for PACS and DICOMweb viewers.
+
+- :func:`write_dicom_annotations`: the detections as one **Microscopy Bulk
+  Simple Annotations** instance (SOP class 1.2.840.10008.5.1.4.1.1.91.1):
+  one annotation group per class found, each box a ``POLYGON`` of its four
+  corners in the 2D image coordinates of the slide's level 0 (column, row in
+  level-0 pixels, (0, 0) the top-left corner of the top-left pixel, so a
+  detection box ``x0, y0, x1, y1`` is stored as it is), the score as a
+  measurement (SCT 246262008 "Score", unit UCUM "1").
+- :func:`write_dicom_parametric_map`: the heatmap as **Parametric Map**
+  instances (SOP class 1.2.840.10008.5.1.4.1.1.30), one per class in one
+  series (a folder of files: one instance holding every class would have
+  frames that its dimension index cannot tell apart), each tiled
+  (``TILED_SPARSE`` by default, one frame per tile with its position),
+  uint16 stored values with the real-world value mapping
+  ``value = stored / 65535``, pixel spacing ``mpp x heatmap scale`` and
+  its position in the slide's frame of reference; frames are JPEG-LS
+  lossless compressed.
+
+Source: both objects reference the slide's level-0 image. For a DICOM slide
+(a VL Whole Slide Microscopy series) that is the real instance: its patient,
+study, specimen and frame of reference are copied and its series and instance
+UIDs referenced. For any other slide a placeholder source description is made
+(:func:`placeholder_source_image`): new Study, Series, Frame of Reference and
+SOP Instance UIDs, empty patient and study attributes, the slide's file name as
+container and specimen identifier. The references then point at an instance
+that exists nowhere; users who store the outputs in a PACS fill in the
+patient and study attributes first (docs/outputs_heatmap_dicom.md lists them).
+
+Writes are atomic: the file appears complete under its name or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import highdicom as hd
+import numpy as np
+import pydicom
+from pydicom.dataset import Dataset
+from pydicom.sr.codedict import codes
+from pydicom.sr.coding import Code
+from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage
+
+from wsi_pipeline import __version__
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
+from wsi_pipeline.io.detections import detection_class, parse_color
+from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
+
+MANUFACTURER = "wsi-pipeline"
+# Stored bytes (H x W x 2, uint16) of one class's Parametric Map: highdicom keeps every encoded
+# frame of the instance in memory until the file is written (up to twice the compressed
+# size, and a heatmap that does not compress is its raw size), so the size is capped; write
+# a reduced level (``level=1`` has a quarter of the pixels) above it.
+MAX_PARAMETRIC_MAP_BYTES = 1024**3
+SCORE = codes.SCT.Score  # SCT 246262008 "Score (attribute)"
+NO_UNITS = Code("1", "UCUM", "no units")
+# Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
+PLACEHOLDER_ATTRIBUTES = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber",
+                          "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
+_PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
+# Parametric Map stored values: uint16, value = stored / 65535 (an 8-bit heatmap's values map exactly: 257 x).
+_STORED = np.dtype(np.uint16)
+_SCALE = 1 / 65535
+
+
+def _read_header(path: Path) -> Dataset | None:
+    """The header of a DICOM file without its pixels, or None when ``path`` is not DICOM."""
+    try:
+        return pydicom.dcmread(path, stop_before_pixels=True)
+    except (pydicom.errors.InvalidDicomError, OSError, ValueError):
+        return None
+
+
+def dicom_source_image(slide_path: str | os.PathLike[str]) -> Dataset | None:
+    """The level-0 image header of the DICOM WSI series ``slide_path`` belongs to, or None if it is not DICOM.
+
+    ``slide_path`` is one file of the series (as a batch names a DICOM slide)
+    or the folder holding it; every ``*.dcm`` file beside it with the same
+    SeriesInstanceUID is a level, and level 0 is the VOLUME image with the
+    largest total pixel matrix.
+    """
+    p = Path(slide_path)
+    candidates = sorted(p.glob("*.dcm")) if p.is_dir() else [p]
+    first = next((ds for ds in map(_read_header, candidates)
+                  if ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage), None)
+    if first is None:
+        return None
+    folder = p if p.is_dir() else p.parent
+    best = first
+    for f in sorted(folder.glob("*.dcm")):
+        ds = _read_header(f)
+        if ds is None or ds.get("SeriesInstanceUID") != first.SeriesInstanceUID:
+            continue
+        image_type = list(ds.get("ImageType", []))
+        if len(image_type) > 2 and image_type[2] != "VOLUME":
+            continue
+        size = int(ds.get("TotalPixelMatrixColumns", 0)) * int(ds.get("TotalPixelMatrixRows", 0))
+        if size > int(best.get("TotalPixelMatrixColumns", 0)) * int(best.get("TotalPixelMatrixRows", 0)):
+            best = ds
+    return best
+
+
+def placeholder_source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int],
+                             mpp: tuple[float, float] | None, tile: int = 256) -> Dataset:
+    """A VL Whole Slide Microscopy image header standing for a slide that is not DICOM.
+
+    It has level 0's size (``dimensions``: width, height in pixels), its pixel
+    spacing (``mpp``: x, y µm per pixel; 1 µm when unknown), the usual slide
+    orientation (rows along -X, columns along -Y) with the origin placed so
+    that the image lies at positive slide coordinates, new UIDs, the slide's file name as
+    container and specimen identifier, and empty :data:`PLACEHOLDER_ATTRIBUTES`.
+    No file is written for it.
+    """
+    width, height = (int(v) for v in dimensions)
+    mpp_x, mpp_y = mpp if mpp is not None else (1.0, 1.0)
+    name = (Path(slide_path).name.split(".")[0] if slide_path is not None else "") or "slide"
+    ds = Dataset()
+    ds.SOPClassUID = VLWholeSlideMicroscopyImageStorage
+    ds.SOPInstanceUID = hd.UID()
+    ds.StudyInstanceUID = hd.UID()
+    ds.SeriesInstanceUID = hd.UID()
+    ds.FrameOfReferenceUID = hd.UID()
+    ds.PositionReferenceIndicator = "SLIDE_CORNER"
+    ds.Modality = "SM"
+    for keyword in PLACEHOLDER_ATTRIBUTES:
+        setattr(ds, keyword, "")
+    ds.ContainerIdentifier = name[:16]
+    ds.IssuerOfTheContainerIdentifierSequence = []
+    ds.ContainerTypeCodeSequence = []
+    ds.SpecimenDescriptionSequence = [hd.SpecimenDescription(specimen_id=name[:64], specimen_uid=hd.UID())]
+    ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
+    ds.SamplesPerPixel = 3
+    ds.PhotometricInterpretation = "RGB"
+    ds.BitsAllocated = ds.BitsStored = 8
+    ds.HighBit = 7
+    ds.PixelRepresentation = 0
+    ds.Rows = ds.Columns = int(tile)
+    ds.NumberOfFrames = math.ceil(width / tile) * math.ceil(height / tile)
+    ds.TotalPixelMatrixColumns, ds.TotalPixelMatrixRows = width, height
+    ds.TotalPixelMatrixFocalPlanes = 1
+    ds.DimensionOrganizationType = "TILED_FULL"
+    ds.ImageOrientationSlide = [0.0, -1.0, 0.0, -1.0, 0.0, 0.0]
+    origin = Dataset()
+    # Rows run along -X and columns along -Y (the usual orientation): the origin at the far corner
+    # puts the whole image at positive slide coordinates (mm).
+    origin.XOffsetInSlideCoordinateSystem = round(height * mpp_y / 1000.0, 6)
+    origin.YOffsetInSlideCoordinateSystem = round(width * mpp_x / 1000.0, 6)
+    ds.TotalPixelMatrixOriginSequence = [origin]
+    measures = Dataset()
+    measures.PixelSpacing = [mpp_y / 1000.0, mpp_x / 1000.0]  # mm: row spacing, column spacing
+    measures.SliceThickness = 0.0
+    shared = Dataset()
+    shared.PixelMeasuresSequence = [measures]
+    ds.SharedFunctionalGroupsSequence = [shared]
+    return ds
+
+
+def source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int],
+                 mpp: tuple[float, float] | None) -> tuple[Dataset, bool]:
+    """The slide's level-0 source image header and whether it is a placeholder.
+
+    A DICOM slide must have the level-0 size the pipeline read (``dimensions``).
+    """
+    ds = dicom_source_image(slide_path) if slide_path is not None and Path(slide_path).exists() else None
+    if ds is None:
+        return placeholder_source_image(slide_path, dimensions, mpp), True
+    found = (int(ds.get("TotalPixelMatrixColumns", 0)), int(ds.get("TotalPixelMatrixRows", 0)))
+    if found != tuple(int(v) for v in dimensions):
+        raise WSIPipelineError(f"{slide_path}: expected a DICOM level 0 of {dimensions[0]} x {dimensions[1]} pixels, "
+                               f"found {found[0]} x {found[1]}")
+    # Attributes some scanners leave out: empty patient/study attributes, the usual orientation, origin 0, 0.
+    for keyword in PLACEHOLDER_ATTRIBUTES:
+        if keyword not in ds:
+            setattr(ds, keyword, "")
+    if "ImageOrientationSlide" not in ds:
+        ds.ImageOrientationSlide = [0.0, -1.0, 0.0, -1.0, 0.0, 0.0]
+    if "TotalPixelMatrixOriginSequence" not in ds:
+        origin = Dataset()
+        origin.XOffsetInSlideCoordinateSystem = origin.YOffsetInSlideCoordinateSystem = 0.0
+        ds.TotalPixelMatrixOriginSequence = [origin]
+    return ds, False
+
+
+def _equipment() -> dict[str, Any]:
+    return {"manufacturer": MANUFACTURER, "manufacturer_model_name": "wsi-pipeline",
+            "software_versions": __version__, "device_serial_number": "none"}
+
+
+def _save(path: Path, ds: Dataset) -> Path:
+    with atomic_write(path, "wb") as f:
+        ds.save_as(f, enforce_file_format=True)
+    return path
+
+
+def _class_codes(label: int, classes: Sequence[dict]) -> tuple[str, Code, Code]:
+    """Name, property category and property type of a class (``"code"`` in its dict overrides the private code)."""
+    cls = detection_class(classes, label)
+    name = str(cls["name"])
+    code = cls.get("code")
+    prop_type = Code(str(code["value"]), str(code["scheme"]), str(code["meaning"])) if code else \
+        Code(f"class-{label}", _PRIVATE_SCHEME, name[:64])
+    return name, codes.SCT.MorphologicallyAbnormalStructure, prop_type
+
+
+def write_dicom_annotations(
+    path: str | os.PathLike[str],
+    dets: np.ndarray,
+    classes: Sequence[dict],
+    *,
+    dimensions: tuple[int, int],
+    slide_path: str | os.PathLike[str] | None = None,
+    mpp: tuple[float, float] | None = None,
+    series_number: int = 901,
+    algorithm_name: str = "wsi-pipeline detector",
+    algorithm_version: str = __version__,
+) -> Path:
+    """Write detections as a Microscopy Bulk Simple Annotations file, atomically; returns ``path``.
+
+    Args:
+        path: output file, conventionally ``*.dcm``.
+        dets: detection array (:data:`~wsi_pipeline.io.detections.DETECTION_DTYPE`,
+            boxes in level-0 pixels).
+        classes: the model's classes, dicts with ``name`` and optionally
+            ``color`` and ``code`` (``{"value", "scheme", "meaning"}``, a coded
+            annotated property type; default a private code per class).
+        dimensions: the slide's level-0 (width, height) in pixels.
+        slide_path: the slide; a DICOM WSI series is referenced, anything else
+            gets a placeholder source (:func:`placeholder_source_image`).
+        mpp: level-0 (x, y) µm per pixel, for a placeholder source.
+        series_number, algorithm_name, algorithm_version: recorded in the file.
+    """
+    path = Path(path)
+    dets = np.asarray(dets)
+    if dets.dtype.names is None or not {"x0", "y0", "x1", "y1", "score", "label"} <= set(dets.dtype.names):
+        raise TypeError(f"dets: expected a detection record array, found dtype {dets.dtype}")
+    src, _ = source_image(slide_path, dimensions, mpp)
+    algorithm = hd.AlgorithmIdentificationSequence(name=algorithm_name, family=codes.DCM.ArtificialIntelligence,
+                                                   version=str(algorithm_version))
+    groups = []
+    for number, label in enumerate(np.unique(dets["label"]).tolist() if len(dets) else [], start=1):
+        d = dets[dets["label"] == label]
+        x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
+        corners = np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1),
+                            np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1)  # N x 4 x (column, row)
+        name, category, prop_type = _class_codes(label, classes)
+        color = detection_class(classes, label).get("color")
+        groups.append(hd.ann.AnnotationGroup(
+            number=number, uid=hd.UID(), label=name[:64],
+            annotated_property_category=category, annotated_property_type=prop_type,
+            graphic_type=hd.ann.GraphicTypeValues.POLYGON, graphic_data=list(corners),
+            algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
+            algorithm_identification=algorithm,
+            measurements=[hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)],
+            display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
+        ))
+    ann = hd.ann.MicroscopyBulkSimpleAnnotations(
+        source_images=[src], annotation_coordinate_type=hd.ann.AnnotationCoordinateTypeValues.SCOORD,
+        annotation_groups=groups, series_instance_uid=hd.UID(), series_number=series_number,
+        sop_instance_uid=hd.UID(), instance_number=1, content_label="DETECTIONS",
+        content_description="Detections of the wsi-pipeline detector, level-0 pixel boxes", **_equipment(),
+    )
+    return _save(path, ann)
+
+
+def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: Path) -> np.ndarray:
+    """Class ``k`` of the heatmap's level ``level`` as a 1 x H x W uint16 memmap (``round(value * 65535)``).
+
+    Written band by band (a HeatmapFile's page is first decoded tile by tile
+    into a file of its own): heap use is a few bands, whatever the size.
+    """
+    for old in spool.glob("*.npy"):
+        old.unlink()
+    if isinstance(heatmap, HeatmapFile):
+        import tifffile
+
+        _, h, w = heatmap.level_shapes[level]
+        out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+        with tifffile.TiffFile(heatmap.path) as tif:
+            page = tif.series[0].levels[level].pages[k]
+            stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=page.dtype, shape=(h, w))
+            page.asarray(out=stored)
+            for y in range(0, h, 256):
+                out[0, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
+        return out
+    _, h, w = heatmap.shape
+    out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+    for y in range(0, h, 256):
+        out[0, y:y + 256] = quantise(heatmap[k, y:y + 256], _STORED, _SCALE)
+    return out
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)[:40] or "class"
+
+
+def parametric_map_file_names(channel_names: Sequence[str]) -> list[str]:
+    """The file names of the classes' Parametric Maps in the output folder, in class order."""
+    return [f"heatmap_{k:02d}_{_slug(str(n))}.dcm" for k, n in enumerate(channel_names)]
+
+
+def write_dicom_parametric_map(
+    path: str | os.PathLike[str],
+    heatmap: np.ndarray | HeatmapFile,
+    channel_names: Sequence[str] | None = None,
+    *,
+    scale_level0: float,
+    dimensions: tuple[int, int],
+    slide_path: str | os.PathLike[str] | None = None,
+    mpp: tuple[float, float] | None = None,
+    level: int = 0,
+    tile: int = 256,
+    max_bytes: int = MAX_PARAMETRIC_MAP_BYTES,
+    series_number: int = 902,
+    dimension_organization: str = "TILED_SPARSE",
+) -> Path:
+    """Write a heatmap as a series of tiled Parametric Maps, one file per class, in the folder ``path``.
+
+    The folder is written under a temporary name and renamed when every file
+    is in it; returns ``path``. The files are
+    :func:`parametric_map_file_names`, one series (instance k + 1 is class k).
+
+    Args:
+        path: output folder, conventionally ``heatmap.dcm.d`` or similar.
+        heatmap: C x H x W float values in [0, 1] (heatmap pixels), or a
+            :class:`~wsi_pipeline.io.ome_tiff.HeatmapFile`; stored as uint16
+            ``round(value * 65535)`` with the mapping ``value = stored / 65535``.
+        channel_names: C class names (default: the HeatmapFile's, or ``channel_k``).
+        scale_level0: level-0 pixels per heatmap pixel (of level 0 of the heatmap).
+        dimensions: the slide's level-0 (width, height) in pixels.
+        slide_path, mpp: as for :func:`write_dicom_annotations`.
+        level: pyramid level of a HeatmapFile to write (2**level coarser).
+        tile: frame side in heatmap pixels.
+        max_bytes: refuse a class plane H x W x 2 (bytes, uint16) larger than
+            this (see :data:`MAX_PARAMETRIC_MAP_BYTES`).
+        dimension_organization: ``"TILED_SPARSE"`` (each frame with its
+            position: what every reader of Parametric Maps takes, and what
+            dciodvfy validates) or ``"TILED_FULL"`` (frames in row-major tile
+            order without per-frame metadata: smaller, newer in the standard).
+    """
+    path = Path(path)
+    if isinstance(heatmap, HeatmapFile):
+        if not 0 <= level < heatmap.level_count:
+            raise ValueError(f"{heatmap.path}: level {level} does not exist ({heatmap.level_count} levels)")
+        shape = heatmap.level_shapes[level]
+        names = list(channel_names) if channel_names is not None else list(heatmap.channel_names)
+    else:
+        heatmap = np.asarray(heatmap)
+        shape = heatmap.shape
+        if len(shape) != 3:
+            raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {shape}")
+        if level:
+            raise ValueError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
+        names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
+    if len(names) != shape[0]:
+        raise ValueError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
+                          f"found {len(names)}")
+    if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
+        raise ValueError(f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', "
+                          f"found {dimension_organization!r}")
+    plane_bytes = shape[1] * shape[2] * 2
+    if plane_bytes > max_bytes:
+        raise WSIPipelineError(f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
+                               f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
+                               f"write a reduced level (level={level + 1})")
+    src, _ = source_image(slide_path, dimensions, mpp)
+    scale = float(scale_level0) * 2**level
+    (row_mm, col_mm) = (float(v) for v in src.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing)
+    # Centre of the heatmap's top-left pixel, in level-0 pixel indices (0 = centre of level-0 pixel 0).
+    offset = (scale - 1.0) / 2.0
+    to_slide = hd.spatial.PixelToReferenceTransformer.for_image(src, for_total_pixel_matrix=True)
+    p00, p10, p01 = to_slide(np.array([[0, 0], [1, 0], [0, 1]]))  # (column, row) indices; the map is affine
+    position = p00 + offset * (p10 - p00) + offset * (p01 - p00)
+    geometry = {
+        "pixel_measures": hd.PixelMeasuresSequence(pixel_spacing=(row_mm * scale, col_mm * scale),
+                                                   slice_thickness=1.0),
+        "plane_orientation": hd.PlaneOrientationSequence(coordinate_system="SLIDE",
+                                                         image_orientation=src.ImageOrientationSlide),
+        "plane_positions": [hd.PlanePositionSequence(coordinate_system="SLIDE", image_position=position,
+                                                     pixel_matrix_position=(1, 1))],
+    }
+    series_uid = hd.UID()
+    tmp = partial_name(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for k, (name, file_name) in enumerate(zip(names, parametric_map_file_names(names), strict=True)):
+            stored = _spool_class(heatmap, level, k, tmp)
+            mapping = hd.pm.RealWorldValueMapping(
+                lut_label=name[:16], lut_explanation=f"probability of {name}"[:64], unit=NO_UNITS,
+                value_range=(0, 65535), slope=1 / 65535, intercept=0)
+            pm = hd.pm.ParametricMap(
+                source_images=[src], pixel_array=stored,  # 1 x H x W: one total pixel matrix
+                series_instance_uid=series_uid, series_number=series_number, sop_instance_uid=hd.UID(),
+                instance_number=k + 1, contains_recognizable_visual_features=False,
+                real_world_value_mappings=[mapping],
+                voi_lut_transformations=[hd.VOILUTTransformation(window_center=32767.5, window_width=65536.0)],
+                transfer_syntax_uid=JPEGLSLossless, content_label=f"HEATMAP{k}",
+                content_description=f"Probability of {name}"[:64],
+                tile_pixel_array=True, tile_size=(tile, tile), dimension_organization_type=dimension_organization,
+                **geometry, **_equipment(),
+            )
+            pm.save_as(tmp / file_name, enforce_file_format=True)
+            del pm, stored
+        for spooled in tmp.glob("*.npy"):
+            spooled.unlink()
+        replace_tree(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
