@@ -204,7 +204,7 @@ def test_formats_are_parsed_into_the_registry_order():
     assert RunConfig(formats=["csv", "GeoJSON"]).formats == ("geojson", "csv")
     assert output_files(DEFAULT_FORMATS) == list(OUTPUT_FILES)
     assert output_files(("parquet", "ome-tiff"), heatmap=False) == ["detections.parquet", "summary.json"]
-    assert {f.kind for f in FORMATS.values()} == {"detections", "heatmap", "overlay"}
+    assert {f.kind for f in FORMATS.values()} == {"detections", "heatmap", "heatmap-file", "overlay"}
     for f in FORMATS.values():
         if f.writer is not None:
             assert callable(f.write_function())
@@ -254,7 +254,7 @@ def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tm
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
-        "geoparquet, ome-tiff, overlay)"]
+        "geoparquet, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"]
     assert not (tmp_path / "o").exists()
 
 
@@ -325,3 +325,53 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     review = load_run(out)  # the review helpers find the zipped GeoJSON
     assert len(review.detections) == n and review.heatmap is None
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)
+
+
+def test_a_dicom_heatmap_needs_the_ome_tiff_it_is_made_from():
+    with pytest.raises(ConfigError, match=r"formats: dicom-heatmap is made from ome-tiff; add ome-tiff"):
+        RunConfig(formats="geojson,dicom-heatmap")
+    assert RunConfig(formats="dicom-heatmap,ome-tiff").formats == ("ome-tiff", "dicom-heatmap")
+
+
+def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path, tmp_path):
+    """The heatmap as OME-Zarr (streamed beside the OME-TIFF) and as DICOM Parametric Maps (made from
+    the OME-TIFF), the detections as DICOM annotations, read back with their users' readers."""
+    import highdicom as hd
+    import pydicom
+    import tifffile
+    import zarr
+    from ome_zarr.io import parse_url
+    from ome_zarr.reader import Reader
+
+    from wsi_pipeline.io.dicom import PLACEHOLDER_ATTRIBUTES, parametric_map_file_names
+
+    with Pipeline(backend="ort", formats="dicom,ome-tiff,ome-zarr,dicom-heatmap") as pipe:
+        result = pipe.run(slide_path, out_dir=tmp_path / "run")
+    out = tmp_path / "run"
+    files = ["detections.dcm", "heatmap.ome.tif", "heatmap.ome.zarr", "heatmap_dicom", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(files)
+    assert json.loads((out / "summary.json").read_text())["files"] == files
+    n = len(result.detections)
+    assert n > 0
+
+    ann = hd.ann.annread(out / "detections.dcm")
+    groups = ann.get_annotation_groups()
+    assert [g.label for g in groups] == ["nucleus"]
+    polygons = groups[0].get_graphic_data("2D")
+    assert len(polygons) == n
+    got = np.array([[p[:, 0].min(), p[:, 1].min(), p[:, 0].max(), p[:, 1].max()] for p in polygons])
+    want = np.stack([result.detections[k] for k in ("x0", "y0", "x1", "y1")], axis=1)
+    np.testing.assert_allclose(got[np.lexsort(got.T[::-1])], want[np.lexsort(want.T[::-1])], atol=1e-3)
+    assert all(not str(getattr(ann, a, "") or "") for a in PLACEHOLDER_ATTRIBUTES)  # not a DICOM slide
+
+    tiff = tifffile.imread(out / "heatmap.ome.tif")  # C x H x W uint8, level 0
+    node = next(iter(Reader(parse_url(str(out / "heatmap.ome.zarr")))()))
+    assert node.metadata["channel_names"] == ["tissue", "tumour"]
+    np.testing.assert_array_equal(np.asarray(zarr.open_group(str(out / "heatmap.ome.zarr"), mode="r")["0"]), tiff)
+
+    maps = sorted(p.name for p in (out / "heatmap_dicom").iterdir())
+    assert maps == sorted(parametric_map_file_names(["tissue", "tumour"]))
+    pm = pydicom.dcmread(out / "heatmap_dicom" / maps[1])
+    assert pm.SOPClassUID == pydicom.uid.ParametricMapStorage
+    assert int(pm.TotalPixelMatrixColumns) == tiff.shape[2] and int(pm.TotalPixelMatrixRows) == tiff.shape[1]
+

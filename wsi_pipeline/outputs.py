@@ -3,7 +3,8 @@
 :class:`SlideOutputs` is built per slide by the pipeline and hands the
 stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out to the
 OME-TIFF writer (with an output folder), an in-memory array (when asked),
-per-class statistics over the tissue and a reduced copy for the overlay.
+per-class statistics over the tissue and a reduced copy for the overlay (and
+the OME-Zarr writer where ``ome-zarr`` is chosen).
 After stitching, :meth:`SlideOutputs.write` sends the detection files and
 overlay of ``config.formats`` (:mod:`.io.formats`) to the writer processes
 and returns the step that closes the heatmap file; ``summary.json``, the
@@ -24,7 +25,16 @@ from .geometry import TilingGeometry
 from .inference.card import ModelCard
 from .io.atomic import write_json
 from .io.detections import detection_boxes, parse_color
-from .io.formats import DEFAULT_FORMATS, DETECTIONS, OVERLAY, chosen, detection_notes, output_files
+from .io.formats import (
+    DEFAULT_FORMATS,
+    DETECTIONS,
+    FORMATS,
+    HEATMAP_FILE,
+    OVERLAY,
+    chosen,
+    detection_notes,
+    output_files,
+)
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide
@@ -56,6 +66,7 @@ class SlideOutputs:
                  mask: TissueMask, out: Path | None, keep_heatmap: bool):
         self.geometry, self.card, self.config, self.slide, self.out = geometry, card, config, slide, out
         self.writer: OmeTiffHeatmapWriter | None = None
+        self.zarr_writer: Any = None  # an OmeZarrHeatmapWriter with ``ome-zarr``
         self.array_sink: ArraySink | None = None
         self.reduced: ReducedCopy | None = None
         self.stats: HeatmapStats | None = None
@@ -66,11 +77,17 @@ class SlideOutputs:
             return
         g, c = geometry, len(hm.classes)
         sinks: list[Sink] = []
+        plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
         if out is not None and "ome-tiff" in config.formats:
-            self.writer = OmeTiffHeatmapWriter(out / "heatmap.ome.tif", g.heatmap_width, g.heatmap_height, c,
-                                               channel_names=list(hm.classes),
-                                               physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
+            self.writer = OmeTiffHeatmapWriter(out / FORMATS["ome-tiff"].filename, g.heatmap_width,
+                                               g.heatmap_height, c, **plane)
             sinks.append(self.writer)
+        if out is not None and "ome-zarr" in config.formats:
+            from .io.ome_zarr import OmeZarrHeatmapWriter  # needs zarr: only where chosen
+
+            self.zarr_writer = OmeZarrHeatmapWriter(out / FORMATS["ome-zarr"].filename, g.heatmap_width,
+                                                    g.heatmap_height, c, **plane)
+            sinks.append(self.zarr_writer)
         if keep_heatmap:
             self.array_sink = ArraySink(c, g.heatmap_height, g.heatmap_width)
             sinks.append(self.array_sink)
@@ -93,15 +110,18 @@ class SlideOutputs:
         """Finish the heatmap file; the heatmap in memory, the file's lazy reader, or None."""
         if self.reduced is not None:
             self.reduced.close()
+        if self.zarr_writer is not None:
+            self.zarr_writer.close()
         path = self.writer.close() if self.writer is not None else None
         if self.array_sink is not None:
             return self.array_sink.array
         return HeatmapFile(path) if path is not None else None
 
     def abort(self) -> None:
-        """Remove what was begun (the heatmap file's partial data)."""
-        if self.writer is not None:
-            self.writer.abort()
+        """Remove what was begun (the heatmap files' partial data)."""
+        for writer in (self.writer, self.zarr_writer):
+            if writer is not None:
+                writer.abort()
 
     def heatmap_scores(self, mm2_per_px0: float | None) -> dict[str, Any] | None:
         """Per-class statistics over the tissue (see :class:`~.stitch.sinks.HeatmapStats`)."""
@@ -136,15 +156,23 @@ class SlideOutputs:
         classes = [{"name": c.name, "color": c.color} for c in self.card.classes]
         # The overlay reads the thumbnail: that may fail, before any file is begun.
         overlay = self.overlay_inputs(dets) if chosen(formats, OVERLAY) else None
+        slide = {"dimensions": tuple(self.slide.dimensions), "slide_path": self.slide.absolute_path,
+                 "mpp": self.slide.mpp}
         jobs = WriteJobs()
         for fmt in chosen(formats):
             if fmt.kind in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
                 args = (dets, classes) if fmt.kind == DETECTIONS else overlay
-                writers.submit(jobs, fmt.filename, fmt.write_function(), out / fmt.filename, *args)
+                writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *args)
 
         def finish() -> np.ndarray | HeatmapFile | None:
             try:
-                return self.close_heatmap()
+                heatmap = self.close_heatmap()
+                # Files made from the finished heatmap file (its pyramid read back, not the stream).
+                for fmt in chosen(formats, HEATMAP_FILE) if self.writer is not None else ():
+                    job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
+                    writers.submit(jobs, fmt.filename, job, out / fmt.filename, self.writer.path,
+                                   list(self.card.heatmap.classes))
+                return heatmap
             finally:
                 jobs.wait()
 

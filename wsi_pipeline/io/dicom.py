@@ -415,3 +415,19 @@ def write_dicom_parametric_map(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def write_heatmap_parametric_maps(path: str | os.PathLike[str], heatmap_path: str | os.PathLike[str],
+                                  channel_names: Sequence[str], *, scale_level0: float,
+                                  dimensions: tuple[int, int], slide_path: str | os.PathLike[str] | None = None,
+                                  mpp: tuple[float, float] | None = None,
+                                  max_bytes: int = MAX_PARAMETRIC_MAP_BYTES) -> Path:
+    """:func:`write_dicom_parametric_map` of the OME-TIFF heatmap file ``heatmap_path``, at its
+    finest pyramid level whose class plane fits in ``max_bytes`` (a writer-pool job: plain arguments)."""
+    heatmap = HeatmapFile(heatmap_path)
+    level = next((k for k, (_, h, w) in enumerate(heatmap.level_shapes) if h * w * 2 <= max_bytes),
+                 heatmap.level_count - 1)
+    return write_dicom_parametric_map(path, heatmap, channel_names, scale_level0=scale_level0,
+                                      dimensions=dimensions, slide_path=slide_path, mpp=mpp, level=level,
+                                      max_bytes=max_bytes)
+

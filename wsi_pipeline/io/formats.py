@@ -6,23 +6,29 @@ Each :class:`OutputFormat` names its file, how it is made and what it needs:
   function ``writer(path, detections, classes)``;
 - ``overlay``: a writer-pool job drawn from the slide's thumbnail;
 - ``heatmap``: a sink the heatmap blender streams into while the slide runs
-  (written only for models with a heatmap output).
+  (written only for models with a heatmap output);
+- ``heatmap-file``: a writer-pool job made from the finished OME-TIFF
+  heatmap, ``writer(path, heatmap_path, channel_names, **slide)`` (so it
+  needs ``ome-tiff`` among the formats).
 
-A heatmap sink such as OME-Zarr or DICOM joins :data:`FORMATS` as one more
-``heatmap`` entry. ``summary.json`` is written after all of them and is not
-a format: it is in every folder.
+Jobs whose format has ``slide_args`` also get the slide's level-0
+``dimensions``, ``slide_path`` and ``mpp`` as keywords (DICOM references its
+source). ``summary.json`` is written after all of them and is not a format:
+it is in every folder.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 
-DETECTIONS, OVERLAY, HEATMAP = "detections", "overlay", "heatmap"
+DETECTIONS, OVERLAY, HEATMAP, HEATMAP_FILE = "detections", "overlay", "heatmap", "heatmap-file"
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,8 @@ class OutputFormat:
         requires: modules that must be importable for it.
         extra: the package extra that installs them (``pip install 'wsi-pipeline[EXTRA]'``).
         about: what it is, in a few words (for ``--help``).
+        made_from: formats it is made from, which must be chosen with it.
+        slide_args: the job also takes the slide's ``dimensions``, ``slide_path`` and ``mpp``.
     """
 
     name: str
@@ -47,6 +55,8 @@ class OutputFormat:
     requires: tuple[str, ...] = ()
     extra: str | None = None
     about: str = ""
+    made_from: tuple[str, ...] = ()
+    slide_args: bool = False
 
     def write_function(self) -> Callable:
         """The writer-pool job function (a module-level function: the pool pickles it)."""
@@ -54,6 +64,12 @@ class OutputFormat:
             raise ValueError(f"format {self.name} is a {self.kind} sink, not a writer-pool job")
         module, name = self.writer.split(":")
         return getattr(importlib.import_module(module), name)
+
+    def job(self, slide_args: dict[str, Any]) -> Callable:
+        """:meth:`write_function` with the slide's keywords bound where the format takes them
+        (picklable: a partial of a module-level function)."""
+        fn = self.write_function()
+        return functools.partial(fn, **slide_args) if self.slide_args else fn
 
     def missing(self) -> list[str]:
         """The required modules that cannot be imported here."""
@@ -73,7 +89,15 @@ FORMATS: dict[str, OutputFormat] = {f.name: f for f in (
     OutputFormat("geoparquet", "detections.geoparquet", DETECTIONS, "wsi_pipeline.io.parquet:write_geoparquet",
                  requires=("pyarrow", "shapely"), extra="geoparquet",
                  about="GeoParquet with box polygons for geopandas"),
+    OutputFormat("dicom", "detections.dcm", DETECTIONS, "wsi_pipeline.io.dicom:write_dicom_annotations",
+                 requires=("highdicom",), extra="dicom", slide_args=True,
+                 about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers"),
     OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
+    OutputFormat("ome-zarr", "heatmap.ome.zarr", HEATMAP, requires=("zarr", "ome_zarr"), extra="zarr",
+                 about="heatmap as OME-Zarr (NGFF 0.4), for QuPath 0.6+ and napari"),
+    OutputFormat("dicom-heatmap", "heatmap_dicom", HEATMAP_FILE, "wsi_pipeline.io.dicom:write_heatmap_parametric_maps",
+                 requires=("highdicom",), extra="dicom", made_from=("ome-tiff",), slide_args=True,
+                 about="heatmap as DICOM Parametric Maps, one file per class (with ome-tiff)"),
     OutputFormat("overlay", "overlay.png", OVERLAY, "wsi_pipeline.io.overlay:write_overlay",
                  about="thumbnail with heatmap and boxes"),
 )}
@@ -101,6 +125,11 @@ def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[s
         if missing:
             raise ConfigError(f"{source}: formats: {name} needs {' and '.join(missing)}, which is not installed: "
                               f"pip install 'wsi-pipeline[{fmt.extra}]'")
+    for name in names:
+        lacking = [m for m in FORMATS[name].made_from if m not in names]
+        if lacking:
+            raise ConfigError(f"{source}: formats: {name} is made from {' and '.join(lacking)}; "
+                              f"add {', '.join(lacking)} to the formats")
     return tuple(n for n in FORMATS if n in names)
 
 
@@ -111,9 +140,9 @@ def chosen(names: Iterable[str], kind: str | None = None) -> list[OutputFormat]:
 
 
 def output_files(names: Iterable[str], heatmap: bool = True) -> list[str]:
-    """The files a slide folder holds for formats ``names``, ``summary.json`` last; heatmap files
-    only with ``heatmap`` (a model with a heatmap output)."""
-    return [f.filename for f in chosen(names) if heatmap or f.kind != HEATMAP] + ["summary.json"]
+    """The files (or folders: ``ome-zarr``, ``dicom-heatmap``) a slide folder holds for formats
+    ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap output)."""
+    return [f.filename for f in chosen(names) if heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)] + ["summary.json"]
 
 
 def detection_notes(names: Iterable[str], dets) -> dict[str, int]:
