@@ -22,9 +22,11 @@ $(DEV_STAMP): setup.py setup.cfg pyproject.toml | $(BIN)/python
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: $(DEV_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -ra
 
 demo: $(CORE_STAMP)

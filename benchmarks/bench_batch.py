@@ -70,8 +70,9 @@ def main() -> None:
         report = run_batch(slides, out, PipelineFactory(config), config, key, progress=False, dask=dask)
         seconds = time.perf_counter() - t
         assert report.exit_code == 0, report.table()
-        tiles = sum(json.loads((slide_dir(out, o.name) / "summary.json").read_text())["tiles"]["read"]
-                    for o in report.outcomes)
+        tiles = sum(
+            json.loads((slide_dir(out, o.name) / "summary.json").read_text())["tiles"]["read"] for o in report.outcomes
+        )
         backend = json.loads((slide_dir(out, report.outcomes[0].name) / "summary.json").read_text())["backend"]
         # Steady state: the slides' own times, without start-up (cluster, worker imports, model load),
         # leaving out each worker's first slide (it also builds that worker's pipeline).
@@ -80,16 +81,26 @@ def main() -> None:
             per_worker.setdefault(o.worker or "local", []).append(o.seconds)
         steady = [t for ts in per_worker.values() for t in (ts[1:] or ts)]
         n_workers = len(per_worker)
-        rows.append({"mode": label, "seconds": round(seconds, 2), "slides_per_hour": round(len(slides) / seconds * 3600, 1),
-                     "steady_slides_per_hour": round(n_workers * 3600 / (sum(steady) / len(steady)), 1),
-                     "tiles_per_s": round(tiles / seconds, 1), "backend": backend})
-        print(f"{label:<10} {seconds:8.1f} s  {rows[-1]['slides_per_hour']:8.1f} slides/h  "
-              f"(steady {rows[-1]['steady_slides_per_hour']:8.1f})  {rows[-1]['tiles_per_s']:8.1f} tiles/s  ({backend})")
+        rows.append(
+            {
+                "mode": label,
+                "seconds": round(seconds, 2),
+                "slides_per_hour": round(len(slides) / seconds * 3600, 1),
+                "steady_slides_per_hour": round(n_workers * 3600 / (sum(steady) / len(steady)), 1),
+                "tiles_per_s": round(tiles / seconds, 1),
+                "backend": backend,
+            }
+        )
+        print(
+            f"{label:<10} {seconds:8.1f} s  {rows[-1]['slides_per_hour']:8.1f} slides/h  "
+            f"(steady {rows[-1]['steady_slides_per_hour']:8.1f})  {rows[-1]['tiles_per_s']:8.1f} tiles/s  ({backend})"
+        )
     base = next((r for r in rows if r["mode"] == "dask 1"), rows[0])
     for r in rows:
         r["ratio_to_" + base["mode"].replace(" ", "_")] = round(r["slides_per_hour"] / base["slides_per_hour"], 3)
         r["steady_ratio_to_" + base["mode"].replace(" ", "_")] = round(
-            r["steady_slides_per_hour"] / base["steady_slides_per_hour"], 3)
+            r["steady_slides_per_hour"] / base["steady_slides_per_hour"], 3
+        )
     print(json.dumps(rows, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -43,11 +43,11 @@ def model_alone(pipe: Pipeline, tiles: np.ndarray, batch: int) -> float:
     """tiles/s of the pipeline's own ONNX Runtime sessions, one thread each, over ``tiles``."""
     workers = pipe.executor._workers
     starts = list(range(0, len(tiles), batch))
-    shares = [starts[i::len(workers)] for i in range(len(workers))]
+    shares = [starts[i :: len(workers)] for i in range(len(workers))]
 
     def run(worker, share):
         for s in share:
-            worker.backend.infer(tiles[s:s + batch])
+            worker.backend.infer(tiles[s : s + batch])
 
     threads = [threading.Thread(target=run, args=(w, sh)) for w, sh in zip(workers, shares, strict=True)]
     t0 = time.perf_counter()
@@ -80,10 +80,15 @@ def main() -> int:
             runs.append(res.summary["tiles"]["read"] / (time.perf_counter() - t0))
             alone.append(model_alone(pipe, tiles, pipe.batch_size))
             print(f"round: pipeline {runs[-1]:.1f} tiles/s, model alone {alone[-1]:.1f} tiles/s", flush=True)
-        out = {"slide_px": args.size, "tiles": int(len(tiles)), "batch_size": pipe.batch_size,
-               "sessions": len(pipe.executor._workers), "pipeline_tiles_per_s": runs,
-               "model_alone_tiles_per_s": alone,
-               "ratio_of_medians": round(statistics.median(runs) / statistics.median(alone), 3)}
+        out = {
+            "slide_px": args.size,
+            "tiles": int(len(tiles)),
+            "batch_size": pipe.batch_size,
+            "sessions": len(pipe.executor._workers),
+            "pipeline_tiles_per_s": runs,
+            "model_alone_tiles_per_s": alone,
+            "ratio_of_medians": round(statistics.median(runs) / statistics.median(alone), 3),
+        }
     print(f"Pipeline.run / model alone (medians): {out['ratio_of_medians']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -53,10 +53,18 @@ def demo_card(out_dir: Path):
 
     torch.manual_seed(0)
     net = CenterNetSmall(1, 2).eval()
-    return export_with_card(net, out_dir / "bench_detector.onnx", name="bench", version="0",
-                            class_names=["nucleus"], class_colors=["#7b2cbf"],
-                            region_classes=["tissue", "tumour"], top_k=512, mpp=0.25,
-                            score_threshold=0.3)
+    return export_with_card(
+        net,
+        out_dir / "bench_detector.onnx",
+        name="bench",
+        version="0",
+        class_names=["nucleus"],
+        class_colors=["#7b2cbf"],
+        region_classes=["tissue", "tumour"],
+        top_k=512,
+        mpp=0.25,
+        score_threshold=0.3,
+    )
 
 
 def fake_tiles(grid_n: int):
@@ -79,8 +87,7 @@ def realistic_pixels(n: int, seed: int = 0) -> np.ndarray:
 def bench_model_alone(backend, batch: int, iters: int = 50) -> float:
     stream = torch.cuda.Stream()
     runner = backend.create_runner(stream)
-    runner.input[:batch].copy_(torch.randint(0, 256, runner.input[:batch].shape, dtype=torch.uint8,
-                                             device="cuda"))
+    runner.input[:batch].copy_(torch.randint(0, 256, runner.input[:batch].shape, dtype=torch.uint8, device="cuda"))
     with torch.cuda.stream(stream):
         for _ in range(5):
             runner.run(batch)
@@ -157,16 +164,16 @@ def make_loader(kind: str, slide, tiles, batch: int, streams: int, reader_worker
     from wsi_pipeline.tiling.loader import TileLoader
 
     if kind == "cpu_decode":
-        return TileLoader(slide, tiles, batch_size=batch, workers=reader_workers, prefetch=4,
-                          auto_release=False, max_held=streams + 3)
+        return TileLoader(
+            slide, tiles, batch_size=batch, workers=reader_workers, prefetch=4, auto_release=False, max_held=streams + 3
+        )
     from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
 
     jpeg = "nvjpeg" if kind == "gpu_decode_nvjpeg" else "threads"
     return GpuTileLoader(slide, tiles, batch_size=batch, prefetch=4, decode_threads=2, jpeg_decoder=jpeg)
 
 
-def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: str,
-                     reader_workers: int) -> dict:
+def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: str, reader_workers: int) -> dict:
     from wsi_pipeline.slide.tiff_backend import TiffSlide
     from wsi_pipeline.tiling.grid import TileGrid
 
@@ -189,8 +196,9 @@ def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: s
             with TiffSlide(slide_path) as slide:
                 tiles = list(TileGrid(slide))
                 t0 = time.perf_counter()
-                n = sum(len(r.detections) for r in ex.run(
-                    make_loader(kind, slide, tiles, batch, streams, reader_workers)))
+                n = sum(
+                    len(r.detections) for r in ex.run(make_loader(kind, slide, tiles, batch, streams, reader_workers))
+                )
                 dt = time.perf_counter() - t0
             if best is None or dt < best:
                 best = dt
@@ -211,8 +219,10 @@ def nvjpeg_vs_libjpeg(slide_path: str) -> str:
     d = np.abs(a - b)
     big = np.argwhere(d.max(axis=3) > 32)
     where = "" if not len(big) else f", first >32 at tile {big[0][0]} y {big[0][1]} x {big[0][2]}"
-    return (f"mean {d.mean():.3f}, p99 {np.percentile(d, 99):.0f}, p99.99 {np.percentile(d, 99.99):.0f}, "
-            f"max {d.max()}, share >32 {(d > 32).mean():.2e}{where}")
+    return (
+        f"mean {d.mean():.3f}, p99 {np.percentile(d, 99):.0f}, p99.99 {np.percentile(d, 99.99):.0f}, "
+        f"max {d.max()}, share >32 {(d > 32).mean():.2e}{where}"
+    )
 
 
 def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
@@ -238,6 +248,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
             finally:
                 with lock:
                     acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+
         setattr(obj, name, wrapper)
         return fn
 
@@ -254,7 +265,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
             n_batches = 0
             t0 = time.perf_counter()
             for start in range(0, len(tiles), batch):
-                dec.decode(tiles[start:start + batch])
+                dec.decode(tiles[start : start + batch])
                 n_batches += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
@@ -262,8 +273,11 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
             dec._decode_threads = orig_threads
             slide.raw_tile_jpeg = orig_raw
             dec.close()
-        out[f"gpu_{jpeg}"] = {"wall_per_batch": 1e3 * wall / n_batches, "tiles_per_s": len(tiles) / wall,
-                              **{k: 1e3 * v / n_batches for k, v in acc.items()}}
+        out[f"gpu_{jpeg}"] = {
+            "wall_per_batch": 1e3 * wall / n_batches,
+            "tiles_per_s": len(tiles) / wall,
+            **{k: 1e3 * v / n_batches for k, v in acc.items()},
+        }
     acc = {}
     from wsi_pipeline.tiling.loader import TileLoader
 
@@ -276,8 +290,12 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
         for _batch in TileLoader(slide, tiles, batch_size=batch, workers=reader_workers, prefetch=4):
             n_batches += 1
         wall = time.perf_counter() - t0
-    out["cpu_loader"] = {"wall_per_batch": 1e3 * wall / n_batches, "tiles_per_s": len(tiles) / wall,
-                         "workers": reader_workers, **{k: 1e3 * v / n_batches for k, v in acc.items()}}
+    out["cpu_loader"] = {
+        "wall_per_batch": 1e3 * wall / n_batches,
+        "tiles_per_s": len(tiles) / wall,
+        "workers": reader_workers,
+        **{k: 1e3 * v / n_batches for k, v in acc.items()},
+    }
     return out
 
 
@@ -291,8 +309,11 @@ def main() -> int:
     ap.add_argument("--host-tiles", type=int, default=4096, help="tiles per pass in (b)")
     ap.add_argument("--reader-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--profile-readers", action="store_true",
-                    help="only time the readers' stages (ms per batch) and batch-128 executor runs")
+    ap.add_argument(
+        "--profile-readers",
+        action="store_true",
+        help="only time the readers' stages (ms per batch) and batch-128 executor runs",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -310,7 +331,7 @@ def main() -> int:
             print(f"{k}: " + ", ".join(f"{a} {b:,.1f}" for a, b in v.items()), flush=True)
         be = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=128)
         pixels = realistic_pixels(128 * 4)
-        hb = [HostBatch(pixels[(i % 4) * 128:(i % 4 + 1) * 128], fake_tiles(128), i) for i in range(32)]
+        hb = [HostBatch(pixels[(i % 4) * 128 : (i % 4 + 1) * 128], fake_tiles(128), i) for i in range(32)]
         for s in (2, 4, 6):
             v = bench_executor_host(be, s, hb)
             prof[f"b_executor_host_batch128_{s}_streams"] = v
@@ -319,41 +340,53 @@ def main() -> int:
             for s in (2, 4):
                 r = bench_end_to_end(be, slide_path, s, 128, kind, args.reader_workers)
                 prof[f"c_{kind}_batch128_{s}_streams"] = r
-                print(f"(c) {kind}, batch 128, {s} streams: {r['tiles_per_s']:,.0f} tiles/s "
-                      f"(reader alone {r['reader_tiles_per_s']:,.0f})", flush=True)
+                print(
+                    f"(c) {kind}, batch 128, {s} streams: {r['tiles_per_s']:,.0f} tiles/s "
+                    f"(reader alone {r['reader_tiles_per_s']:,.0f})",
+                    flush=True,
+                )
         if args.json:
             Path(args.json).write_text(json.dumps(prof, indent=2, default=str))
         return 0
-    results: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                     "precision": args.precision, "batch": args.batch, "model": str(card.model_path),
-                     "cpu_count": os.cpu_count()}
-    backend = create_backend(card, "torch", device="cuda", precision=args.precision,
-                             max_batch=max(args.batch, 128))
+    results: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "precision": args.precision,
+        "batch": args.batch,
+        "model": str(card.model_path),
+        "cpu_count": os.cpu_count(),
+    }
+    backend = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=max(args.batch, 128))
 
     # (a) ceiling
     results["a_model_alone"] = {b: bench_model_alone(backend, b) for b in (args.batch, 128)}
-    print("(a) model alone, device data: " + ", ".join(
-        f"batch {b}: {v:,.0f} tiles/s" for b, v in results["a_model_alone"].items()), flush=True)
+    print(
+        "(a) model alone, device data: "
+        + ", ".join(f"batch {b}: {v:,.0f} tiles/s" for b, v in results["a_model_alone"].items()),
+        flush=True,
+    )
 
     # (b) executor from host memory
     pixels = realistic_pixels(args.batch * 8)
     n_batches = max(1, args.host_tiles // args.batch)
     tiles = fake_tiles(args.batch)
-    host_batches = [HostBatch(pixels[(i % 8) * args.batch:(i % 8 + 1) * args.batch], tiles, i)
-                    for i in range(n_batches)]
-    exec_backend = create_backend(card, "torch", device="cuda", precision=args.precision,
-                                  max_batch=args.batch)
+    host_batches = [
+        HostBatch(pixels[(i % 8) * args.batch : (i % 8 + 1) * args.batch], tiles, i) for i in range(n_batches)
+    ]
+    exec_backend = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=args.batch)
     results["b_executor_host"] = {}
     for s in (1, 2, 4):
         results["b_executor_host"][s] = bench_executor_host(exec_backend, s, host_batches)
-        print(f"(b) executor, host memory, {s} stream(s): {results['b_executor_host'][s]:,.0f} tiles/s",
-              flush=True)
+        print(f"(b) executor, host memory, {s} stream(s): {results['b_executor_host'][s]:,.0f} tiles/s", flush=True)
     v = bench_executor_host(exec_backend, 4, host_batches, register_host=False)
     results["b_executor_host_copy_via_pinned_4_streams"] = v
     print(f"(b) executor, host memory, 4 streams, copying through pinned buffers: {v:,.0f} tiles/s")
-    results["stages_ms_per_batch"] = stage_times_ms(exec_backend, pixels[:args.batch])
-    print(f"    one stream, per batch of {args.batch}, ms: " + ", ".join(
-        f"{k} {v:.2f}" for k, v in results["stages_ms_per_batch"].items()), flush=True)
+    results["stages_ms_per_batch"] = stage_times_ms(exec_backend, pixels[: args.batch])
+    print(
+        f"    one stream, per batch of {args.batch}, ms: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in results["stages_ms_per_batch"].items()),
+        flush=True,
+    )
 
     # (c) end to end from a slide on disk
     if args.slide or args.slide_px:
@@ -364,17 +397,23 @@ def main() -> int:
             slide_path = str(tmp / "synthetic.tif")
             t0 = time.perf_counter()
             write_synthetic_slide(slide_path, args.slide_px, args.slide_px, seed=7, kind="pathology")
-            print(f"wrote {args.slide_px}x{args.slide_px} slide in {time.perf_counter() - t0:.1f} s "
-                  f"({os.path.getsize(slide_path) / 1e6:.0f} MB)", flush=True)
+            print(
+                f"wrote {args.slide_px}x{args.slide_px} slide in {time.perf_counter() - t0:.1f} s "
+                f"({os.path.getsize(slide_path) / 1e6:.0f} MB)",
+                flush=True,
+            )
         best_s = max(results["b_executor_host"], key=results["b_executor_host"].get)
         results["c_end_to_end"] = {"streams": best_s}
         ceiling = results["a_model_alone"][args.batch]
         for kind in ("cpu_decode", "gpu_decode_threads", "gpu_decode_nvjpeg"):
             r = bench_end_to_end(exec_backend, slide_path, best_s, args.batch, kind, args.reader_workers)
             results["c_end_to_end"][kind] = r
-            print(f"(c) end to end, {kind}, {best_s} streams: {r['tiles_per_s']:,.0f} tiles/s "
-                  f"= {100 * r['tiles_per_s'] / ceiling:.0f}% of (a) ({r['tiles']} tiles in "
-                  f"{r['seconds']:.2f} s; reader alone {r['reader_tiles_per_s']:,.0f} tiles/s)", flush=True)
+            print(
+                f"(c) end to end, {kind}, {best_s} streams: {r['tiles_per_s']:,.0f} tiles/s "
+                f"= {100 * r['tiles_per_s'] / ceiling:.0f}% of (a) ({r['tiles']} tiles in "
+                f"{r['seconds']:.2f} s; reader alone {r['reader_tiles_per_s']:,.0f} tiles/s)",
+                flush=True,
+            )
         results["nvjpeg_vs_libjpeg"] = nvjpeg_vs_libjpeg(slide_path)
         print(f"    nvJPEG vs libjpeg-turbo pixels: {results['nvjpeg_vs_libjpeg']}")
     if args.json:

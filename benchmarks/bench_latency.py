@@ -30,8 +30,13 @@ MODEL = os.path.join(os.path.dirname(__file__), "..", "engines", "defects_indust
 
 def _stats(lat: list[float]) -> dict[str, float]:
     a = np.asarray(lat)
-    return {"n": len(a), "p50_s": round(float(np.percentile(a, 50)), 3), "p99_s": round(float(np.percentile(a, 99)), 3),
-            "mean_s": round(float(a.mean()), 3), "max_s": round(float(a.max()), 3)}
+    return {
+        "n": len(a),
+        "p50_s": round(float(np.percentile(a, 50)), 3),
+        "p99_s": round(float(np.percentile(a, 99)), 3),
+        "mean_s": round(float(a.mean()), 3),
+        "max_s": round(float(a.max()), 3),
+    }
 
 
 def main() -> None:
@@ -44,8 +49,10 @@ def main() -> None:
     args = ap.parse_args()
 
     distinct = min(args.images, 8)  # rendering is slow; cycle through a few different images
-    images = [SyntheticScene(args.size, args.size, seed=500 + i, kind="industrial").render(0, 0, args.size, args.size)
-              for i in range(distinct)]
+    images = [
+        SyntheticScene(args.size, args.size, seed=500 + i, kind="industrial").render(0, 0, args.size, args.size)
+        for i in range(distinct)
+    ]
     work = [images[i % distinct] for i in range(args.images)]
     with Pipeline.from_card(MODEL, backend=args.backend) as pipe:
         pipe.run(work[0])  # warm-up: sessions, buffers
@@ -63,7 +70,7 @@ def main() -> None:
 
         def caller(k: int) -> None:
             barrier.wait()
-            for img in work[k::args.callers]:
+            for img in work[k :: args.callers]:
                 t = time.perf_counter()
                 pipe.run(img)
                 with lock:
@@ -76,8 +83,13 @@ def main() -> None:
         for th in threads:
             th.join()
         t_many = time.perf_counter() - t_many
-        info = {"backend": pipe.backend_name, "batch_size": pipe.batch_size, "streams": pipe.executor.streams,
-                "mixed_batches": pipe.service.mixed_batches, "batches": pipe.service.batches_run}
+        info = {
+            "backend": pipe.backend_name,
+            "batch_size": pipe.batch_size,
+            "streams": pipe.executor.streams,
+            "mixed_batches": pipe.service.mixed_batches,
+            "batches": pipe.service.batches_run,
+        }
     rows = {
         "one caller": {**_stats(one), "images_per_s": round(args.images / t_one, 2)},
         f"{args.callers} callers": {**_stats(many), "images_per_s": round(args.images / t_many, 2)},

@@ -40,8 +40,22 @@ def main() -> None:
         out = work / f"out_{size}"
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide), "--out", str(out), "--force",
-                            "--backend", args.backend], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "wsi_pipeline",
+                "run",
+                str(slide),
+                "--out",
+                str(out),
+                "--force",
+                "--backend",
+                args.backend,
+            ],
+            capture_output=True,
+            text=True,
+        )
         seconds = time.perf_counter() - t
         if r.returncode != 0:
             raise SystemExit(r.stdout + r.stderr)
@@ -49,9 +63,16 @@ def main() -> None:
         if peak_mb <= before / 1024:
             print("warning: a previous child had a higher peak; run sizes in ascending order")
         s = json.loads((out / slide.stem / "summary.json").read_text())
-        rows.append({"size": size, "peak_rss_mb": round(peak_mb, 1), "seconds": round(seconds, 1),
-                     "tiles_read": s["tiles"]["read"], "detections": s["detections_total"],
-                     "heatmap_px": s["heatmap"]["scale_level0"] and (size // int(s["heatmap"]["scale_level0"])) ** 2})
+        rows.append(
+            {
+                "size": size,
+                "peak_rss_mb": round(peak_mb, 1),
+                "seconds": round(seconds, 1),
+                "tiles_read": s["tiles"]["read"],
+                "detections": s["detections_total"],
+                "heatmap_px": s["heatmap"]["scale_level0"] and (size // int(s["heatmap"]["scale_level0"])) ** 2,
+            }
+        )
         print(rows[-1])
     base = rows[0]["peak_rss_mb"]
     for r in rows:

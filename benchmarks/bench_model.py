@@ -31,7 +31,7 @@ def bench(card_path: Path, threads: int, batch: int, seconds: float) -> tuple[fl
     card = load_card(card_path)
     backend = create_backend(card, "ort", max_batch=batch, intra_op_threads=threads)
     tiles = load_calibration_tiles(calibration_folder(card), card.input.size_hw, limit=max(batch, 32))
-    batches = [tiles[i:i + batch] for i in range(0, len(tiles) - batch + 1, batch)]
+    batches = [tiles[i : i + batch] for i in range(0, len(tiles) - batch + 1, batch)]
     backend.infer(batches[0])  # warm-up: allocations, kernel selection
     rates = []
     for with_decode in (False, True):
@@ -59,8 +59,10 @@ def main() -> int:
         card = load_card(path)
         for b in args.batch:
             infer_rate, full_rate = bench(path, args.threads, b, args.seconds)
-            print(f"{card.model_path.name:40s} {card.precision:9s} {b:5d} {infer_rate:14.1f} {full_rate:16.1f}",
-                  flush=True)
+            print(
+                f"{card.model_path.name:40s} {card.precision:9s} {b:5d} {infer_rate:14.1f} {full_rate:16.1f}",
+                flush=True,
+            )
     return 0
 
 

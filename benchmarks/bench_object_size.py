@@ -26,8 +26,10 @@ from wsi_pipeline.models.evaluate import detection_counts
 from wsi_pipeline.synthetic import SyntheticScene
 
 BINS_PX = (0, 8, 14, 20, 26, 32, 40, 52, 64, 128, 256)
-MODELS = {"pathology": ("engines/nuclei_pathology.card.json", (0.25, 0.167, 0.125)),
-          "industrial": ("engines/defects_industrial.card.json", (None,))}
+MODELS = {
+    "pathology": ("engines/nuclei_pathology.card.json", (0.25, 0.167, 0.125)),
+    "industrial": ("engines/defects_industrial.card.json", (None,)),
+}
 
 
 def measure(kind: str, scene_mpp: float | None, scenes: int, tiles_per_scene: int) -> list[tuple]:
@@ -45,7 +47,7 @@ def measure(kind: str, scene_mpp: float | None, scenes: int, tiles_per_scene: in
             keep = s.visible >= 0.5
             boxes, labels = s.boxes[keep], s.labels[keep]
             for i, b in enumerate(boxes):
-                one = detection_counts([det.boxes], [det.scores], [det.labels], [b[None]], [labels[i:i + 1]])
+                one = detection_counts([det.boxes], [det.scores], [det.labels], [b[None]], [labels[i : i + 1]])
                 hits.append(one.tp)
                 cx = (det.boxes[:, 0] + det.boxes[:, 2]) / 2
                 cy = (det.boxes[:, 1] + det.boxes[:, 3]) / 2

@@ -39,7 +39,7 @@ def synthetic_detections(n: int, seed: int = 0) -> np.ndarray:
         m = min(BUILD_CHUNK, n - start)
         xy = rng.uniform(0, 200_000, (m, 2)).astype(np.float32)
         wh = rng.uniform(4, 20, (m, 2)).astype(np.float32)
-        part = out[start:start + m]
+        part = out[start : start + m]
         part["x0"], part["y0"] = xy[:, 0], xy[:, 1]
         part["x1"], part["y1"] = xy[:, 0] + wh[:, 0], xy[:, 1] + wh[:, 1]
         part["score"] = rng.random(m, np.float32)
@@ -73,7 +73,7 @@ def child(task: str, n: int, folder: str) -> dict:
         import gzip
 
         def read():
-            with (gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path)) as f:
+            with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path) as f:
                 return len(json.load(f)["features"])
     elif reader == "pandas":
         import pandas as pd
@@ -85,6 +85,7 @@ def child(task: str, n: int, folder: str) -> dict:
 
         def read():
             return len(gpd.read_parquet(path))
+
     base = _maxrss_mb()
     t = time.perf_counter()
     rows = read()
@@ -107,9 +108,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000000,5000000", help="detection counts, comma-separated")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one measurement may take")
-    ap.add_argument("--json-read-max", type=int, default=1_000_000,
-                    help="read GeoJSON back (json.load: ~2.7 GiB a million features) only up to this many "
-                         "detections (default %(default)s)")
+    ap.add_argument(
+        "--json-read-max",
+        type=int,
+        default=1_000_000,
+        help="read GeoJSON back (json.load: ~2.7 GiB a million features) only up to this many "
+        "detections (default %(default)s)",
+    )
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -133,8 +138,7 @@ def main() -> None:
                     print(f"  {what:32s} {r['error']}")
                     continue
                 size = f", {r['file_mb']:7.1f} MiB file" if "file_mb" in r else ""
-                print(f"  {what:32s} {r['seconds']:7.2f} s, +{r['extra_peak_mb']:7.1f} MiB peak RSS{size}",
-                      flush=True)
+                print(f"  {what:32s} {r['seconds']:7.2f} s, +{r['extra_peak_mb']:7.1f} MiB peak RSS{size}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

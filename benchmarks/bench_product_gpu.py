@@ -71,7 +71,7 @@ def nvjpeg_ceiling(raw: list[bytes], batch: int = 1024) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(0, len(data), batch):
-        torchvision.io.decode_jpeg(data[i:i + batch], device="cuda")
+        torchvision.io.decode_jpeg(data[i : i + batch], device="cuda")
     torch.cuda.synchronize()
     return len(data) / (time.perf_counter() - t0)
 
@@ -98,9 +98,15 @@ def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> di
     r = pipe.run(slide_path, out_dir=out_dir)
     wall = time.perf_counter() - t0
     tiles = r.summary["tiles"]["read"]
-    return {"seconds": round(wall, 3), "tiles": tiles, "tiles_per_s": round(tiles / wall, 1),
-            "detections": int(len(r.detections)), "stage_seconds": r.summary["seconds"],
-            "tile_decode": r.summary.get("tile_decode"), "peak_gpu_memory_mb": r.summary["peak_gpu_memory_mb"]}
+    return {
+        "seconds": round(wall, 3),
+        "tiles": tiles,
+        "tiles_per_s": round(tiles / wall, 1),
+        "detections": int(len(r.detections)),
+        "stage_seconds": r.summary["seconds"],
+        "tile_decode": r.summary.get("tile_decode"),
+        "peak_gpu_memory_mb": r.summary["peak_gpu_memory_mb"],
+    }
 
 
 def split_stages(pipe: Pipeline, slide_path: str) -> dict:
@@ -116,8 +122,13 @@ def split_stages(pipe: Pipeline, slide_path: str) -> dict:
         tiles = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
 
         def loader():
-            return GpuTileLoader(slide, tiles, batch_size=pipe.batch_size * GPU_DECODE_BATCHES,
-                                 prefetch=pipe.executor.streams + 1, decode_threads=2)
+            return GpuTileLoader(
+                slide,
+                tiles,
+                batch_size=pipe.batch_size * GPU_DECODE_BATCHES,
+                prefetch=pipe.executor.streams + 1,
+                decode_threads=2,
+            )
 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -144,9 +155,12 @@ def profile_run(pipe: Pipeline, slide_path: str) -> dict:
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
     log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
-    return {"wall_s": round(wall, 3), "gpu_kernel_s": round(device_us / 1e6, 3),
-            "gpu_busy_share": round(device_us / 1e6 / wall, 3),
-            "top_gpu": [(e.key, round(e.self_device_time_total / 1e3, 1)) for e in top]}
+    return {
+        "wall_s": round(wall, 3),
+        "gpu_kernel_s": round(device_us / 1e6, 3),
+        "gpu_busy_share": round(device_us / 1e6 / wall, 3),
+        "top_gpu": [(e.key, round(e.self_device_time_total / 1e3, 1)) for e in top],
+    }
 
 
 class StackSampler:
@@ -219,20 +233,39 @@ def batch_cli(slide_path: str, n: int, work: Path) -> dict:
         os.link(slide_path, folder / f"slide_{i}.tiff")
     out = work / "batch_out"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(folder), "--out", str(out),
-                           "--backend", "torch", "--model", str(CARD)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsi_pipeline",
+            "run",
+            str(folder),
+            "--out",
+            str(out),
+            "--backend",
+            "torch",
+            "--model",
+            str(CARD),
+        ],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         log(proc.stdout[-3000:] + proc.stderr[-3000:])
         return {"returncode": proc.returncode}
     summaries = [json.loads(p.read_text()) for p in sorted(out.rglob("summary.json"))]
     tiles = sum(s["tiles"]["read"] for s in summaries)
-    return {"slides": len(summaries), "seconds": round(wall, 2), "tiles": tiles,
-            "tiles_per_s": round(tiles / wall, 1),
-            "per_slide_write_s": [s["seconds"].get("write") for s in summaries],
-            "per_slide_total_s": [s["seconds"]["total"] for s in summaries],
-            "peak_host_memory_mb": max(s["peak_host_memory_mb"] for s in summaries),
-            "peak_gpu_memory_mb": max((s["peak_gpu_memory_mb"] or 0) for s in summaries)}
+    return {
+        "slides": len(summaries),
+        "seconds": round(wall, 2),
+        "tiles": tiles,
+        "tiles_per_s": round(tiles / wall, 1),
+        "per_slide_write_s": [s["seconds"].get("write") for s in summaries],
+        "per_slide_total_s": [s["seconds"]["total"] for s in summaries],
+        "peak_host_memory_mb": max(s["peak_host_memory_mb"] for s in summaries),
+        "peak_gpu_memory_mb": max((s["peak_gpu_memory_mb"] or 0) for s in summaries),
+    }
 
 
 def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
@@ -249,8 +282,9 @@ def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
         level = tifffile.imread(slide_path, maxworkers=os.cpu_count())
         # MONAI blends into a buffer of the input's dtype: fp16 holds 0..255 exactly and halves the traffic.
         x = torch.from_numpy(level).cuda().permute(2, 0, 1)[None].half()
-        out = sliding_window_inference(x, roi_size=(512, 512), sw_batch_size=64, predictor=predictor,
-                                       overlap=64 / 512, mode="gaussian")
+        out = sliding_window_inference(
+            x, roi_size=(512, 512), sw_batch_size=64, predictor=predictor, overlap=64 / 512, mode="gaussian"
+        )
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
@@ -264,6 +298,7 @@ def _saver(path: str | None, res: dict):
     def save() -> None:
         if path:
             Path(path).write_text(json.dumps(res, indent=2, default=str))
+
     return save
 
 
@@ -280,8 +315,12 @@ def main() -> int:
         log("needs a CUDA GPU")
         return 2
     work = Path(tempfile.mkdtemp(prefix="bench_product_"))
-    res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cpus": os.cpu_count(),
-                 "date": time.strftime("%Y-%m-%d")}
+    res: dict = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     save = _saver(args.json, res)
     slide_path = args.slide
     if slide_path is None:
@@ -294,8 +333,11 @@ def main() -> int:
     res["slide"] = {"px": args.slide_px, "bytes": os.path.getsize(slide_path)}
 
     pipe = Pipeline.from_card(CARD, backend="torch")
-    res["pipeline"] = {"batch_size": pipe.batch_size, "streams": pipe.executor.streams,
-                       "reader_workers": pipe.reader_workers}
+    res["pipeline"] = {
+        "batch_size": pipe.batch_size,
+        "streams": pipe.executor.streams,
+        "reader_workers": pipe.reader_workers,
+    }
     backend = pipe.executor.backend
     wide = create_backend(pipe.card, "torch", device="cuda", max_batch=128)
     res["model_alone_tiles_per_s"] = {b: round(bench_model_alone(wide, b), 1) for b in (64, 128)}
@@ -306,15 +348,19 @@ def main() -> int:
     res["nvjpeg_stored_tiles_per_s"] = round(nvjpeg_ceiling(raw), 1)
     res["libjpeg_stored_tiles_per_s"] = {t: round(cpu_decode_ceiling(raw, t), 1) for t in (1, 8, 16)}
     del raw
-    log(f"decode ceilings: nvJPEG {res['nvjpeg_stored_tiles_per_s']}, libjpeg-turbo "
-        f"{res['libjpeg_stored_tiles_per_s']} stored tiles/s")
+    log(
+        f"decode ceilings: nvJPEG {res['nvjpeg_stored_tiles_per_s']}, libjpeg-turbo "
+        f"{res['libjpeg_stored_tiles_per_s']} stored tiles/s"
+    )
     save()
 
     pipe.run(slide_path)  # warm-up: cuDNN choices, graphs, allocator
     res["product_gpu_decode"] = [timed_run(pipe, slide_path) for _ in range(3)]
     best = max(r["tiles_per_s"] for r in res["product_gpu_decode"])
-    log(f"Pipeline.run (GPU decode): {[r['tiles_per_s'] for r in res['product_gpu_decode']]} tiles/s; "
-        f"stages {res['product_gpu_decode'][-1]['stage_seconds']}")
+    log(
+        f"Pipeline.run (GPU decode): {[r['tiles_per_s'] for r in res['product_gpu_decode']]} tiles/s; "
+        f"stages {res['product_gpu_decode'][-1]['stage_seconds']}"
+    )
     save()
     log("where each thread's wall time goes (stack samples):")
     res["thread_samples"] = sampled_run(pipe, slide_path)
@@ -343,11 +389,18 @@ def main() -> int:
     log(f"batch (wsi-pipeline run, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
     save()
 
-    mem = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_memory_stages.py"), slide_path,
-                          "--backend", "torch"], capture_output=True, text=True)
+    mem = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profile_memory_stages.py"), slide_path, "--backend", "torch"],
+        capture_output=True,
+        text=True,
+    )
     res["memory_stages_mb"] = mem.stdout.strip().splitlines() if mem.returncode == 0 else mem.stderr[-2000:]
-    log("peak host memory by stage (one Pipeline.run with outputs):\n  " + "\n  ".join(
-        res["memory_stages_mb"] if isinstance(res["memory_stages_mb"], list) else [res["memory_stages_mb"]]))
+    log(
+        "peak host memory by stage (one Pipeline.run with outputs):\n  "
+        + "\n  ".join(
+            res["memory_stages_mb"] if isinstance(res["memory_stages_mb"], list) else [res["memory_stages_mb"]]
+        )
+    )
     save()
 
     if not args.skip_monai:

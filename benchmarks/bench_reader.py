@@ -41,9 +41,7 @@ from wsi_pipeline.synthetic import write_synthetic_slide
 from wsi_pipeline.tiling import Tile, TileGrid, TileLoader, read_tile
 
 
-def _rate(
-    path: str, backend: str, fn: Callable[[Slide, list[Tile]], None], tiles: list[Tile]
-) -> tuple[float, float]:
+def _rate(path: str, backend: str, fn: Callable[[Slide, list[Tile]], None], tiles: list[Tile]) -> tuple[float, float]:
     """(patches per second, cores this process used) of ``fn`` over ``tiles`` on a fresh slide.
 
     Cores used is process CPU time over wall time: a run with two workers
@@ -67,12 +65,14 @@ def _decode_alone(path: str, tiles: list[Tile]) -> tuple[float, float, float]:
     with open_slide(path, "tifffile") as slide:
         tw, th, _, _ = slide.tile_grid_shape(0)
         w, h = slide.dimensions
-        keys = sorted({  # the stored tiles the patches touch
-            (tx, ty)
-            for t in tiles
-            for ty in range(max(t.y0_level0, 0) // th, (min(t.y0_level0 + t.size, h) - 1) // th + 1)
-            for tx in range(max(t.x0_level0, 0) // tw, (min(t.x0_level0 + t.size, w) - 1) // tw + 1)
-        })
+        keys = sorted(
+            {  # the stored tiles the patches touch
+                (tx, ty)
+                for t in tiles
+                for ty in range(max(t.y0_level0, 0) // th, (min(t.y0_level0 + t.size, h) - 1) // th + 1)
+                for tx in range(max(t.x0_level0, 0) // tw, (min(t.x0_level0 + t.size, w) - 1) // tw + 1)
+            }
+        )
         sample = keys[: min(len(keys), 600)]
         buffers = [np.empty((th, tw, 3), np.uint8) for _ in range(2)]
 
@@ -114,16 +114,19 @@ def main() -> None:
         path = os.path.join(tempfile.mkdtemp(prefix="bench_reader_"), "bench.tiff")
         t = time.perf_counter()
         write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
-        print(f"wrote {args.size}x{args.size} synthetic slide in {time.perf_counter() - t:.1f} s "
-              f"({os.path.getsize(path) / 1e6:.0f} MB)")
+        print(
+            f"wrote {args.size}x{args.size} synthetic slide in {time.perf_counter() - t:.1f} s "
+            f"({os.path.getsize(path) / 1e6:.0f} MB)"
+        )
 
     with open_slide(path, "tifffile") as s:
         grid = TileGrid(s, 512, 64)
     # A contiguous band of grid rows from the middle, where the tissue is.
     start = (grid.n_rows // 3) * grid.n_cols
-    tiles = list(grid)[start:start + args.tiles]
-    print(f"grid {grid.n_rows}x{grid.n_cols}, measuring {len(tiles)} patches of 512 px, step 448, "
-          f"median of {args.repeat}")
+    tiles = list(grid)[start : start + args.tiles]
+    print(
+        f"grid {grid.n_rows}x{grid.n_cols}, measuring {len(tiles)} patches of 512 px, step 448, median of {args.repeat}"
+    )
 
     def run_openslide(slide: Slide, ts: list[Tile]) -> None:
         for t in ts:
@@ -137,6 +140,7 @@ def main() -> None:
         def go(slide: Slide, ts: list[Tile]) -> None:
             for _ in TileLoader(slide, ts, batch_size=16, workers=workers, prefetch=4):
                 pass
+
         return go
 
     paths = {
@@ -161,15 +165,19 @@ def main() -> None:
 
     print(f"{'path':<34}{'median':>10}   all runs (patches/s, cores used)")
     for name, r in rates.items():
-        print(f"{name:<34}{med[name]:>10.1f}   "
-              + " ".join(f"{x:.0f} ({c:.2f})" for x, c in zip(r, cores[name], strict=True)))
+        print(
+            f"{name:<34}{med[name]:>10.1f}   "
+            + " ".join(f"{x:.0f} ({c:.2f})" for x, c in zip(r, cores[name], strict=True))
+        )
     r_os, r_tf, r_l1, r_l2 = med.values()
     print(f"ratio tifffile / openslide (1 thread): {r_tf / r_os:.2f}x")
     print(f"ratio loader 2 workers / 1 worker:     {r_l2 / r_l1:.2f}x")
     print(f"ratio loader 1 worker / direct reader: {r_l1 / r_tf:.2f}x")
     ms, per_patch, scaling = _decode_alone(path, tiles)
-    print(f"one stored 256 px tile decoded alone: {ms:.3f} ms; {per_patch:.2f} stored tiles per patch "
-          f"-> decode alone bounds one thread at {1e3 / (ms * per_patch):.0f} patches/s")
+    print(
+        f"one stored 256 px tile decoded alone: {ms:.3f} ms; {per_patch:.2f} stored tiles per patch "
+        f"-> decode alone bounds one thread at {1e3 / (ms * per_patch):.0f} patches/s"
+    )
     print(f"the same decodes on 2 threads / 1 thread: {scaling:.2f}x (this machine's ceiling for 2 workers)")
 
 

@@ -75,8 +75,10 @@ def _blend_case(width_px: int, height_px: int, use_writer: bool) -> tuple[int, i
             os.path.join(tmp.name, "heatmap.ome.tif"), geom.out_width, geom.out_height, channels, tile=256
         )
     else:
+
         def sink(y0: int, rows: np.ndarray) -> None:
             return None
+
     blender = HeatmapBlender(geom, channels, tile_weights(t, "gaussian"), sink, window_rows=3)
     for r in range(geom.n_rows):
         for c in range(geom.n_cols):
@@ -124,7 +126,10 @@ def main() -> None:
         print(f"{'iou 0.5, one class':<34}{n:>10,}{kept:>10,}{seconds:>10.2f}")
 
     print()
-    print(f"{'blending (2 ch, stride 8)':<26}{'slide w x h':>16}{'canvas':>14}{'peak MiB':>10}{'peak RSS MiB':>14}{'seconds':>9}")
+    print(
+        f"{'blending (2 ch, stride 8)':<26}{'slide w x h':>16}{'canvas':>14}{'peak MiB':>10}"
+        f"{'peak RSS MiB':>14}{'seconds':>9}"
+    )
     if args.quick:
         sizes = ((20_000, 20_000), (40_000, 20_000), (40_000, 40_000))
     else:

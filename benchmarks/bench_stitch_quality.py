@@ -30,8 +30,13 @@ SETTINGS = [
 
 
 def _counts(preds, truths):
-    return detection_counts([detection_boxes(d) for d in preds], [d["score"] for d in preds],
-                            [d["label"] for d in preds], [t[0] for t in truths], [t[1] for t in truths])
+    return detection_counts(
+        [detection_boxes(d) for d in preds],
+        [d["score"] for d in preds],
+        [d["label"] for d in preds],
+        [t[0] for t in truths],
+        [t[1] for t in truths],
+    )
 
 
 def main() -> None:
@@ -56,8 +61,10 @@ def main() -> None:
             preds.append(pipe.run(scene.render(0, 0, 2048, 2048)).detections)
             truths.append(scene.objects_in(0, 0, 2048, 2048))
     c = _counts(preds, truths)
-    print(f"industrial, 4 images of 2048 x 2048, {c.tp + c.fn} defects: TP {c.tp} FP {c.fp} FN {c.fn}, "
-          f"precision {c.precision:.4f}, recall {c.recall:.4f}")
+    print(
+        f"industrial, 4 images of 2048 x 2048, {c.tp + c.fn} defects: TP {c.tp} FP {c.fp} FN {c.fn}, "
+        f"precision {c.precision:.4f}, recall {c.recall:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,17 @@ def main() -> None:
         with open(os.path.join(tmp, "rows.csv"), "w", newline="") as f:
             w = csv.writer(f)
             for d in dets:
-                w.writerow([f"{d['x0']:.2f}", f"{d['y0']:.2f}", f"{d['x1']:.2f}", f"{d['y1']:.2f}",
-                            f"{d['score']:.5f}", int(d["label"]), "nucleus"])
+                w.writerow(
+                    [
+                        f"{d['x0']:.2f}",
+                        f"{d['y0']:.2f}",
+                        f"{d['x1']:.2f}",
+                        f"{d['y1']:.2f}",
+                        f"{d['score']:.5f}",
+                        int(d["label"]),
+                        "nucleus",
+                    ]
+                )
 
     t_geo = _best_of(lambda: write_geojson(os.path.join(tmp, "d.geojson"), dets, CLASSES))
     t_dict = _best_of(dict_geojson)

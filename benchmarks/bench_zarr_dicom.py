@@ -111,22 +111,35 @@ def stage(name: str, args: argparse.Namespace, work: Path) -> dict:
         from wsi_pipeline.io.ome_zarr import OmeZarrHeatmapWriter
 
         out = work / "heatmap.ome.zarr"
-        _stream(OmeZarrHeatmapWriter(out, args.width, args.height, args.channels, names, (2.0, 2.0)),
-                args.width, args.height, args.channels)
+        _stream(
+            OmeZarrHeatmapWriter(out, args.width, args.height, args.channels, names, (2.0, 2.0)),
+            args.width,
+            args.height,
+            args.channels,
+        )
     elif name == "ome-tiff":
         from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
 
         out = work / "heatmap.ome.tif"
-        _stream(OmeTiffHeatmapWriter(out, args.width, args.height, args.channels, names, (2.0, 2.0)),
-                args.width, args.height, args.channels)
+        _stream(
+            OmeTiffHeatmapWriter(out, args.width, args.height, args.channels, names, (2.0, 2.0)),
+            args.width,
+            args.height,
+            args.channels,
+        )
     elif name == "dicom-pm":
         from wsi_pipeline.io.dicom import write_dicom_parametric_map
         from wsi_pipeline.io.ome_tiff import HeatmapFile
 
         out = work / "heatmap_dicom"
-        write_dicom_parametric_map(out, HeatmapFile(work / "heatmap.ome.tif"), scale_level0=8,
-                                   dimensions=(args.width * 8, args.height * 8), mpp=(0.25, 0.25),
-                                   dimension_organization=args.organization)
+        write_dicom_parametric_map(
+            out,
+            HeatmapFile(work / "heatmap.ome.tif"),
+            scale_level0=8,
+            dimensions=(args.width * 8, args.height * 8),
+            mpp=(0.25, 0.25),
+            dimension_organization=args.organization,
+        )
     elif name == "dicom-ann":
         from wsi_pipeline.io.detections import make_detections
         from wsi_pipeline.io.dicom import write_dicom_annotations
@@ -137,20 +150,28 @@ def stage(name: str, args: argparse.Namespace, work: Path) -> dict:
         dets = make_detections(np.c_[xy, xy + rng.uniform(4, 40, (n, 2))], rng.random(n), rng.integers(0, 2, n))
         t = time.perf_counter()  # the writer only
         out = work / "detections.dcm"
-        write_dicom_annotations(out, dets, [{"name": "nucleus"}, {"name": "mitosis"}],
-                                dimensions=(args.width * 8, args.height * 8), mpp=(0.25, 0.25))
+        write_dicom_annotations(
+            out,
+            dets,
+            [{"name": "nucleus"}, {"name": "mitosis"}],
+            dimensions=(args.width * 8, args.height * 8),
+            mpp=(0.25, 0.25),
+        )
     else:
         raise ValueError(f"unknown stage {name!r}")
     seconds = time.perf_counter() - t
     sampler.stop.set()
     sampler.join()
     sampler.sample()
-    return {"stage": name, "seconds": round(seconds, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            "baseline_rss_mb": round(baseline / 1024),
-            "peak_anon_mb": round(sampler.peak["RssAnon"] / 1024),
-            "peak_file_backed_mb": round(sampler.peak["RssFile"] / 1024),
-            "output_mb": round(_size(out) / 1e6, 1)}
+    return {
+        "stage": name,
+        "seconds": round(seconds, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "baseline_rss_mb": round(baseline / 1024),
+        "peak_anon_mb": round(sampler.peak["RssAnon"] / 1024),
+        "peak_file_backed_mb": round(sampler.peak["RssFile"] / 1024),
+        "output_mb": round(_size(out) / 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -169,12 +190,16 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="bench_zarr_dicom_", dir=os.environ.get("BENCH_DIR")))
     raw_mb = args.width * args.height * args.channels / 1e6
-    print(f"heatmap {args.width} x {args.height} x {args.channels} (uint8 {raw_mb:.0f} MB, "
-          f"float32 {4 * raw_mb:.0f} MB); {args.detections} detections", flush=True)
+    print(
+        f"heatmap {args.width} x {args.height} x {args.channels} (uint8 {raw_mb:.0f} MB, "
+        f"float32 {4 * raw_mb:.0f} MB); {args.detections} detections",
+        flush=True,
+    )
     try:
         for name in args.stages.split(","):
             argv = [sys.executable, __file__, "--stage", name, "--work", str(work)] + [
-                f"--{k}={v}" for k, v in vars(args).items() if k not in ("stage", "work", "stages")]
+                f"--{k}={v}" for k, v in vars(args).items() if k not in ("stage", "work", "stages")
+            ]
             proc = subprocess.run(argv, capture_output=True, text=True, check=False)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", flush=True)

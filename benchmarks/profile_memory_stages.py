@@ -72,8 +72,10 @@ def main() -> None:
     stages.StageTimer.__call__ = stage
     # GeoJSON, CSV and the overlay's drawing run in writer processes (not this process's memory);
     # here: reading the overlay's thumbnail and finishing the heatmap file.
-    for owner, name, label in [(outputs.SlideOutputs, "overlay_inputs", "write: overlay thumbnail"),
-                               (ome_tiff.OmeTiffHeatmapWriter, "close", "write: heatmap file")]:
+    for owner, name, label in [
+        (outputs.SlideOutputs, "overlay_inputs", "write: overlay thumbnail"),
+        (ome_tiff.OmeTiffHeatmapWriter, "close", "write: heatmap file"),
+    ]:
         _label(owner, name, label)
     threading.Thread(target=_sample, daemon=True).start()
     out = tempfile.mkdtemp(prefix="profile_memory_")

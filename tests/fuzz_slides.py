@@ -28,8 +28,24 @@ from pathlib import Path
 
 # -- the slides mutated -----------------------------------------------------------
 
-_TIFF_TYPE_SIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4,
-                   16: 8, 17: 8, 18: 8}
+_TIFF_TYPE_SIZE = {
+    1: 1,
+    2: 1,
+    3: 2,
+    4: 4,
+    5: 8,
+    6: 1,
+    7: 1,
+    8: 2,
+    9: 4,
+    10: 8,
+    11: 4,
+    12: 8,
+    13: 4,
+    16: 8,
+    17: 8,
+    18: 8,
+}
 
 
 def _smooth_rgb(h: int, w: int, seed: int):
@@ -42,8 +58,16 @@ def _smooth_rgb(h: int, w: int, seed: int):
     return np.clip(img.astype(int) + rng.integers(-6, 7, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-def _write_tiff(path: Path, image, levels: int, tile: int | None, compression: str,
-                bigtiff: bool = False, description: str | None = None, subifds: bool = False) -> None:
+def _write_tiff(
+    path: Path,
+    image,
+    levels: int,
+    tile: int | None,
+    compression: str,
+    bigtiff: bool = False,
+    description: str | None = None,
+    subifds: bool = False,
+) -> None:
     import cv2
     import tifffile
 
@@ -79,9 +103,13 @@ def make_base_slides(folder: Path) -> dict[str, Path]:
         "single.tiff": dict(levels=1, tile=128, compression="jpeg"),
         "ome.ome.tiff": dict(levels=3, tile=128, compression="jpeg", subifds=True),
         "strips.tiff": dict(levels=1, tile=None, compression="zlib"),
-        "aperio.svs": dict(levels=2, tile=128, compression="jpeg",
-                           description="Aperio Image Library v10.0.0\n512x384 [0,0 512x384] (128x128) "
-                                       "JPEG/RGB Q=85|AppMag = 40|MPP = 0.25"),
+        "aperio.svs": dict(
+            levels=2,
+            tile=128,
+            compression="jpeg",
+            description="Aperio Image Library v10.0.0\n512x384 [0,0 512x384] (128x128) "
+            "JPEG/RGB Q=85|AppMag = 40|MPP = 0.25",
+        ),
     }
     out = {}
     for name, kw in bases.items():
@@ -97,6 +125,7 @@ def make_base_slides(folder: Path) -> dict[str, Path]:
 
 
 # -- TIFF structure ---------------------------------------------------------------
+
 
 @dataclass
 class _Entry:
@@ -152,7 +181,7 @@ def _value_pos(buf: bytes, big: bool, e: _Entry) -> int:
 
 def _put_uint(buf: bytearray, pos: int, size: int, value: int) -> None:
     if 0 <= pos and pos + size <= len(buf):
-        buf[pos:pos + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
+        buf[pos : pos + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
 
 
 _FORGED_VALUES = {
@@ -236,8 +265,8 @@ def _tile_bytes(buf: bytearray, rng: random.Random) -> str:
     k = rng.randrange(off_e.count)
     osz, csz = _TIFF_TYPE_SIZE[off_e.type], _TIFF_TYPE_SIZE[cnt_e.type]
     opos, cpos = _value_pos(bytes(buf), big, off_e) + k * osz, _value_pos(bytes(buf), big, cnt_e) + k * csz
-    start = int.from_bytes(buf[opos:opos + osz], "little")
-    n = int.from_bytes(buf[cpos:cpos + csz], "little")
+    start = int.from_bytes(buf[opos : opos + osz], "little")
+    n = int.from_bytes(buf[cpos : cpos + csz], "little")
     lo = start + min(n // 2, 700) if rng.random() < 0.8 else start
     return f"tile {k} of IFD {i}: " + _random_bytes(buf, rng, lo, start + n)
 
@@ -264,7 +293,7 @@ def _tag_data_bytes(buf: bytearray, rng: random.Random) -> str:
         start = at + len(b'PhysicalSizeX="')
         end = text.index(b'"', start)
         value = rng.choice([b"nan", b"inf", b"-1", b"0", b"1e999", b"abc", b"", b"1e-9"])
-        buf[start:end] = value.ljust(end - start)[:max(end - start, len(value))]
+        buf[start:end] = value.ljust(end - start)[: max(end - start, len(value))]
         return f"PhysicalSizeX = {value!r}"
     cands = [(i, e) for i, ifd in enumerate(ifds) for e in ifd.entries if e.tag in (270, 347)]
     if not cands:
@@ -336,8 +365,9 @@ def png_bomb(path: Path, width: int, height: int, depth: int, colour: int) -> No
     adler = zlib.adler32(row * rest, adler)
     idat = b"\x78\xda" + repeated * full + tail + struct.pack(">I", adler)
     ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat)
-                     + _png_chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
+    )
 
 
 def _tiff_tile_bomb(path: Path) -> None:
@@ -356,8 +386,15 @@ def _tiff_tile_bomb(path: Path) -> None:
     path.write_bytes(bytes(buf))
 
 
-_TIFF_MUTATORS = [(_ifd_cycle, 2), (_forge_tag, 6), (_forge_entry_header, 2), (_truncate, 2),
-                  (_tile_bytes, 4), (_header_bytes, 2), (_tag_data_bytes, 2)]
+_TIFF_MUTATORS = [
+    (_ifd_cycle, 2),
+    (_forge_tag, 6),
+    (_forge_entry_header, 2),
+    (_truncate, 2),
+    (_tile_bytes, 4),
+    (_header_bytes, 2),
+    (_tag_data_bytes, 2),
+]
 _PNG_MUTATORS = [(_forge_png_header, 3), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 8, len(b)), 2)]
 _JPEG_MUTATORS = [(_forge_jpeg_header, 2), (_truncate, 1), (lambda b, r: _random_bytes(b, r, 2, len(b)), 3)]
 
@@ -383,8 +420,11 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
     if bombs:
-        specs = [("bomb_1bit_30000.png", 30000, 30000, 1, 0), ("bomb_rgba16_16000.png", 16000, 16000, 16, 6),
-                 ("bomb_grey_40000.png", 40000, 40000, 1, 0)]
+        specs = [
+            ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
+            ("bomb_rgba16_16000.png", 16000, 16000, 16, 6),
+            ("bomb_grey_40000.png", 40000, 40000, 1, 0),
+        ]
         for name, w, h, depth, colour in specs:
             png_bomb(folder / name, w, h, depth, colour)
             cases.append((folder / name, f"PNG bomb {w}x{h}, {depth}-bit colour type {colour}"))
@@ -394,6 +434,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
 
 
 # -- one case, in a worker ---------------------------------------------------------
+
 
 def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
@@ -465,13 +506,20 @@ def _worker_main(mem_bytes: int) -> None:
 
 # -- the harness -------------------------------------------------------------------
 
+
 class _Worker:
     def __init__(self, mem_bytes: int):
         env = dict(os.environ, MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(mem_bytes)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True, bufsize=1)
+            [sys.executable, __file__, "--worker", str(mem_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.busy: tuple[int, float] | None = None  # (case index, start time)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("fuzz worker did not start")
@@ -486,8 +534,9 @@ class _Worker:
         self.proc.wait()
 
 
-def run_cases(cases: list[tuple[Path, str]], workers: int = 2, timeout_s: float = 20.0,
-              mem_bytes: int = 3 << 30) -> list[dict]:
+def run_cases(
+    cases: list[tuple[Path, str]], workers: int = 2, timeout_s: float = 20.0, mem_bytes: int = 3 << 30
+) -> list[dict]:
     """Run every case in worker processes; a hang past ``timeout_s`` or a crash kills the worker."""
     results: list[dict | None] = [None] * len(cases)
     pending = list(range(len(cases)))[::-1]
@@ -553,8 +602,11 @@ def main() -> None:
     if args.report:
         Path(args.report).write_text(json.dumps(results, indent=1))
     counts = summarize(results)
-    print(f"tried {len(results)}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-          + f"  (generate {t1 - t0:.1f} s, run {time.monotonic() - t1:.1f} s)")
+    print(
+        f"tried {len(results)}: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        + f"  (generate {t1 - t0:.1f} s, run {time.monotonic() - t1:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ import sys
 
 from wsi_pipeline.inference import backend
 
-_SCRIPT = ("import sys; import wsi_pipeline.pipeline; from wsi_pipeline.inference.backend import resolve_backend; "
-           "print(resolve_backend('auto'), 'torch' in sys.modules)")
+_SCRIPT = (
+    "import sys; import wsi_pipeline.pipeline; from wsi_pipeline.inference.backend import resolve_backend; "
+    "print(resolve_backend('auto'), 'torch' in sys.modules)"
+)
 
 
 def test_auto_without_visible_gpu_picks_ort_without_importing_torch():

@@ -32,8 +32,13 @@ ENGINES = DEFAULT_MODEL.parent
 
 
 def _cli(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "wsi_pipeline", *map(os.fsdecode, map(os.fspath, args))],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", *map(os.fsdecode, map(os.fspath, args))],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def _manifest(out: Path) -> dict:
@@ -49,6 +54,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 # -- a pipeline stand-in that writes complete outputs, hangs, crashes or is interrupted -----------
+
 
 class _Result:
     def __init__(self, counts):
@@ -78,8 +84,9 @@ class FakePipeline:
             raise OSError(errno.ENOSPC, "No space left on device")
         for f in OUTPUT_FILES:
             (out / f).write_text("x")
-        (out / "summary.json").write_text(json.dumps({"counts": {"nucleus": 1}, "heatmap_scores": {},
-                                                      **(extra_summary or {})}))
+        (out / "summary.json").write_text(
+            json.dumps({"counts": {"nucleus": 1}, "heatmap_scores": {}, **(extra_summary or {})})
+        )
         return _Result({"nucleus": 1})
 
     def close(self):
@@ -114,6 +121,7 @@ def _key(config: RunConfig) -> RunKey:
 
 
 # -- time limit, crashes, Ctrl-C ---------------------------------------------------------------------
+
 
 def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path):
     """The child runs the next slide while the previous one's files are written: when that next slide
@@ -213,12 +221,21 @@ def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
 
 # -- the output folder ---------------------------------------------------------------------------------
 
+
 def test_slide_names_never_meet_each_other_or_the_batch_files(tmp_path, tiny):
     src = tmp_path / "in"
     (src / "d1").mkdir(parents=True)
     (src / "d2").mkdir()
-    names = ["manifest.json.tiff", "run.log.tiff", "run.lock.tiff", "..tiff", "...tiff", "Case.tiff",
-             "d1/case.tiff", "d2/case.tiff"]
+    names = [
+        "manifest.json.tiff",
+        "run.log.tiff",
+        "run.lock.tiff",
+        "..tiff",
+        "...tiff",
+        "Case.tiff",
+        "d1/case.tiff",
+        "d2/case.tiff",
+    ]
     for n in names:
         shutil.copy(tiny, src / n)
     crafted = output_names([src / "d1/case.tiff", src / "d2/case.tiff"])[0]  # a hashed name ...
@@ -245,13 +262,21 @@ def test_a_second_run_into_the_same_folder_is_refused(tmp_path, tiny):
     (out / "slides").mkdir(parents=True)
     in_progress = out / "slides" / ".tiny.partial-1-0"
     in_progress.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from wsi_pipeline.batch_folder import lock_output_folder
         with lock_output_folder({str(out)!r}):
             print("held", flush=True)
             time.sleep(120)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         r = _cli("run", tiny, "--out", out)
@@ -340,6 +365,7 @@ def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, mo
 
 # -- resume -------------------------------------------------------------------------------------------
 
+
 def _copy_card(folder: Path, **changes) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     doc = json.loads(DEFAULT_MODEL.read_text())
@@ -408,13 +434,24 @@ def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_pa
 
 # -- usage errors before any slide runs --------------------------------------------------------------------
 
-@pytest.mark.parametrize("values, message", [
-    ({"mpp": math.nan}, "mpp"), ({"mpp": math.inf}, "mpp"), ({"sigma_scale": 0.0}, "sigma_scale"),
-    ({"sigma_scale": -1.0}, "sigma_scale"), ({"batch_size": 100000}, "batch_size: expected between 1 and 1024"),
-    ({"streams": 1000}, "streams: expected between 1 and 32"), ({"workers": 10**6}, "workers"),
-    ({"overlay_size": 10**6}, "overlay_size"), ({"slide_timeout": -1.0}, "slide_timeout"),
-    ({"slide_timeout": math.nan}, "slide_timeout"), ({"model": "a\x00b"}, "model"), ({"tile": 30000}, "tile"),
-])
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"mpp": math.nan}, "mpp"),
+        ({"mpp": math.inf}, "mpp"),
+        ({"sigma_scale": 0.0}, "sigma_scale"),
+        ({"sigma_scale": -1.0}, "sigma_scale"),
+        ({"batch_size": 100000}, "batch_size: expected between 1 and 1024"),
+        ({"streams": 1000}, "streams: expected between 1 and 32"),
+        ({"workers": 10**6}, "workers"),
+        ({"overlay_size": 10**6}, "overlay_size"),
+        ({"slide_timeout": -1.0}, "slide_timeout"),
+        ({"slide_timeout": math.nan}, "slide_timeout"),
+        ({"model": "a\x00b"}, "model"),
+        ({"tile": 30000}, "tile"),
+    ],
+)
 def test_impossible_settings_are_refused(values, message):
     with pytest.raises(ConfigError, match=message):
         RunConfig.from_mapping(values)
@@ -441,8 +478,9 @@ def test_config_file_paths_are_relative_to_its_folder(tmp_path):
     folder = tmp_path / "conf"
     card = _copy_card(folder / "models")
     (folder / "mask.png").write_bytes(b"x")
-    (folder / "run.toml").write_text('[run]\nmodel = "models/nuclei_pathology.card.json"\n'
-                                     'tissue = "file"\nmask = "mask.png"\n')
+    (folder / "run.toml").write_text(
+        '[run]\nmodel = "models/nuclei_pathology.card.json"\ntissue = "file"\nmask = "mask.png"\n'
+    )
     config = load_config(folder / "run.toml")
     assert Path(config.model) == card and Path(config.mask) == folder / "mask.png"
     assert load_card(config.model).model_path.parent == card.parent
@@ -504,13 +542,17 @@ def test_dask_address_is_checked_before_any_slide(tmp_path):
 
 # -- model cards ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, message", [
-    (b'{"name": "caf\xe9"}', "expected UTF-8 text, found byte 0xe9"),
-    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b'{"version": ' + b"9" * 5001 + b"}", "not valid JSON"),
-    (b'{"mpp": Infinity}', "Infinity is not a number JSON allows"),
-    (b'{"mpp": NaN}', "NaN is not a number JSON allows"),
-])
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (b'{"name": "caf\xe9"}', "expected UTF-8 text, found byte 0xe9"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"version": ' + b"9" * 5001 + b"}", "not valid JSON"),
+        (b'{"mpp": Infinity}', "Infinity is not a number JSON allows"),
+        (b'{"mpp": NaN}', "NaN is not a number JSON allows"),
+    ],
+)
 def test_cards_that_are_not_plain_json_are_refused(tmp_path, text, message):
     card = tmp_path / "m.card.json"
     card.write_bytes(text)
@@ -518,12 +560,15 @@ def test_cards_that_are_not_plain_json_are_refused(tmp_path, text, message):
         load_card(card)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"model_file": "../../../../etc/passwd"}, "model_file.*inside the card's folder"),
-    ({"model_file": "/etc/passwd"}, "model_file.*inside the card's folder"),
-    ({"mpp": "1e400"}, "field 'mpp': expected a positive number"),  # a literal JSON reads as inf
-    ({"mpp": "-1"}, "field 'mpp': expected a positive number"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model_file": "../../../../etc/passwd"}, "model_file.*inside the card's folder"),
+        ({"model_file": "/etc/passwd"}, "model_file.*inside the card's folder"),
+        ({"mpp": "1e400"}, "field 'mpp': expected a positive number"),  # a literal JSON reads as inf
+        ({"mpp": "-1"}, "field 'mpp': expected a positive number"),
+    ],
+)
 def test_cards_with_impossible_fields_are_refused(tmp_path, changes, message):
     mpp = changes.pop("mpp", None)
     card = _copy_card(tmp_path / "model", **changes, **({"mpp": "MPP"} if mpp else {}))
@@ -555,8 +600,11 @@ def test_a_label_past_the_card_classes_fails_the_slide():
     card = load_card(DEFAULT_MODEL)
     one_class = dataclasses.replace(card, classes=card.classes[:1])
     p = {"boxes": "boxes", "scores": "scores", "labels": "labels", **card.decoder.params}
-    outputs = {p["boxes"]: np.array([[[0, 0, 10, 10], [5, 5, 20, 20]]], np.float32),
-               p["scores"]: np.array([[0.9, 0.8]], np.float32), p["labels"]: np.array([[0, 1]], np.int64)}
+    outputs = {
+        p["boxes"]: np.array([[[0, 0, 10, 10], [5, 5, 20, 20]]], np.float32),
+        p["scores"]: np.array([[0.9, 0.8]], np.float32),
+        p["labels"]: np.array([[0, 1]], np.int64),
+    }
     if card.heatmap is not None:
         hm = card.heatmap
         s = card.input.size_hw[0] // hm.stride
@@ -564,7 +612,6 @@ def test_a_label_past_the_card_classes_fails_the_slide():
     with pytest.raises(ModelError, match="gave label 1, but the card names 1 classes"):
         decode(outputs, one_class)
     assert len(decode(outputs, dataclasses.replace(card, classes=card.classes * 2))[0]) == 2
-
 
 
 def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, capsys):

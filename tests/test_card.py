@@ -76,14 +76,17 @@ def test_modified_model_file_is_refused(toy):
         load_card(card.card_path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda d: d["input"].update(name="pixels"), "expected one input named 'pixels'"),
-    (lambda d: d["input"].update(dtype="float32", normalize_in_graph=True), "dtype: expected float32, found uint8"),
-    (lambda d: d["input"].update(size=[64, 64]), r"shape: expected NHWC \[None, 64, 64, 3\], found"),
-    (lambda d: d["outputs"][0].update(name="bbox"), "outputs: expected"),
-    (lambda d: d["outputs"][1].update(shape=["N", 5]), r"output 'scores' shape: expected \['N', 5\]"),
-    (lambda d: d["outputs"][2].update(dtype="int32"), "output 'labels' dtype: expected int32, found int64"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d["input"].update(name="pixels"), "expected one input named 'pixels'"),
+        (lambda d: d["input"].update(dtype="float32", normalize_in_graph=True), "dtype: expected float32, found uint8"),
+        (lambda d: d["input"].update(size=[64, 64]), r"shape: expected NHWC \[None, 64, 64, 3\], found"),
+        (lambda d: d["outputs"][0].update(name="bbox"), "outputs: expected"),
+        (lambda d: d["outputs"][1].update(shape=["N", 5]), r"output 'scores' shape: expected \['N', 5\]"),
+        (lambda d: d["outputs"][2].update(dtype="int32"), "output 'labels' dtype: expected int32, found int64"),
+    ],
+)
 def test_card_that_disagrees_with_the_model_is_refused(toy, edit, message):
     card, doc = toy
     edit(doc)
@@ -93,22 +96,25 @@ def test_card_that_disagrees_with_the_model_is_refused(toy, edit, message):
         load_card(rewrite(card, doc))
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda d: d.pop("name"), "name"),
-    (lambda d: d.update(sha256="xyz"), "sha256"),
-    (lambda d: d["input"].update(layout="CHW"), "input.layout"),
-    (lambda d: d["input"].update(size=[512]), "input.size"),
-    (lambda d: d["input"].update(mean=[1, 2]), "input.mean"),
-    (lambda d: d["input"].update(std=[1, 0, 1]), "input.std"),
-    (lambda d: d.update(mpp=-1), "mpp"),
-    (lambda d: d["outputs"][0].update(shape=["N", -3, 4]), "outputs[0].shape[1]"),
-    (lambda d: d["decoder"].update(type="ssd"), "decoder.type"),
-    (lambda d: d["decoder"]["params"].update(box_format="yxyx"), "decoder.params.box_format"),
-    (lambda d: d["classes"][0].update(color="red"), "classes[0].color"),
-    (lambda d: d["heatmap"].update(output="missing"), "heatmap.output"),
-    (lambda d: d["heatmap"].update(stride=0), "heatmap.stride"),
-    (lambda d: d.update(precision="int4"), "precision"),
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.pop("name"), "name"),
+        (lambda d: d.update(sha256="xyz"), "sha256"),
+        (lambda d: d["input"].update(layout="CHW"), "input.layout"),
+        (lambda d: d["input"].update(size=[512]), "input.size"),
+        (lambda d: d["input"].update(mean=[1, 2]), "input.mean"),
+        (lambda d: d["input"].update(std=[1, 0, 1]), "input.std"),
+        (lambda d: d.update(mpp=-1), "mpp"),
+        (lambda d: d["outputs"][0].update(shape=["N", -3, 4]), "outputs[0].shape[1]"),
+        (lambda d: d["decoder"].update(type="ssd"), "decoder.type"),
+        (lambda d: d["decoder"]["params"].update(box_format="yxyx"), "decoder.params.box_format"),
+        (lambda d: d["classes"][0].update(color="red"), "classes[0].color"),
+        (lambda d: d["heatmap"].update(output="missing"), "heatmap.output"),
+        (lambda d: d["heatmap"].update(stride=0), "heatmap.stride"),
+        (lambda d: d.update(precision="int4"), "precision"),
+    ],
+)
 def test_malformed_card_names_file_and_field(toy, edit, field):
     card, doc = toy
     edit(doc)

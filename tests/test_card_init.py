@@ -28,8 +28,9 @@ def test_init_reads_the_graph_and_marks_what_it_cannot_know(tmp_path, capsys):
     assert doc["model_file"] == "my.onnx"
     for key in ("name", "size", "layout", "dtype"):
         assert doc["input"][key] == shipped["input"][key]
-    assert [(o["name"], o["dtype"], len(o["shape"])) for o in doc["outputs"]] == \
-        [(o["name"], o["dtype"], len(o["shape"])) for o in shipped["outputs"]]
+    assert [(o["name"], o["dtype"], len(o["shape"])) for o in doc["outputs"]] == [
+        (o["name"], o["dtype"], len(o["shape"])) for o in shipped["outputs"]
+    ]
     assert sorted(todo_fields(doc)) == ["classes", "decoder.type", "mpp"]
     assert "input.layout" in doc["card_init"]["guessed"]
     # such a card cannot be run by mistake
@@ -56,8 +57,9 @@ def test_check_runs_a_tile_through_the_decoder(tmp_path, capsys):
     shutil.copy(ENGINES / "defects_industrial.onnx", model)
     doc = draft_card(model)
     shipped = json.loads((ENGINES / "defects_industrial.card.json").read_text())
-    doc.update(mpp=None, classes=shipped["classes"],
-               decoder={"type": "yolo", "params": {"output": "scores"}})  # a decoder that does not fit
+    doc.update(
+        mpp=None, classes=shipped["classes"], decoder={"type": "yolo", "params": {"output": "scores"}}
+    )  # a decoder that does not fit
     (tmp_path / "m.card.json").write_text(json.dumps(doc))
     rc = cli.main(["card", "check", str(tmp_path / "m.card.json")])
     err = capsys.readouterr().err
@@ -79,9 +81,11 @@ def test_float_nchw_input_with_dynamic_size(tmp_path):
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("ReduceMean", ["images"], ["mean"], keepdims=0, axes=[2, 3])], "g",
+        [helper.make_node("ReduceMean", ["images"], ["mean"], keepdims=0, axes=[2, 3])],
+        "g",
         [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["n", 3, "h", "w"])],
-        [helper.make_tensor_value_info("mean", TensorProto.FLOAT, ["n", 3])])
+        [helper.make_tensor_value_info("mean", TensorProto.FLOAT, ["n", 3])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     path = tmp_path / "f.onnx"
     onnx.save(model, str(path))

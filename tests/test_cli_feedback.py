@@ -16,8 +16,9 @@ from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "wsi_pipeline", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def coarse_slide(tmp_path_factory):
 
 
 # -- progress and warnings on stderr ----------------------------------------------------
+
 
 def test_non_interactive_run_logs_each_slide_and_warning_to_stderr(coarse_slide, tmp_path):
     proc = _cli("run", coarse_slide, "--out", tmp_path / "out", "--backend", "ort")  # stderr is a pipe
@@ -66,6 +68,7 @@ def test_progress_mode_choice():
 
 # -- errors name options the command has ---------------------------------------------------
 
+
 def test_unavailable_backend_is_a_usage_error_with_advice_for_run(coarse_slide, tmp_path, monkeypatch, capsys):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -90,6 +93,7 @@ def test_build_engine_without_tensorrt_names_no_option_it_lacks(monkeypatch, cap
 
 
 # -- training never replaces a model unasked ----------------------------------------------------
+
 
 def test_train_defaults_to_trained_models_and_needs_force_to_replace(tmp_path, monkeypatch, capsys):
     pytest.importorskip("torch")
@@ -118,17 +122,17 @@ def test_train_defaults_to_trained_models_and_needs_force_to_replace(tmp_path, m
 
 # -- help and the results table -------------------------------------------------------------
 
+
 def test_results_table_aligns_names_of_any_script():
     import unicodedata
 
     def columns(text: str) -> int:
-        return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
-                   for c in text)
+        return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
     names = ["plain", "標本スライド", "cafe\u0301", "Ｆｕｌｌ"]
     report = BatchReport([SlideOutcome(n, n, "done", 1.0, {"nucleus": 3}) for n in names], Path("."))
     rows = report.table().splitlines()[2:]
-    starts = {columns(row[:row.index("done")]) for row in rows}
+    starts = {columns(row[: row.index("done")]) for row in rows}
     assert len(starts) == 1, report.table()
 
 
@@ -153,10 +157,10 @@ def test_every_option_has_help_and_no_markup():
         text = sub.format_help()
         assert "``" not in text, f"wsi-pipeline {name} --help shows raw markup"
     run_help = dict(_subparsers(parser))["run"].format_help()
-    run_help = run_help[run_help.index("options:"):]
+    run_help = run_help[run_help.index("options:") :]
     for flag in ("--blend", "--overlay-size", "--streams", "--score-threshold"):
         start = run_help.index(flag + " ")
-        assert "default" in run_help[start:run_help.index("\n  --", start + 1)], flag
+        assert "default" in run_help[start : run_help.index("\n  --", start + 1)], flag
 
 
 def test_cluster_usage_error_leaves_no_pending_manifest(coarse_slide, tmp_path, capsys):

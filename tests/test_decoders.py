@@ -19,19 +19,34 @@ from wsi_pipeline.inference.card import (
 from wsi_pipeline.inference.decoders import TileDetections, decode, validate_decoder_params
 
 
-def make_card(decoder: str, outputs: tuple[OutputSpec, ...], heatmap: HeatmapSpec | None = None,
-              n_classes: int = 2, tile_px: int = 64, **params) -> ModelCard:
+def make_card(
+    decoder: str,
+    outputs: tuple[OutputSpec, ...],
+    heatmap: HeatmapSpec | None = None,
+    n_classes: int = 2,
+    tile_px: int = 64,
+    **params,
+) -> ModelCard:
     return ModelCard(
-        name="t", version="1", model_path=Path("/nonexistent/t.onnx"), sha256="0" * 64,
-        input=InputSpec("image", (tile_px, tile_px)), outputs=outputs,
+        name="t",
+        version="1",
+        model_path=Path("/nonexistent/t.onnx"),
+        sha256="0" * 64,
+        input=InputSpec("image", (tile_px, tile_px)),
+        outputs=outputs,
         decoder=DecoderSpec(decoder, params),
-        classes=tuple(ClassSpec(f"c{i}") for i in range(n_classes)), heatmap=heatmap,
+        classes=tuple(ClassSpec(f"c{i}") for i in range(n_classes)),
+        heatmap=heatmap,
         card_path=Path("/nonexistent/t.card.json"),
     )
 
 
-CENTERNET_OUTPUTS = (OutputSpec("boxes", ("b", 4, 4)), OutputSpec("scores", ("b", 4)),
-                     OutputSpec("labels", ("b", 4), "int32"), OutputSpec("heatmap", ("b", 2, 8, 8)))
+CENTERNET_OUTPUTS = (
+    OutputSpec("boxes", ("b", 4, 4)),
+    OutputSpec("scores", ("b", 4)),
+    OutputSpec("labels", ("b", 4), "int32"),
+    OutputSpec("heatmap", ("b", 2, 8, 8)),
+)
 
 
 def centernet_outputs() -> dict[str, np.ndarray]:
@@ -43,8 +58,9 @@ def centernet_outputs() -> dict[str, np.ndarray]:
 
 
 def test_centernet_keeps_scores_at_or_above_threshold_per_tile():
-    card = make_card("centernet", CENTERNET_OUTPUTS, HeatmapSpec("heatmap", 8, ("x", "y"), "none"),
-                     score_threshold=0.31)
+    card = make_card(
+        "centernet", CENTERNET_OUTPUTS, HeatmapSpec("heatmap", 8, ("x", "y"), "none"), score_threshold=0.31
+    )
     out = centernet_outputs()
     dets = decode(out, card)
     assert len(dets) == 2
@@ -59,8 +75,13 @@ def test_centernet_keeps_scores_at_or_above_threshold_per_tile():
 
 
 def test_centernet_max_detections_and_sigmoid_heatmap():
-    card = make_card("centernet", CENTERNET_OUTPUTS, HeatmapSpec("heatmap", 8, ("x", "y"), "sigmoid"),
-                     score_threshold=0.0, max_detections=2)
+    card = make_card(
+        "centernet",
+        CENTERNET_OUTPUTS,
+        HeatmapSpec("heatmap", 8, ("x", "y"), "sigmoid"),
+        score_threshold=0.0,
+        max_detections=2,
+    )
     out = centernet_outputs()
     dets = decode(out, card)
     assert [len(d) for d in dets] == [2, 2]
@@ -74,17 +95,36 @@ def test_softmax_heatmap_sums_to_one_over_channels():
     np.testing.assert_allclose(dets[0].heatmap.sum(axis=0), 1.0, rtol=1e-5)
 
 
-BSL_OUTPUTS = (OutputSpec("dets", ("b", 3, 4)), OutputSpec("conf", ("b", 3)),
-               OutputSpec("cls", ("b", 3), "int64"), OutputSpec("count", ("b",), "int64"))
+BSL_OUTPUTS = (
+    OutputSpec("dets", ("b", 3, 4)),
+    OutputSpec("conf", ("b", 3)),
+    OutputSpec("cls", ("b", 3), "int64"),
+    OutputSpec("count", ("b",), "int64"),
+)
 
 
 def test_boxes_scores_labels_formats_offset_padding_and_normalisation():
-    card = make_card("boxes_scores_labels", BSL_OUTPUTS, boxes="dets", scores="conf", labels="cls",
-                     num_detections="count", box_format="cxcywh", normalized=True, label_offset=-1,
-                     score_threshold=0.25, tile_px=100)
+    card = make_card(
+        "boxes_scores_labels",
+        BSL_OUTPUTS,
+        boxes="dets",
+        scores="conf",
+        labels="cls",
+        num_detections="count",
+        box_format="cxcywh",
+        normalized=True,
+        label_offset=-1,
+        score_threshold=0.25,
+        tile_px=100,
+    )
     out = {
-        "dets": np.array([[[0.5, 0.5, 0.2, 0.4], [0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.1, 0.1]],
-                          [[0.5, 0.5, 1.0, 1.0], [0, 0, 0, 0], [0, 0, 0, 0]]], np.float32),
+        "dets": np.array(
+            [
+                [[0.5, 0.5, 0.2, 0.4], [0.1, 0.1, 0.1, 0.1], [0.3, 0.3, 0.1, 0.1]],
+                [[0.5, 0.5, 1.0, 1.0], [0, 0, 0, 0], [0, 0, 0, 0]],
+            ],
+            np.float32,
+        ),
         "conf": np.array([[0.3, 0.9, 0.8], [0.7, 0.9, 0.9]], np.float32),
         "cls": np.array([[2, 0, 1], [1, 1, 1]], np.int64),
         "count": np.array([3, 1], np.int64),
@@ -100,11 +140,19 @@ def test_boxes_scores_labels_formats_offset_padding_and_normalisation():
 
 
 def test_boxes_scores_labels_accepts_unbatched_outputs_as_one_tile():
-    card = make_card("boxes_scores_labels", (OutputSpec("boxes", (3, 4)), OutputSpec("scores", (3,)),
-                                             OutputSpec("labels", (3,), "int64")), box_format="xywh")
-    dets = decode({"boxes": np.array([[1, 2, 3, 4]] * 3, np.float32),
-                   "scores": np.array([0.1, 0.5, 0.2], np.float32),
-                   "labels": np.array([0, 1, 0])}, card)
+    card = make_card(
+        "boxes_scores_labels",
+        (OutputSpec("boxes", (3, 4)), OutputSpec("scores", (3,)), OutputSpec("labels", (3,), "int64")),
+        box_format="xywh",
+    )
+    dets = decode(
+        {
+            "boxes": np.array([[1, 2, 3, 4]] * 3, np.float32),
+            "scores": np.array([0.1, 0.5, 0.2], np.float32),
+            "labels": np.array([0, 1, 0]),
+        },
+        card,
+    )
     assert len(dets) == 1
     np.testing.assert_array_equal(dets[0].boxes[0], [1, 2, 4, 6])
     assert dets[0].scores.tolist() == pytest.approx([0.5, 0.2, 0.1])
@@ -112,13 +160,16 @@ def test_boxes_scores_labels_accepts_unbatched_outputs_as_one_tile():
 
 
 def _yolo_rows() -> np.ndarray:
-    return np.array([
-        [10, 10, 8, 8, 0.90, 0.05],   # kept
-        [11, 10, 8, 8, 0.80, 0.10],   # same class, IoU ~0.78 with row 0: suppressed
-        [10, 11, 8, 8, 0.10, 0.70],   # other class over row 0: kept (class-aware NMS)
-        [40, 40, 4, 2, 0.30, 0.20],   # alone: kept
-        [50, 50, 4, 4, 0.01, 0.02],   # below threshold
-    ], np.float32)
+    return np.array(
+        [
+            [10, 10, 8, 8, 0.90, 0.05],  # kept
+            [11, 10, 8, 8, 0.80, 0.10],  # same class, IoU ~0.78 with row 0: suppressed
+            [10, 11, 8, 8, 0.10, 0.70],  # other class over row 0: kept (class-aware NMS)
+            [40, 40, 4, 2, 0.30, 0.20],  # alone: kept
+            [50, 50, 4, 4, 0.01, 0.02],  # below threshold
+        ],
+        np.float32,
+    )
 
 
 def test_yolo_thresholds_and_runs_class_aware_nms_per_tile():
@@ -133,8 +184,14 @@ def test_yolo_thresholds_and_runs_class_aware_nms_per_tile():
 
 
 def test_yolo_channels_last_with_objectness():
-    card = make_card("yolo", (OutputSpec("out", ("b", 2, 7)),), output="out", channels_last=True,
-                     objectness=True, score_threshold=0.5)
+    card = make_card(
+        "yolo",
+        (OutputSpec("out", ("b", 2, 7)),),
+        output="out",
+        channels_last=True,
+        objectness=True,
+        score_threshold=0.5,
+    )
     raw = np.array([[[10, 10, 4, 4, 0.5, 0.9, 0.1], [30, 30, 4, 4, 1.0, 0.2, 0.8]]], np.float32)
     (det,) = decode({"out": raw}, card)
     # 0.5 * 0.9 = 0.45 is under the threshold; 1.0 * 0.8 passes
@@ -164,12 +221,15 @@ def test_mismatched_shapes_are_refused():
         decode(out, card)
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"nms": 0.5}, "unknown key"),
-    ({"score_threshold": "high"}, "expected int or float"),
-    ({"score_threshold": 1.5}, r"in \[0, 1\]"),
-    ({"boxes": "nope"}, "expected one of the outputs"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"nms": 0.5}, "unknown key"),
+        ({"score_threshold": "high"}, "expected int or float"),
+        ({"score_threshold": 1.5}, r"in \[0, 1\]"),
+        ({"boxes": "nope"}, "expected one of the outputs"),
+    ],
+)
 def test_bad_decoder_params_are_config_errors(params, message):
     card = make_card("centernet", CENTERNET_OUTPUTS, **params)
     with pytest.raises(ModelError, match=message):

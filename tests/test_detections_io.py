@@ -27,10 +27,16 @@ def _reference_feature(d, row, id_prefix):
     x0, y0, x1, y1 = (round(float(d[k]), 2) for k in ("x0", "y0", "x1", "y1"))
     c = CLASSES[int(d["label"])]
     color = [255, 128, 0] if c["color"] == "#ff8000" else [0, 0, 255]
-    return {"type": "Feature", "id": f"{id_prefix}{row:012x}",
-            "geometry": {"type": "Polygon", "coordinates": [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]},
-            "properties": {"objectType": "detection", "classification": {"name": c["name"], "color": color},
-                           "measurements": {"score": round(float(d["score"]), 6)}}}
+    return {
+        "type": "Feature",
+        "id": f"{id_prefix}{row:012x}",
+        "geometry": {"type": "Polygon", "coordinates": [[[x0, y0], [x1, y0], [x1, y1], [x0, y1], [x0, y0]]]},
+        "properties": {
+            "objectType": "detection",
+            "classification": {"name": c["name"], "color": color},
+            "measurements": {"score": round(float(d["score"]), 6)},
+        },
+    }
 
 
 def test_geojson_equals_the_reference_and_reads_back(tmp_path):

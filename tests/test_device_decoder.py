@@ -21,8 +21,12 @@ torch = pytest.importorskip("torch")
 from wsi_pipeline.inference.executor import _DeviceDecoder  # noqa: E402
 
 ENGINES = Path(__file__).resolve().parents[1] / "engines"
-DEVICES = ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+    ),
+]
 
 
 def _raw_outputs(card, n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -66,16 +70,30 @@ def _cards():
     industrial = load_card(ENGINES / "defects_industrial.card.json")
     sigmoid = dataclasses.replace(nuclei, heatmap=dataclasses.replace(nuclei.heatmap, activation="sigmoid"))
     bsl = dataclasses.replace(
-        industrial, outputs=(*industrial.outputs, OutputSpec("num", ("batch",), "int64")),
-        decoder=dataclasses.replace(industrial.decoder, type="boxes_scores_labels", params={
-            "score_threshold": 0.3, "box_format": "xywh", "label_offset": -1, "num_detections": "num"}))
+        industrial,
+        outputs=(*industrial.outputs, OutputSpec("num", ("batch",), "int64")),
+        decoder=dataclasses.replace(
+            industrial.decoder,
+            type="boxes_scores_labels",
+            params={"score_threshold": 0.3, "box_format": "xywh", "label_offset": -1, "num_detections": "num"},
+        ),
+    )
     yolo = dataclasses.replace(
-        industrial, outputs=(OutputSpec("output0", ("batch", 4 + len(industrial.classes), 200)),
-                             OutputSpec("heat", ("batch", 2, 8, 8))),
+        industrial,
+        outputs=(
+            OutputSpec("output0", ("batch", 4 + len(industrial.classes), 200)),
+            OutputSpec("heat", ("batch", 2, 8, 8)),
+        ),
         decoder=dataclasses.replace(industrial.decoder, type="yolo", params={"output": "output0"}),
-        heatmap=HeatmapSpec("heat", 64, ("a", "b"), "softmax"))
-    return {"nuclei": nuclei, "industrial_nms": industrial, "nuclei_sigmoid": sigmoid,
-            "boxes_scores_labels": bsl, "yolo": yolo}
+        heatmap=HeatmapSpec("heat", 64, ("a", "b"), "softmax"),
+    )
+    return {
+        "nuclei": nuclei,
+        "industrial_nms": industrial,
+        "nuclei_sigmoid": sigmoid,
+        "boxes_scores_labels": bsl,
+        "yolo": yolo,
+    }
 
 
 CARDS = _cards()

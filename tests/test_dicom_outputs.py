@@ -47,8 +47,14 @@ def _groups(path):
 
 def test_annotations_hold_the_boxes_classes_and_scores(tmp_path):
     dets = _detections()
-    path = write_dicom_annotations(tmp_path / "detections.dcm", dets, CLASSES, dimensions=(1000, 1000),
-                                   slide_path=tmp_path / "slide.svs", mpp=(0.25, 0.25))
+    path = write_dicom_annotations(
+        tmp_path / "detections.dcm",
+        dets,
+        CLASSES,
+        dimensions=(1000, 1000),
+        slide_path=tmp_path / "slide.svs",
+        mpp=(0.25, 0.25),
+    )
     ann, groups = _groups(path)
     assert ann.AnnotationCoordinateType == "2D"
     assert sorted(groups) == ["class_2", "mitosis", "nucleus"]
@@ -66,8 +72,9 @@ def test_annotations_hold_the_boxes_classes_and_scores(tmp_path):
 
 
 def test_a_placeholder_source_is_described_and_empty_where_a_person_must_fill_it(tmp_path):
-    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(1000, 1000),
-                                   slide_path=tmp_path / "case-17.svs")
+    path = write_dicom_annotations(
+        tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(1000, 1000), slide_path=tmp_path / "case-17.svs"
+    )
     ds = pydicom.dcmread(path)
     for keyword in ("PatientID", "PatientName", "StudyID", "AccessionNumber"):
         assert keyword in PLACEHOLDER_ATTRIBUTES and ds.get(keyword) == ""
@@ -94,18 +101,19 @@ def dicom_slide(tmp_path):
 def test_a_dicom_slide_is_referenced_with_its_patient_and_study(tmp_path, dicom_slide):
     level0 = pydicom.dcmread(dicom_slide[0], stop_before_pixels=True)
     # The batch names the series by any of its files: level 0 is found all the same.
-    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(640, 512),
-                                   slide_path=dicom_slide[2])
+    path = write_dicom_annotations(
+        tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(640, 512), slide_path=dicom_slide[2]
+    )
     ds = pydicom.dcmread(path)
-    assert (ds.PatientID, str(ds.PatientName), ds.StudyInstanceUID) == ("P-0042", "Doe^Jane",
-                                                                        level0.StudyInstanceUID)
+    assert (ds.PatientID, str(ds.PatientName), ds.StudyInstanceUID) == ("P-0042", "Doe^Jane", level0.StudyInstanceUID)
     series = ds.ReferencedSeriesSequence[0]
     assert series.SeriesInstanceUID == level0.SeriesInstanceUID
     assert series.ReferencedInstanceSequence[0].ReferencedSOPInstanceUID == level0.SOPInstanceUID
 
     heatmap = np.random.default_rng(1).random((1, 64, 80)).astype(np.float32)
-    folder = write_dicom_parametric_map(tmp_path / "pm", heatmap, ["tumour"], scale_level0=8,
-                                        dimensions=(640, 512), slide_path=dicom_slide[0])
+    folder = write_dicom_parametric_map(
+        tmp_path / "pm", heatmap, ["tumour"], scale_level0=8, dimensions=(640, 512), slide_path=dicom_slide[0]
+    )
     pm = pydicom.dcmread(folder / parametric_map_file_names(["tumour"])[0])
     assert pm.FrameOfReferenceUID == level0.FrameOfReferenceUID
     assert pm.StudyInstanceUID == level0.StudyInstanceUID and pm.PatientID == "P-0042"
@@ -114,8 +122,9 @@ def test_a_dicom_slide_is_referenced_with_its_patient_and_study(tmp_path, dicom_
 
 def test_a_dicom_slide_of_another_size_is_an_error(tmp_path, dicom_slide):
     with pytest.raises(WSIPipelineError, match="expected a DICOM level 0 of 700 x 512 pixels, found 640 x 512"):
-        write_dicom_annotations(tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(700, 512),
-                                slide_path=dicom_slide[0])
+        write_dicom_annotations(
+            tmp_path / "d.dcm", _detections(5), CLASSES, dimensions=(700, 512), slide_path=dicom_slide[0]
+        )
     assert not (tmp_path / "d.dcm").exists()
 
 
@@ -130,15 +139,22 @@ def _total_pixel_matrix(path) -> np.ndarray:
         mapping = (rwvm or item.RealWorldValueMappingSequence)[0]
         frame = pm.get_stored_frame(i + 1) * mapping.RealWorldValueSlope + mapping.RealWorldValueIntercept
         h, w = min(pm.Rows, out.shape[0] - r), min(pm.Columns, out.shape[1] - c)
-        out[r:r + h, c:c + w] = frame[:h, :w]
+        out[r : r + h, c : c + w] = frame[:h, :w]
     return out
 
 
 def test_parametric_maps_hold_the_heatmap_one_class_a_file(tmp_path):
     heatmap = np.random.default_rng(2).random((2, 150, 190)).astype(np.float32)
-    folder = write_dicom_parametric_map(tmp_path / "heatmap_dicom", heatmap, ["tumour", "stroma"], scale_level0=8,
-                                        dimensions=(1520, 1200), slide_path=tmp_path / "s.svs", mpp=(0.25, 0.5),
-                                        tile=64)
+    folder = write_dicom_parametric_map(
+        tmp_path / "heatmap_dicom",
+        heatmap,
+        ["tumour", "stroma"],
+        scale_level0=8,
+        dimensions=(1520, 1200),
+        slide_path=tmp_path / "s.svs",
+        mpp=(0.25, 0.5),
+        tile=64,
+    )
     files = [folder / n for n in parametric_map_file_names(["tumour", "stroma"])]
     assert sorted(folder.iterdir()) == sorted(files)
     assert [p.name for p in tmp_path.iterdir()] == ["heatmap_dicom"]
@@ -159,8 +175,15 @@ def test_parametric_maps_hold_the_heatmap_one_class_a_file(tmp_path):
 
 def test_the_heatmap_lies_where_the_slide_is(tmp_path):
     """The centre of heatmap pixel (0, 0) is the centre of level-0 pixels 0..7 at scale 8: 3.5 pixels in."""
-    folder = write_dicom_parametric_map(tmp_path / "pm", np.zeros((1, 16, 16), np.float32), ["t"], scale_level0=8,
-                                        dimensions=(128, 128), slide_path=None, mpp=(0.5, 0.5))
+    folder = write_dicom_parametric_map(
+        tmp_path / "pm",
+        np.zeros((1, 16, 16), np.float32),
+        ["t"],
+        scale_level0=8,
+        dimensions=(128, 128),
+        slide_path=None,
+        mpp=(0.5, 0.5),
+    )
     pm = pydicom.dcmread(next(folder.iterdir()), stop_before_pixels=True)
     first = pm.PerFrameFunctionalGroupsSequence[0].PlanePositionSlideSequence[0]
     origin = pm.TotalPixelMatrixOriginSequence[0]
@@ -176,8 +199,15 @@ def test_a_heatmap_file_and_its_reduced_level(tmp_path):
         w(0, heatmap)
     hf = HeatmapFile(tmp_path / "h.ome.tif")
     for level in (0, 1):
-        folder = write_dicom_parametric_map(tmp_path / f"pm{level}", hf, scale_level0=8, dimensions=(960, 800),
-                                            level=level, tile=32, dimension_organization="TILED_FULL")
+        folder = write_dicom_parametric_map(
+            tmp_path / f"pm{level}",
+            hf,
+            scale_level0=8,
+            dimensions=(960, 800),
+            level=level,
+            tile=32,
+            dimension_organization="TILED_FULL",
+        )
         files = [folder / n for n in parametric_map_file_names(["a", "b"])]
         for k, path in enumerate(files):
             pm = hd.pm.ParametricMap.from_file(path)
@@ -188,11 +218,13 @@ def test_a_heatmap_file_and_its_reduced_level(tmp_path):
 
 def test_too_large_a_heatmap_is_refused_with_the_level_to_use(tmp_path):
     with pytest.raises(WSIPipelineError, match=r"at most 1000 bytes a class, found a 40 x 30 heatmap.*level=1"):
-        write_dicom_parametric_map(tmp_path / "pm", np.zeros((1, 30, 40), np.float32), scale_level0=4,
-                                   dimensions=(160, 120), max_bytes=1000)
+        write_dicom_parametric_map(
+            tmp_path / "pm", np.zeros((1, 30, 40), np.float32), scale_level0=4, dimensions=(160, 120), max_bytes=1000
+        )
     with pytest.raises(ValueError, match="expected 2 channel names"):
-        write_dicom_parametric_map(tmp_path / "pm", np.zeros((2, 30, 40), np.float32), ["a"], scale_level0=4,
-                                   dimensions=(160, 120))
+        write_dicom_parametric_map(
+            tmp_path / "pm", np.zeros((2, 30, 40), np.float32), ["a"], scale_level0=4, dimensions=(160, 120)
+        )
     assert list(tmp_path.iterdir()) == []
 
 

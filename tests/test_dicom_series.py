@@ -29,8 +29,10 @@ def dicom_folder(tmp_path):
 
 def test_the_fixture_is_a_dicom_wsi_openslide_reads(dicom_folder):
     _, a, _ = dicom_folder
-    assert pydicom.dcmread(a[1], stop_before_pixels=True).SeriesInstanceUID == \
-        pydicom.dcmread(a[0], stop_before_pixels=True).SeriesInstanceUID
+    assert (
+        pydicom.dcmread(a[1], stop_before_pixels=True).SeriesInstanceUID
+        == pydicom.dcmread(a[0], stop_before_pixels=True).SeriesInstanceUID
+    )
     for path in a:  # OpenSlide opens the whole series from any of its files
         with openslide.OpenSlide(str(path)) as s:
             assert s.level_count == 3 and s.dimensions == (640, 512)
@@ -46,8 +48,12 @@ def test_a_dicom_folder_runs_once_per_series(dicom_folder, tmp_path):
     folder, a, b = dicom_folder
     (folder / "junk.dcm").unlink()
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(folder), "--out", str(out),
-                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(folder), "--out", str(out), "--backend", "ort"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     slides = json.loads((out / "manifest.json").read_text())["slides"]
     assert sorted(slides) == ["a_0", "b_0"]

@@ -8,8 +8,9 @@ import pytest
 
 import wsi_pipeline
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(wsi_pipeline.__path__, "wsi_pipeline.")
-                 if not m.name.endswith("__main__"))
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(wsi_pipeline.__path__, "wsi_pipeline.") if not m.name.endswith("__main__")
+)
 
 
 def _has_examples(name: str) -> bool:

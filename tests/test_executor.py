@@ -157,8 +157,12 @@ def test_unsupported_op_is_refused_by_name(tmp_path, tiny_card):
     from wsi_pipeline.inference.torch_backend import OnnxModule
 
     node = helper.make_node("Einsum", ["x", "x"], ["y"], equation="ij,ij->ij")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])],
+    )
     path = tmp_path / "einsum.onnx"
     onnx.save(helper.make_model(graph), path)
     with pytest.raises(ModelError, match=r"Einsum"):

@@ -62,8 +62,7 @@ def _executor_threads():
 
 def _check(got, want, precision, card):
     box, score, heat = TOLERANCES[precision]
-    assert_same_detections(got, want, threshold=score_threshold(card), box_tol=box, score_tol=score,
-                           heat_tol=heat)
+    assert_same_detections(got, want, threshold=score_threshold(card), box_tol=box, score_tol=score, heat_tol=heat)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
@@ -84,8 +83,7 @@ def test_torch_cuda_equals_ort(card512, slide_and_grid, reference, precision):
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_executor_streams_over_loader(card512, slide_and_grid, reference, streams, cuda_graphs):
     slide, grid = slide_and_grid
-    tb = create_backend(card512, "torch", device="cuda", precision="fp16", max_batch=8,
-                        cuda_graphs=cuda_graphs)
+    tb = create_backend(card512, "torch", device="cuda", precision="fp16", max_batch=8, cuda_graphs=cuda_graphs)
     # batch 6 on max_batch 8: partial buckets; 20 tiles: a short last batch.
     loader = TileLoader(slide, grid, batch_size=6, workers=4, auto_release=False, max_held=2)
     counting = CountingLoader(loader)
@@ -152,22 +150,23 @@ def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
     # libjpeg-turbo in threads: the CPU reader's pixels exactly.
     np.testing.assert_array_equal(gpu["threads"], ref)
     diff = np.abs(gpu["nvjpeg"].astype(np.int16) - ref.astype(np.int16))
-    print(f"nvjpeg vs libjpeg-turbo: mean {diff.mean():.3f}, p99 {np.percentile(diff, 99):.0f}, "
-          f"p99.99 {np.percentile(diff, 99.99):.0f}, max {diff.max()}, >32: {(diff > 32).mean():.2e}")
+    print(
+        f"nvjpeg vs libjpeg-turbo: mean {diff.mean():.3f}, p99 {np.percentile(diff, 99):.0f}, "
+        f"p99.99 {np.percentile(diff, 99.99):.0f}, max {diff.max()}, >32: {(diff > 32).mean():.2e}"
+    )
     # nvJPEG and libjpeg-turbo differ in IDCT/chroma upsampling rounding.
     assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 16
     gpu = gpu["threads"]
     # Padding past the slide edge is the background, exactly.
     last = grid[len(grid) - 1]
     w, h = slide.dimensions
-    assert (gpu[-1][h - last.y0_level0:, :] == 255).all() and (gpu[-1][:, w - last.x0_level0:] == 255).all()
+    assert (gpu[-1][h - last.y0_level0 :, :] == 255).all() and (gpu[-1][:, w - last.x0_level0 :] == 255).all()
 
     # The executor takes device batches directly: same result as ORT on those pixels.
     tb = create_backend(card512, "torch", device="cuda", precision="fp32", max_batch=8)
     ort = create_backend(card512, "ort", max_batch=8)
     with Executor(tb, streams=2) as ex:
-        results = list(ex.run(GpuTileLoader(slide, list(grid), batch_size=8, jpeg_decoder="threads"),
-                              ordered=True))
+        results = list(ex.run(GpuTileLoader(slide, list(grid), batch_size=8, jpeg_decoder="threads"), ordered=True))
     dets = [d for r in results for d in r.detections]
     _check(dets, decode(ort.infer(gpu), card512), "fp32", card512)
 
@@ -208,8 +207,13 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
     assert ref.summary["tile_decode"]["where"] == "cpu"
     truth = load_truth(str(pathology_slide).replace(".tiff", ".truth.geojson"))
     for dets in (ref.detections, res.detections):
-        c = detection_counts([detection_boxes(dets)], [dets["score"]], [np.zeros(len(dets), int)],
-                             [truth.boxes], [np.zeros(len(truth.boxes), int)])
+        c = detection_counts(
+            [detection_boxes(dets)],
+            [dets["score"]],
+            [np.zeros(len(dets), int)],
+            [truth.boxes],
+            [np.zeros(len(truth.boxes), int)],
+        )
         assert c.precision >= 0.98 and c.recall >= 0.98, c
     assert abs(len(res.detections) - len(ref.detections)) <= 0.01 * len(ref.detections)
     tumour_cpu = ref.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
@@ -234,8 +238,10 @@ def test_gpu_decoded_run_equals_cpu_decoded_run(pathology_slide):
     gb, cb = detection_boxes(g.detections), detection_boxes(c.detections)
     best = box_iou(torch.from_numpy(cb).cuda(), torch.from_numpy(gb).cuda()).max(dim=1).values.cpu().numpy()
     diff = np.abs(np.asarray(g.heatmap) - np.asarray(c.heatmap))
-    figures = (f"detections gpu {len(gb)} cpu {len(cb)}; matched at IoU 0.5: {(best >= 0.5).mean():.4f}; "
-               f"heatmap |diff| mean {diff.mean():.2e} p99.9 {np.percentile(diff, 99.9):.3f} max {diff.max():.3f}")
+    figures = (
+        f"detections gpu {len(gb)} cpu {len(cb)}; matched at IoU 0.5: {(best >= 0.5).mean():.4f}; "
+        f"heatmap |diff| mean {diff.mean():.2e} p99.9 {np.percentile(diff, 99.9):.3f} max {diff.max():.3f}"
+    )
     # nvJPEG and libjpeg-turbo differ by decoder rounding (a few grey levels); fp16 both ways.
     assert abs(len(gb) - len(cb)) <= 0.01 * len(cb), figures
     assert (best >= 0.5).mean() >= 0.98, figures
@@ -251,8 +257,9 @@ def test_dask_gpu_worker_matches_local_run(pathology_slide, tmp_path):
 
     config = RunConfig(model=str(DEFAULT_MODEL))
     key = run_key(config, load_card(DEFAULT_MODEL))
-    local = run_batch([pathology_slide], tmp_path / "local", lambda: Pipeline(config=config), config, key,
-                      progress=False)
+    local = run_batch(
+        [pathology_slide], tmp_path / "local", lambda: Pipeline(config=config), config, key, progress=False
+    )
     dist = run_batch([pathology_slide], tmp_path / "dask", None, config, key, progress=False, dask="local:1")
     assert local.exit_code == dist.exit_code == 0
     assert dist.outcomes[0].worker

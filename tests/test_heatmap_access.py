@@ -29,8 +29,17 @@ def test_in_memory_and_file_heatmaps_index_alike(both):
     assert held.min() < 0.1 and held.max() > 0.9  # a heatmap with content, not a constant
     tol = 1 / 255 + 1e-6  # the file stores uint8 probabilities
     c, h, w = held.shape
-    for key in (1, -1, (1, slice(2, h - 3), slice(5, w)), (slice(None), 4), ([1, 0], slice(0, 8)),
-                (0, 3, 7), (slice(None, None, -1),), (Ellipsis, 2), np.array([True, False])):
+    for key in (
+        1,
+        -1,
+        (1, slice(2, h - 3), slice(5, w)),
+        (slice(None), 4),
+        ([1, 0], slice(0, 8)),
+        (0, 3, 7),
+        (slice(None, None, -1),),
+        (Ellipsis, 2),
+        np.array([True, False]),
+    ):
         got, want = on_disk[key], held[key]
         assert np.shape(got) == np.shape(want), key
         np.testing.assert_allclose(got, want, atol=tol, err_msg=str(key))

@@ -20,8 +20,7 @@ BUILD_FILES = ("setup.py", "setup.cfg", "pyproject.toml", "MANIFEST.in", "README
 
 
 def _run(cmd: list, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -40,20 +39,29 @@ def installed_venv(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     shutil.copytree(ROOT / "engines", src / "engines", ignore=ignore)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "WSI_PIPELINE_ENGINES")}
     dist = tmp / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, src],
-         cwd=tmp, env=env)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, src],
+        cwd=tmp,
+        env=env,
+    )
     wheel = next(dist.glob("wsi_pipeline-*.whl"))
 
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
     python = venv / "bin" / "python"
-    venv_site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          cwd=tmp, env=env).stdout.strip())
+    venv_site = Path(
+        _run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp, env=env
+        ).stdout.strip()
+    )
     # Third-party packages from the development venv; its own .pth files (the editable
     # install of wsi_pipeline among them) are not processed from a path line.
     (venv_site / "dev_packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
-         cwd=tmp, env=env)
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel],
+        cwd=tmp,
+        env=env,
+    )
     return venv, env
 
 
@@ -61,9 +69,15 @@ def test_wheel_carries_the_shipped_models_and_runs_the_default_model(installed_v
     venv, env = installed_venv
     work = tmp_path / "elsewhere"  # a folder outside the repository
     work.mkdir()
-    where = _run([venv / "bin" / "python", "-c",
-                  "import wsi_pipeline, wsi_pipeline.pipeline as p; print(wsi_pipeline.__file__); "
-                  "print(p.DEFAULT_MODEL)"], cwd=work, env=env).stdout.split()
+    where = _run(
+        [
+            venv / "bin" / "python",
+            "-c",
+            "import wsi_pipeline, wsi_pipeline.pipeline as p; print(wsi_pipeline.__file__); print(p.DEFAULT_MODEL)",
+        ],
+        cwd=work,
+        env=env,
+    ).stdout.split()
     assert Path(where[0]).is_relative_to(venv), where
     assert Path(where[1]).is_relative_to(venv) and Path(where[1]).is_file(), where
 

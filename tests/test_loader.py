@@ -13,14 +13,17 @@ def _slide():
     return ImageSlide.from_array(smooth_rgb(2200, 2700, seed=7))
 
 
-@pytest.mark.parametrize("workers,prefetch,n,expected", [
-    (1, 2, 16, [(0, 16)]),
-    (2, 2, 16, [(0, 16)]),
-    (2, 4, 16, [(0, 16)]),
-    (4, 2, 16, [(0, 8), (8, 16)]),
-    (14, 4, 64, [(0, 16), (16, 32), (32, 48), (48, 64)]),
-    (5, 1, 3, [(0, 1), (1, 2), (2, 3)]),
-])
+@pytest.mark.parametrize(
+    "workers,prefetch,n,expected",
+    [
+        (1, 2, 16, [(0, 16)]),
+        (2, 2, 16, [(0, 16)]),
+        (2, 4, 16, [(0, 16)]),
+        (4, 2, 16, [(0, 8), (8, 16)]),
+        (14, 4, 64, [(0, 16), (16, 32), (32, 48), (48, 64)]),
+        (5, 1, 3, [(0, 1), (1, 2), (2, 3)]),
+    ],
+)
 def test_chunk_bounds_cover_the_batch(workers, prefetch, n, expected):
     loader = TileLoader(_slide(), [], batch_size=64, workers=workers, prefetch=prefetch)
     assert loader._chunk_bounds(n) == expected

@@ -14,8 +14,13 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 # Smaller than the defaults, so the three run in well under a minute on two cores.
 # Widgets are left out: without a front end, nbclient waits out the cell timeout on their output
 # (they are tested by calling their redraw functions in test_review.py).
-SMALL = {"WSI_NB_SLIDE_SIZE": "1536", "WSI_NB_N_IMAGES": "4", "WSI_NB_IMAGE_SIZE": "768", "MPLBACKEND": "",
-         "WSI_NB_WIDGETS": "0"}
+SMALL = {
+    "WSI_NB_SLIDE_SIZE": "1536",
+    "WSI_NB_N_IMAGES": "4",
+    "WSI_NB_IMAGE_SIZE": "768",
+    "MPLBACKEND": "",
+    "WSI_NB_WIDGETS": "0",
+}
 
 
 def test_there_are_notebooks():
@@ -58,8 +63,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv("WSI_NB_WORKDIR", str(work))
     monkeypatch.delenv("WSI_NB_RUN_DIR", raising=False)  # notebook 02 makes its own run in WORK
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     t0 = time.perf_counter()
     client.execute()  # raises CellExecutionError on the first failing cell
     print(f"{path.name}: {time.perf_counter() - t0:.1f} s")

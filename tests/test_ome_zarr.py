@@ -27,7 +27,7 @@ def _stream(writer, data: np.ndarray, bands=(5, 70, 100, 3, 1)) -> None:
     y, k = 0, 0
     while y < data.shape[1]:
         h = bands[k % len(bands)]
-        writer(y, data[:, y:y + h])
+        writer(y, data[:, y : y + h])
         y += min(h, data.shape[1] - y)
         k += 1
 
@@ -42,19 +42,22 @@ def _read(path):
 def test_round_trip_values_names_scales_and_pyramid(tmp_path, ngff_version, zarr_format):
     data = _heatmap(2, 301, 517)
     path = tmp_path / "heatmap.ome.zarr"
-    with OmeZarrHeatmapWriter(path, 517, 301, 2, ["tumour", "stroma"], (2.0, 2.5), tile=64,
-                              ngff_version=ngff_version) as w:
+    with OmeZarrHeatmapWriter(
+        path, 517, 301, 2, ["tumour", "stroma"], (2.0, 2.5), tile=64, ngff_version=ngff_version
+    ) as w:
         _stream(w, data)
     node = _read(path)
     shapes = [(2, h, w) for h, w in pyramid_shapes(301, 517, 64)]
     assert [tuple(a.shape) for a in node.data] == shapes
     assert len(shapes) == 5 and max(shapes[-1][1:]) <= 64
     assert node.metadata["channel_names"] == ["tumour", "stroma"]
-    assert node.metadata["axes"] == [{"name": "c", "type": "channel"},
-                                     {"name": "y", "type": "space", "unit": "micrometer"},
-                                     {"name": "x", "type": "space", "unit": "micrometer"}]
+    assert node.metadata["axes"] == [
+        {"name": "c", "type": "channel"},
+        {"name": "y", "type": "space", "unit": "micrometer"},
+        {"name": "x", "type": "space", "unit": "micrometer"},
+    ]
     scales = [t[0]["scale"] for t in node.metadata["coordinateTransformations"]]
-    assert scales == [[1.0, 2.5 * 2 ** k, 2.0 * 2 ** k] for k in range(5)]
+    assert scales == [[1.0, 2.5 * 2**k, 2.0 * 2**k] for k in range(5)]
     level0 = np.asarray(node.data[0])
     assert level0.dtype == np.uint8
     np.testing.assert_array_equal(level0, np.rint(data * 255).astype(np.uint8))
@@ -153,13 +156,16 @@ def test_rows_out_of_order_or_missing_are_errors(tmp_path):
         w(8, np.zeros((2, 8, 32), np.float32))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"tile": 100}, "multiple of 16"),
-    ({"dtype": "int8"}, "dtype expected"),
-    ({"channel_names": ["a"]}, "expected 2 channel names"),
-    ({"ngff_version": "0.3"}, "ngff_version expected"),
-    ({"physical_size_um": (0.0, 1.0)}, "physical_size_um expected"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tile": 100}, "multiple of 16"),
+        ({"dtype": "int8"}, "dtype expected"),
+        ({"channel_names": ["a"]}, "expected 2 channel names"),
+        ({"ngff_version": "0.3"}, "ngff_version expected"),
+        ({"physical_size_um": (0.0, 1.0)}, "physical_size_um expected"),
+    ],
+)
 def test_bad_settings_are_value_errors(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         OmeZarrHeatmapWriter(tmp_path / "h.ome.zarr", 32, 32, 2, **kwargs)

@@ -59,8 +59,7 @@ def test_batches_larger_than_max_batch_are_split_and_reassembled(tmp_path):
         assert split[name].shape[0] == 7
         np.testing.assert_array_equal(split[name], one[name])
     # each tile's result is its own: scores follow the tile brightness
-    np.testing.assert_allclose(split["scores"][:, 0], 0.9 * np.round(255 * np.arange(1, 8) / 7) / 255,
-                               rtol=1e-5)
+    np.testing.assert_allclose(split["scores"][:, 0], 0.9 * np.round(255 * np.arange(1, 8) / 7) / 255, rtol=1e-5)
 
 
 def test_empty_batch_returns_empty_outputs(tmp_path):
@@ -69,11 +68,14 @@ def test_empty_batch_returns_empty_outputs(tmp_path):
     assert out["boxes"].shape == (0, 3, 4) and out["heatmap"].shape == (0, 1, 4, 4)
 
 
-@pytest.mark.parametrize("bad", [
-    np.zeros((2, 32, 32, 3), np.float32),
-    np.zeros((2, 64, 64, 3), np.uint8),
-    np.zeros((32, 32, 3), np.uint8),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((2, 32, 32, 3), np.float32),
+        np.zeros((2, 64, 64, 3), np.uint8),
+        np.zeros((32, 32, 3), np.uint8),
+    ],
+)
 def test_wrong_tiles_are_refused_with_expected_shape(tmp_path, bad):
     card = build_toy_model(tmp_path, "boxes_scores_labels")
     with pytest.raises(ConfigError, match="expected a N x 32 x 32 x 3 uint8 array"):

@@ -56,6 +56,7 @@ def _with_degenerate(dets):
 
 # -- GeoJSON: QuPath's rules, gzip ---------------------------------------------------
 
+
 def _check_qupath_features(doc, dets):
     """Every feature as QuPath imports it: closed non-degenerate ring, classification with name and
     [r, g, b] colour, a UUID id whose last 12 hex digits are the detection's row."""
@@ -150,6 +151,7 @@ def test_a_truncated_gzip_file_is_a_pipeline_error(tmp_path):
 
 # -- Parquet and GeoParquet ----------------------------------------------------------
 
+
 def test_parquet_reads_back_with_pandas_in_row_groups(tmp_path, monkeypatch):
     monkeypatch.setattr(parquet_io, "ROW_GROUP", 128)
     dets = _with_degenerate(_dets(500))
@@ -163,7 +165,8 @@ def test_parquet_reads_back_with_pandas_in_row_groups(tmp_path, monkeypatch):
     for k in ("x0", "y0", "x1", "y1", "score", "label"):
         np.testing.assert_array_equal(df[k].to_numpy(), dets[k])
     assert df["class"].astype(str).tolist() == [
-        "class_5" if lab == 5 else CLASSES[lab]["name"] for lab in dets["label"].tolist()]
+        "class_5" if lab == 5 else CLASSES[lab]["name"] for lab in dets["label"].tolist()
+    ]
     meta = json.loads(pq.read_schema(tmp_path / "d.parquet").metadata[b"wsi_pipeline"])
     assert meta["coordinates"].startswith("level-0 pixels")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]  # no partial file left
@@ -198,6 +201,7 @@ def test_empty_detections_make_readable_tables(tmp_path):
 
 # -- choosing formats ----------------------------------------------------------------
 
+
 def test_formats_are_parsed_into_the_registry_order():
     assert RunConfig().formats == DEFAULT_FORMATS == ("geojson", "csv", "ome-tiff", "overlay")
     assert parse_formats("parquet, geojson.gz,parquet") == ("geojson.gz", "parquet")
@@ -210,11 +214,14 @@ def test_formats_are_parsed_into_the_registry_order():
             assert callable(f.write_function())
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("geojson,shapefile", "formats: unknown format 'shapefile' (known: geojson, geojson.gz, geojson.zip, csv"),
-    ("", "formats: expected at least one of geojson"),
-    ([1, 2], "formats: expected format names, found [1, 2]"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("geojson,shapefile", "formats: unknown format 'shapefile' (known: geojson, geojson.gz, geojson.zip, csv"),
+        ("", "formats: expected at least one of geojson"),
+        ([1, 2], "formats: expected format names, found [1, 2]"),
+    ],
+)
 def test_bad_formats_are_refused(value, message):
     with pytest.raises(ConfigError) as err:
         RunConfig(formats=value)
@@ -223,10 +230,12 @@ def test_bad_formats_are_refused(value, message):
 
 def test_a_format_without_its_library_names_the_extra(monkeypatch):
     real = formats_io.importlib.util.find_spec
-    monkeypatch.setattr(formats_io.importlib.util, "find_spec",
-                        lambda name: None if name == "pyarrow" else real(name))
-    with pytest.raises(ConfigError, match=r"parquet needs pyarrow, which is not installed: "
-                                          r"pip install 'wsi-pipeline\[parquet\]'"):
+    monkeypatch.setattr(formats_io.importlib.util, "find_spec", lambda name: None if name == "pyarrow" else real(name))
+    with pytest.raises(
+        ConfigError,
+        match=r"parquet needs pyarrow, which is not installed: "
+        r"pip install 'wsi-pipeline\[parquet\]'",
+    ):
         RunConfig(formats="csv,parquet")
     assert RunConfig(formats="csv,geojson.gz").formats == ("geojson.gz", "csv")
 
@@ -236,8 +245,11 @@ def test_formats_from_toml_and_the_command_line(tmp_path):
     toml.write_text('formats = ["parquet", "geojson.gz"]\n')
     assert load_config(toml).formats == ("geojson.gz", "parquet")
     toml.write_text("formats = 3\n")
-    with pytest.raises(ConfigError, match=r"run.toml: formats: expected a list of names or a comma-separated "
-                                          r"string, found int 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"run.toml: formats: expected a list of names or a comma-separated "
+        r"string, found int 3",
+    ):
         load_config(toml)
     toml.write_text('formats = "csv,nope"\n')
     with pytest.raises(ConfigError, match=r"run.toml: formats: unknown format 'nope'"):
@@ -249,12 +261,27 @@ def test_formats_from_toml_and_the_command_line(tmp_path):
 
 
 def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide_path), "--out", str(tmp_path / "o"),
-                        "--formats", "geojson,shp"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wsi_pipeline",
+            "run",
+            str(slide_path),
+            "--out",
+            str(tmp_path / "o"),
+            "--formats",
+            "geojson,shp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
-        "geoparquet, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"]
+        "geoparquet, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"
+    ]
     assert not (tmp_path / "o").exists()
 
 
@@ -281,8 +308,7 @@ def test_resume_needs_the_files_the_summary_lists(tmp_path):
     folder.mkdir()
     from wsi_pipeline.run_key import input_identity
 
-    summary = {"run_key": key.value, "input": input_identity(slide),
-               "files": ["detections.parquet", "summary.json"]}
+    summary = {"run_key": key.value, "input": input_identity(slide), "files": ["detections.parquet", "summary.json"]}
     (folder / "summary.json").write_text(json.dumps(summary))
     assert resume_state(folder, key, slide)[1] == "its outputs are incomplete (no detections.parquet)"
     (folder / "detections.parquet").write_bytes(b"")
@@ -290,6 +316,7 @@ def test_resume_needs_the_files_the_summary_lists(tmp_path):
 
 
 # -- a run ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def slide_path(tmp_path_factory):
@@ -302,8 +329,13 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,parquet,geoparquet", writer_processes=0) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
     out = tmp_path / "run"
-    files = ["detections.geojson.gz", "detections.geojson.zip", "detections.parquet", "detections.geoparquet",
-             "summary.json"]
+    files = [
+        "detections.geojson.gz",
+        "detections.geojson.zip",
+        "detections.parquet",
+        "detections.geoparquet",
+        "summary.json",
+    ]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == files
@@ -374,4 +406,3 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     pm = pydicom.dcmread(out / "heatmap_dicom" / maps[1])
     assert pm.SOPClassUID == pydicom.uid.ParametricMapStorage
     assert int(pm.TotalPixelMatrixColumns) == tiff.shape[2] and int(pm.TotalPixelMatrixRows) == tiff.shape[1]
-

@@ -46,9 +46,12 @@ from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
 _GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 # (device, precision): the CPU in fp32 and in bf16 autocast (the CPU's stand-in for CUDA's fp16);
 # CUDA in fp32 (TF32 off, so near-exact) and in fp16 autocast, the torch backend's default there.
-TARGETS = [pytest.param(("cpu", "fp32"), id="cpu-fp32"), pytest.param(("cpu", "bf16"), id="cpu-bf16"),
-           pytest.param(("cuda", "fp32"), id="cuda-fp32", marks=_GPU),
-           pytest.param(("cuda", "fp16"), id="cuda-fp16", marks=_GPU)]
+TARGETS = [
+    pytest.param(("cpu", "fp32"), id="cpu-fp32"),
+    pytest.param(("cpu", "bf16"), id="cpu-bf16"),
+    pytest.param(("cuda", "fp32"), id="cuda-fp32", marks=_GPU),
+    pytest.param(("cuda", "fp16"), id="cuda-fp16", marks=_GPU),
+]
 # precision -> (box px, score, heatmap) absolute tolerances against ONNX Runtime fp32 on the CPU.
 # Measured on the CPU: at most 4e-6 px, 3e-7 and 1.2e-7.
 TOLERANCES = {"fp32": (1e-3, 1e-4, 1e-4), "fp16": (2.0, 1.5e-2, 1.5e-2), "bf16": (6.0, 5e-2, 5e-2)}
@@ -58,10 +61,13 @@ TOLERANCES = {"fp32": (1e-3, 1e-4, 1e-4), "fp16": (2.0, 1.5e-2, 1.5e-2), "bf16":
 def models(tmp_path_factory):
     """name -> (ONNX card, .pt2 card, tiles ``[7, 64, 64, 3] uint8``: six smooth ones and a black one)."""
     out = tmp_path_factory.mktemp("pt2_models")
-    tiles = np.stack([smooth_image(tm.TILE, tm.TILE, seed=20 + i) for i in range(6)]
-                     + [np.zeros((tm.TILE, tm.TILE, 3), np.uint8)])
-    return {name: (*tm.export_both(make(), out, name, tiles[:6]), tiles)
-            for name, make in (("detector", tm.make_detector), ("unet", tm.make_unet))}
+    tiles = np.stack(
+        [smooth_image(tm.TILE, tm.TILE, seed=20 + i) for i in range(6)] + [np.zeros((tm.TILE, tm.TILE, 3), np.uint8)]
+    )
+    return {
+        name: (*tm.export_both(make(), out, name, tiles[:6]), tiles)
+        for name, make in (("detector", tm.make_detector), ("unet", tm.make_unet))
+    }
 
 
 @pytest.fixture
@@ -77,8 +83,9 @@ def target(request, monkeypatch):
 
 def _check(got, want, card, precision):
     box, score, heat = TOLERANCES[precision]
-    assert_same_detections(got, want, threshold=float(card.decoder.params["score_threshold"]), box_tol=box,
-                           score_tol=score, heat_tol=heat)
+    assert_same_detections(
+        got, want, threshold=float(card.decoder.params["score_threshold"]), box_tol=box, score_tol=score, heat_tol=heat
+    )
 
 
 @pytest.mark.parametrize("target", TARGETS, indirect=True)
@@ -112,8 +119,9 @@ def test_torch_on_onnx_and_on_pt2_equal_ort(models, name, target):
 def _as_tile_detections(result) -> TileDetections:
     d = np.sort(result.detections, order="score")[::-1]  # the comparison wants them by score
     boxes = np.stack([d["x0"], d["y0"], d["x1"], d["y1"]], axis=1).astype(np.float32)
-    return TileDetections(boxes, d["score"].astype(np.float32), d["label"].astype(np.int64),
-                          np.asarray(result.heatmap, np.float32))
+    return TileDetections(
+        boxes, d["score"].astype(np.float32), d["label"].astype(np.int64), np.asarray(result.heatmap, np.float32)
+    )
 
 
 @pytest.mark.parametrize("target", [TARGETS[0], TARGETS[3]], indirect=True)  # auto: fp32 on the CPU, fp16 on CUDA
@@ -135,6 +143,7 @@ def test_pipeline_on_pt2_equals_onnx_on_ort(models, tmp_path, target):
 
 
 # -- what the card says and who refuses a .pt2 ---------------------------------------------------
+
 
 def test_pt2_card_format_sha256_and_round_trip(models, tmp_path):
     onnx_card, pt2_card, _ = models["detector"]
@@ -159,8 +168,7 @@ def test_pt2_card_format_sha256_and_round_trip(models, tmp_path):
     with pytest.raises(ModelError, match="SHA-256 does not match"):
         load_card(tmp_path / "copy.card.json")
     copy.write_bytes(b"not a zip archive")
-    (tmp_path / "copy.card.json").write_text(json.dumps({**doc, "model_file": "copy.pt2",
-                                                          "sha256": file_sha256(copy)}))
+    (tmp_path / "copy.card.json").write_text(json.dumps({**doc, "model_file": "copy.pt2", "sha256": file_sha256(copy)}))
     with pytest.raises(ModelError, match="not a torch.export program"):
         load_card(tmp_path / "copy.card.json")
 
@@ -198,13 +206,28 @@ def test_cli_run_with_a_pt2_on_ort_is_an_error_without_traceback(models, tmp_pat
     _, pt2_card, _ = models["detector"]
     slide = tmp_path / "slide.tiff"
     write_synthetic_slide(slide, 256, 256, seed=1)
-    rc = cli.main(["run", str(slide), "--model", str(pt2_card.card_path), "--backend", "ort",
-                   "--overlap", "16", "--out", str(tmp_path / "out"), "--progress", "none"])
+    rc = cli.main(
+        [
+            "run",
+            str(slide),
+            "--model",
+            str(pt2_card.card_path),
+            "--backend",
+            "ort",
+            "--overlap",
+            "16",
+            "--out",
+            str(tmp_path / "out"),
+            "--progress",
+            "none",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc != 0 and "torch backend runs it" in err and "Traceback" not in err
 
 
 # -- a program's signature against its card ------------------------------------------------------
+
 
 class _Small(nn.Module):
     """uint8 NHWC 8 px tiles -> a ``[B, 6, 16]`` YOLO-style head, returned as ``kind`` says."""
@@ -225,10 +248,17 @@ def _small_card(tmp_path, net: nn.Module, dynamic: bool = True, head_dtype: str 
     example = torch.zeros(2, 8, 8, 3, dtype=torch.uint8)
     shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
     torch.export.save(torch.export.export(net, (example,), dynamic_shapes=shapes), str(path))
-    card = ModelCard(name="small", version="0", model_path=path, sha256=file_sha256(path),
-                     input=InputSpec("image", (8, 8)), outputs=(OutputSpec("head", ("batch", 6, 16), head_dtype),),
-                     decoder=DecoderSpec("yolo", {"output": "head"}), classes=(ClassSpec("a"), ClassSpec("b")),
-                     format="torch_export")
+    card = ModelCard(
+        name="small",
+        version="0",
+        model_path=path,
+        sha256=file_sha256(path),
+        input=InputSpec("image", (8, 8)),
+        outputs=(OutputSpec("head", ("batch", 6, 16), head_dtype),),
+        decoder=DecoderSpec("yolo", {"output": "head"}),
+        classes=(ClassSpec("a"), ClassSpec("b")),
+        format="torch_export",
+    )
     return load_card(write_card(card, path.with_suffix(".card.json")))
 
 
@@ -260,13 +290,16 @@ def test_a_single_tensor_program_is_the_cards_only_output(tmp_path):
     np.testing.assert_allclose(tb.infer(tiles)["head"], want, atol=1e-6)
 
 
-@pytest.mark.parametrize(("kind", "dynamic", "dtype", "train", "message"), [
-    ("dict", True, "float32", False, r"expected a dict with the card's names \['head'\], found keys \['other'\]"),
-    ("tuple", True, "float32", False, r"expected a tuple of 1 tensors .* found 2"),
-    ("tensor", False, "float32", False, r"batch axis is fixed at 2"),
-    ("tensor", True, "float16", False, r"output 'head' dtype: expected float16, found float32"),
-    ("tensor", True, "float32", True, r"training mode \(batch_norm.*exported after model.eval\(\)"),
-])
+@pytest.mark.parametrize(
+    ("kind", "dynamic", "dtype", "train", "message"),
+    [
+        ("dict", True, "float32", False, r"expected a dict with the card's names \['head'\], found keys \['other'\]"),
+        ("tuple", True, "float32", False, r"expected a tuple of 1 tensors .* found 2"),
+        ("tensor", False, "float32", False, r"batch axis is fixed at 2"),
+        ("tensor", True, "float16", False, r"output 'head' dtype: expected float16, found float32"),
+        ("tensor", True, "float32", True, r"training mode \(batch_norm.*exported after model.eval\(\)"),
+    ],
+)
 def test_program_that_does_not_fit_its_card_is_refused(tmp_path, kind, dynamic, dtype, train, message):
     net = _Small(kind).train(train)
     card = _small_card(tmp_path, net, dynamic, dtype)

@@ -29,8 +29,7 @@ def pathology_tiles():
 
 def test_int8_variant_has_qdq_nodes_and_its_own_card(tmp_path):
     out = tmp_path / "nuclei.int8.onnx"
-    card = make_variant(ENGINES / "nuclei_pathology.card.json", "int8", CALIBRATION / "pathology",
-                        out, limit=8)
+    card = make_variant(ENGINES / "nuclei_pathology.card.json", "int8", CALIBRATION / "pathology", out, limit=8)
     assert card.precision == "int8" and card.model_path == out.resolve()
     assert card.card_path == (tmp_path / "nuclei.int8.card.json").resolve()
     ops = {n.op_type for n in onnx.load(str(out)).graph.node}
@@ -48,7 +47,9 @@ def test_committed_int8_keeps_precision_and_recall_within_one_point(kind, name):
     from wsi_pipeline.models.evaluate import evaluate_card
 
     # Enough objects that one detection is well under a point (industrial: ~230 defects).
-    tiles = heldout_tiles(kind, scenes=4 if kind == "pathology" else 24, tiles_per_scene=6 if kind == "pathology" else 8)
+    tiles = heldout_tiles(
+        kind, scenes=4 if kind == "pathology" else 24, tiles_per_scene=6 if kind == "pathology" else 8
+    )
     fp32 = evaluate_card(load_card(ENGINES / f"{name}.card.json"), tiles)
     int8_card = load_card(ENGINES / f"{name}.int8.card.json")
     assert int8_card.precision == "int8"

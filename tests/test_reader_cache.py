@@ -40,8 +40,8 @@ def test_small_cache_evicts_reuses_slots_and_stays_exact(pyramid_tiff):
             got = read_tile(s, t)
             x, y = t.x0_level0, t.y0_level0
             want = np.full((512, 512, 3), 255, np.uint8)
-            part = ref[y:y + 512, x:x + 512]
-            want[:part.shape[0], :part.shape[1]] = part
+            part = ref[y : y + 512, x : x + 512]
+            want[: part.shape[0], : part.shape[1]] = part
             np.testing.assert_array_equal(got, want, err_msg=f"tile {t.index}")
         assert s._cache.allocated <= limit
         assert len(s._cache._tiles) <= 5
@@ -51,14 +51,14 @@ def test_threads_with_a_tiny_cache_read_exact_pixels(pyramid_tiff):
     """Pinned tiles are not overwritten while another thread copies from them."""
     ref = _level_pixels(pyramid_tiff, 0)
     rng = np.random.default_rng(3)
-    spots = [(int(x), int(y)) for x, y in zip(rng.integers(0, 3600, 120), rng.integers(0, 2500, 120),
-                                               strict=True)]
+    spots = [(int(x), int(y)) for x, y in zip(rng.integers(0, 3600, 120), rng.integers(0, 2500, 120), strict=True)]
     errors = []
     with TiffSlide(pyramid_tiff, cache_bytes=4 * TILE_BYTES) as s:
+
         def work(part):
             for x, y in part:
                 got = s.read_region((x, y), 0, (400, 400))
-                if not np.array_equal(got, ref[y:y + 400, x:x + 400]):
+                if not np.array_equal(got, ref[y : y + 400, x : x + 400]):
                     errors.append((x, y))
 
         threads = [threading.Thread(target=work, args=(spots[k::4],)) for k in range(4)]

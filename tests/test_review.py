@@ -44,12 +44,14 @@ def _close_figures():
 
 def hand_made() -> np.ndarray:
     """Six boxes (level-0 px) of two classes with known scores."""
-    boxes = [[10, 10, 20, 20],      # 0 spot 0.9, centre (15, 15)
-             [100, 100, 140, 120],  # 1 scratch 0.5, centre (120, 110)
-             [195, 50, 215, 70],    # 2 spot 0.3, centre (205, 60): straddles x = 200
-             [300, 300, 310, 310],  # 3 scratch 0.95
-             [50, 180, 60, 190],    # 4 spot 0.5 (score on the bound)
-             [0, 0, 4, 4]]          # 5 scratch 0.1
+    boxes = [
+        [10, 10, 20, 20],  # 0 spot 0.9, centre (15, 15)
+        [100, 100, 140, 120],  # 1 scratch 0.5, centre (120, 110)
+        [195, 50, 215, 70],  # 2 spot 0.3, centre (205, 60): straddles x = 200
+        [300, 300, 310, 310],  # 3 scratch 0.95
+        [50, 180, 60, 190],  # 4 spot 0.5 (score on the bound)
+        [0, 0, 4, 4],
+    ]  # 5 scratch 0.1
     return make_detections(np.array(boxes, np.float32), [0.9, 0.5, 0.3, 0.95, 0.5, 0.1], [0, 1, 0, 1, 0, 1])
 
 
@@ -134,24 +136,32 @@ def image_with_objects(d: np.ndarray, w: int = 480, h: int = 360) -> np.ndarray:
     """Light grey image with each detection box painted dark (level-0 px = array px)."""
     img = np.full((h, w, 3), 220, np.uint8)
     for b in d:
-        img[int(b["y0"]):int(b["y1"]), int(b["x0"]):int(b["x1"])] = (30, 30, 90)
+        img[int(b["y0"]) : int(b["y1"]), int(b["x0"]) : int(b["x1"])] = (30, 30, 90)
     return img
 
 
 def make_run(d: np.ndarray, img: np.ndarray | None = None, mpp=None, heatmap=None, scale=1.0) -> ReviewRun:
     img = image_with_objects(d) if img is None else img
     slide = ImageSlide.from_array(img, mpp=mpp)
-    return ReviewRun(detections=d, class_names=list(CLASSES), class_colors=list(COLORS),
-                     dimensions=slide.dimensions, mpp=mpp, heatmap=heatmap,
-                     heatmap_classes=["tissue", "tumour"] if heatmap is not None else [],
-                     heatmap_scale_level0=scale, slide=slide)
+    return ReviewRun(
+        detections=d,
+        class_names=list(CLASSES),
+        class_colors=list(COLORS),
+        dimensions=slide.dimensions,
+        mpp=mpp,
+        heatmap=heatmap,
+        heatmap_classes=["tissue", "tumour"] if heatmap is not None else [],
+        heatmap_scale_level0=scale,
+        slide=slide,
+    )
 
 
 def drawn_boxes(ax) -> np.ndarray:
     """(N, 4) x0, y0, x1, y1 of the detection rectangles on ``ax`` (data = level-0 px)."""
     rects = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_gid() == DETECTION_GID]
-    return np.array([[r.get_x(), r.get_y(), r.get_x() + r.get_width(), r.get_y() + r.get_height()]
-                     for r in rects]).reshape(-1, 4)
+    return np.array(
+        [[r.get_x(), r.get_y(), r.get_x() + r.get_width(), r.get_y() + r.get_height()] for r in rects]
+    ).reshape(-1, 4)
 
 
 def image_value_at(ax, x: float, y: float) -> np.ndarray:
@@ -204,8 +214,8 @@ def test_overview_extent_maps_to_level0():
     ax = fig.axes[0]
     assert ax.images[0].get_extent() == [0, 3000, 1200, 0]
     assert np.asarray(ax.images[0].get_array()).shape[:2] == (240, 600)
-    assert image_value_at(ax, 1600, 480).tolist() == [30, 30, 90]      # the object
-    assert image_value_at(ax, 1400, 480).tolist() == [220, 220, 220]   # beside it
+    assert image_value_at(ax, 1600, 480).tolist() == [30, 30, 90]  # the object
+    assert image_value_at(ax, 1400, 480).tolist() == [220, 220, 220]  # beside it
     # "tissue" is skipped; the tumour layer covers level-0 (0..3000, 0..1200) at 10 px per heatmap px.
     heat_images = ax.images[1:]
     assert [im.get_label() for im in heat_images] == ["tumour"]
@@ -335,8 +345,11 @@ def test_zoom_boxes_land_on_truth_objects(pathology_run):
     iou = inter / (area(got)[:, None] + area(tb)[None, :] - inter)
     assert (iou.max(1) >= 0.5).mean() >= 0.9
     # Nuclei are darker than the tissue around them: the image under the box centres is dark.
-    centre_v = [image_value_at(ax, (a + c) / 2, (b + e) / 2).mean() for a, b, c, e in got
-                if x0 <= (a + c) / 2 < x0 + w and y0 <= (b + e) / 2 < y0 + h]
+    centre_v = [
+        image_value_at(ax, (a + c) / 2, (b + e) / 2).mean()
+        for a, b, c, e in got
+        if x0 <= (a + c) / 2 < x0 + w and y0 <= (b + e) / 2 < y0 + h
+    ]
     assert np.median(centre_v) < np.median(np.asarray(ax.images[0].get_array()).mean(2)) - 30
 
 

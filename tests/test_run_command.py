@@ -24,8 +24,13 @@ from wsi_pipeline.synthetic import write_synthetic_slide
 
 
 def _cli(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "wsi_pipeline", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +53,7 @@ def _manifest(out: Path) -> dict:
 
 
 # -- inputs -----------------------------------------------------------------------
+
 
 def test_inputs_from_folders_globs_and_lists(slides, tmp_path):
     found = expand_inputs([slides])
@@ -74,6 +80,7 @@ def test_output_names_disambiguate_equal_stems(tmp_path):
 
 
 # -- one batch, then resume -----------------------------------------------------------
+
 
 def test_batch_outputs_failures_resume_and_force(slides, tmp_path):
     bad = tmp_path / "in"
@@ -129,8 +136,11 @@ def test_resume_after_kill_9(tmp_path):
     for i in range(4):
         write_synthetic_slide(src / f"s{i}.tiff", 2560, 2560, seed=30 + i, kind="pathology")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "wsi_pipeline", "run", str(src), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(src), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (out / "slides" / "s0" / "summary.json").exists():
         time.sleep(0.05)
@@ -151,6 +161,7 @@ def test_resume_after_kill_9(tmp_path):
 
 
 # -- failures inside a slide, without the CLI -------------------------------------------
+
 
 class _Failing:
     """A pipeline that writes part of its outputs, then fails as ``exc``."""
@@ -195,8 +206,9 @@ class _FailingLater:
 def test_a_write_that_fails_after_the_run_returned_fails_the_slide(tmp_path):
     from wsi_pipeline.batch import start_slide
 
-    started = start_slide(_FailingLater(), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}),
-                          wait_written=False)
+    started = start_slide(
+        _FailingLater(), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}), wait_written=False
+    )
     assert started.outcome is None  # stitched; the files are still being written
     o = started.finish()
     assert o.status == "failed" and "out of disk space" in o.error
@@ -207,8 +219,9 @@ def test_model_failure_is_recorded_and_the_batch_goes_on(slides, tmp_path):
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)  # in this process: the fake is not picklable
     key = run_key(config, load_card(DEFAULT_MODEL))
     fake = _Failing(ModelError("the model produced NaN"))
-    report = run_batch([slides / "a.tiff", slides / "sub" / "b.tiff"], tmp_path, lambda: fake, config, key,
-                       progress=False)
+    report = run_batch(
+        [slides / "a.tiff", slides / "sub" / "b.tiff"], tmp_path, lambda: fake, config, key, progress=False
+    )
     assert [o.status for o in report.outcomes] == ["failed", "failed"]
     assert "NaN" in report.outcomes[1].error and report.exit_code == 1 and fake.closed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "run.lock", "slides"]
@@ -216,6 +229,7 @@ def test_model_failure_is_recorded_and_the_batch_goes_on(slides, tmp_path):
 
 
 # -- usage errors: exit code 2 ---------------------------------------------------------------
+
 
 def test_usage_errors_exit_2(slides, tmp_path):
     out = tmp_path / "out"
@@ -248,6 +262,7 @@ def test_config_file_mirrors_the_flags_and_flags_win(slides, tmp_path):
 
 
 # -- Dask ------------------------------------------------------------------------------
+
 
 def test_dask_local_cluster_matches_a_local_run(slides, tmp_path):
     pytest.importorskip("dask.distributed")

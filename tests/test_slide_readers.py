@@ -17,8 +17,14 @@ from wsi_pipeline.slide import detect_backend
 from wsi_pipeline.slide.image import ImageSlide
 
 # Regions at positions aligned to each level's pixel grid, edges and outside included.
-REGIONS = [((0, 0), (512, 512)), ((1792, 896), (512, 512)), ((3840, 2816), (512, 512)),
-           ((4000, 100), (300, 300)), ((-64, -128), (256, 256)), ((448, 2688), (700, 500))]
+REGIONS = [
+    ((0, 0), (512, 512)),
+    ((1792, 896), (512, 512)),
+    ((3840, 2816), (512, 512)),
+    ((4000, 100), (300, 300)),
+    ((-64, -128), (256, 256)),
+    ((448, 2688), (700, 500)),
+]
 
 
 @pytest.mark.parametrize("level", [0, 1, 2])
@@ -103,8 +109,9 @@ def test_plain_image_backend(tmp_path):
 
 def test_implausible_mpp_warns_and_is_dropped(tmp_path):
     path = str(tmp_path / "dpi72.tif")
-    tifffile.imwrite(path, smooth_rgb(512, 512), tile=(256, 256), photometric="rgb",
-                     resolution=(72, 72), resolutionunit="INCH")
+    tifffile.imwrite(
+        path, smooth_rgb(512, 512), tile=(256, 256), photometric="rgb", resolution=(72, 72), resolutionunit="INCH"
+    )
     with pytest.warns(UserWarning, match="implausible resolution"):
         s = open_slide(path)
     assert s.mpp is None
@@ -112,6 +119,7 @@ def test_implausible_mpp_warns_and_is_dropped(tmp_path):
 
 
 # -- bad input ----------------------------------------------------------------
+
 
 def test_missing_file():
     with pytest.raises(SlideError, match="no such file"):
@@ -144,6 +152,7 @@ def test_truncated_tiff(tmp_path, pyramid_tiff):
 def _png_header_only(width: int, height: int) -> bytes:
     def chunk(kind, data):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 10)) + chunk(b"IEND", b"")
 
@@ -163,7 +172,7 @@ def test_corrupt_tile_in_the_middle(tmp_path, pyramid_tiff):
         page = tif.pages[0]
         i = 3 * 17 + 8  # row 3, col 8 of 17 x 12 stored tiles
         off, n = page.dataoffsets[i], page.databytecounts[i]
-    data[off:off + n] = b"\xff\xd8" + b"\x00" * (n - 2)
+    data[off : off + n] = b"\xff\xd8" + b"\x00" * (n - 2)
     with open(p, "wb") as f:
         f.write(data)
     with open_slide(p, "tifffile") as s:

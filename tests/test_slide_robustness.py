@@ -45,8 +45,7 @@ def _tiff(tmp_path, name="s.tif", levels=3, bigtiff=False, compression="jpeg"):
             pages = [p.asarray() for p in tif.pages]
         with tifffile.TiffWriter(path, bigtiff=True) as tw:
             for i, p in enumerate(pages):
-                tw.write(p, tile=(256, 256), compression=compression, photometric="rgb",
-                         subfiletype=1 if i else 0)
+                tw.write(p, tile=(256, 256), compression=compression, photometric="rgb", subfiletype=1 if i else 0)
     return path
 
 
@@ -59,12 +58,13 @@ def _edit_tag(path, tag: int, value: int, ifd: int = 0, element: int = 0) -> Non
     inline = 8 if big else 4
     pos = e.pos + (12 if big else 8)
     if size * e.count > inline:
-        pos = int.from_bytes(buf[pos:pos + inline], "little")
+        pos = int.from_bytes(buf[pos : pos + inline], "little")
     _put_uint(buf, pos + element * size, size, value)
     path.write_bytes(bytes(buf))
 
 
 # -- hangs -------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bigtiff", [False, True])
@@ -84,6 +84,7 @@ def test_a_looping_page_chain_is_refused_not_followed(tmp_path, bigtiff):
 
 
 # -- memory --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tag,value", [(322, 65535), (323, 65535), (322, 15_000_000)])
 def test_forged_tile_size_is_refused_before_allocating(tmp_path, tag, value):
@@ -113,8 +114,14 @@ def test_a_png_bomb_is_described_from_its_header_and_refused_before_decoding(tmp
     r = _cli("info", "--json", str(path), limit_bytes=1536 << 20)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["dimensions"] == [30000, 30000]
-    with open_slide(path) as s, pytest.raises(SlideOpenError, match=r"bomb\.png: a 30000x30000 plain image needs "
-                                                                   r"about .* GiB .* over the 2 GiB limit"):
+    with (
+        open_slide(path) as s,
+        pytest.raises(
+            SlideOpenError,
+            match=r"bomb\.png: a 30000x30000 plain image needs "
+            r"about .* GiB .* over the 2 GiB limit",
+        ),
+    ):
         s.read_region((0, 0), 0, (16, 16))
 
 
@@ -141,6 +148,7 @@ def test_the_thumbnail_of_a_large_level_is_read_in_bounded_bands(tmp_path, monke
 
 
 # -- tracebacks ----------------------------------------------------------------------
+
 
 def test_unsupported_compression_is_refused_at_open(tmp_path):
     path = _tiff(tmp_path, "odd.tif", levels=1, compression="zlib")
@@ -191,6 +199,7 @@ def test_what_a_reader_library_raises_becomes_a_project_error(tmp_path, monkeypa
 
 # -- silent corruption --------------------------------------------------------------
 
+
 def _damage_a_tile(path, level: int = 0) -> tuple[int, int]:
     """Overwrite bytes inside one stored JPEG tile so it still decodes, with a corrupt-data warning.
 
@@ -208,7 +217,7 @@ def _damage_a_tile(path, level: int = 0) -> tuple[int, int]:
         trial = bytearray(buf)
         for p in rng.integers(offset + count // 2, offset + count - 2, 4):
             trial[int(p)] = int(rng.integers(256))
-        tile = bytes(trial[offset:offset + count])
+        tile = bytes(trial[offset : offset + count])
         jpeg = tile[:2] + tables[2:-2] + tile[2:] if tables else tile
         try:
             simplejpeg.decode_jpeg(jpeg, strict=True)
@@ -247,12 +256,15 @@ def test_damaged_tiles_reach_the_summary_and_the_fail_setting_fails_the_run(tmp_
         summary = p.run(path).summary["damaged_tiles"]
     assert summary["count"] == 1 and summary["policy"] == "warn"
     assert (summary["tiles"][0]["col"], summary["tiles"][0]["row"]) == (col, row)
-    with Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail") as p, \
-            pytest.raises(TileReadError, match="is damaged"):
+    with (
+        Pipeline.from_card(backend="ort", tissue="all", on_damaged_tile="fail") as p,
+        pytest.raises(TileReadError, match="is damaged"),
+    ):
         p.run(path)
 
 
 # -- a batch ------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(300)
 def test_a_batch_goes_past_hostile_slides(tmp_path):

@@ -111,8 +111,9 @@ def run_tiled(image, tile, overlap, stride, kind, geom=None, window_rows=2):
     padded = np.zeros((geom.canvas_height * stride, geom.canvas_width * stride), dtype=image.dtype)
     padded[:h, :w] = image
     sink = Collect(2, geom.out_height, geom.out_width)
-    blender = HeatmapBlender(geom, 2, tile_weights(tile // stride, kind, overlap_px=overlap // stride), sink,
-                             window_rows=window_rows)
+    blender = HeatmapBlender(
+        geom, 2, tile_weights(tile // stride, kind, overlap_px=overlap // stride), sink, window_rows=window_rows
+    )
     for r in range(geom.n_rows):
         for c in range(geom.n_cols):
             patch = padded[r * step : r * step + tile, c * step : c * step + tile]
@@ -148,8 +149,14 @@ def test_blend_matches_monai_sliding_window_inference():
         return torch.cat([torch.sigmoid(x * 3 - 1.5), x**2 + x.mean(dim=(2, 3), keepdim=True)], dim=1)
 
     expected = monai_inferers.sliding_window_inference(
-        torch.from_numpy(image)[None, None], roi_size=(64, 64), sw_batch_size=4, predictor=predictor,
-        overlap=0.25, mode="gaussian", sigma_scale=0.125, padding_mode="constant",
+        torch.from_numpy(image)[None, None],
+        roi_size=(64, 64),
+        sw_batch_size=4,
+        predictor=predictor,
+        overlap=0.25,
+        mode="gaussian",
+        sigma_scale=0.125,
+        padding_mode="constant",
     )[0].numpy()
 
     geom = BlendGeometry(n_rows=5, n_cols=3, tile_size_out=64, step_out=48, out_height=h, out_width=w)
@@ -205,8 +212,9 @@ def test_band_memory_does_not_grow_with_height():
     weights = tile_weights(32, "gaussian")
 
     def run(n_rows: int) -> tuple[tuple, int]:
-        geom = BlendGeometry(n_rows=n_rows, n_cols=8, tile_size_out=32, step_out=28,
-                             out_height=(n_rows - 1) * 28 + 32, out_width=200)
+        geom = BlendGeometry(
+            n_rows=n_rows, n_cols=8, tile_size_out=32, step_out=28, out_height=(n_rows - 1) * 28 + 32, out_width=200
+        )
         tile = np.full((3, 32, 32), 0.5, dtype=np.float32)
         tracemalloc.start()
         blender = HeatmapBlender(geom, 3, weights, lambda y0, rows: None, window_rows=2)

@@ -23,9 +23,9 @@ def detect(gray: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Boxes (x0, y0, x1, y1, pixel edges) and area scores of dark blobs."""
     n, _, stats, _ = cv2.connectedComponentsWithStats((gray < 128).astype(np.uint8), connectivity=8)
     stats = stats[1:n]
-    boxes = np.stack(
-        [stats[:, 0], stats[:, 1], stats[:, 0] + stats[:, 2], stats[:, 1] + stats[:, 3]], axis=1
-    ).astype(np.float64)
+    boxes = np.stack([stats[:, 0], stats[:, 1], stats[:, 0] + stats[:, 2], stats[:, 1] + stats[:, 3]], axis=1).astype(
+        np.float64
+    )
     return boxes, stats[:, cv2.CC_STAT_AREA].astype(np.float64)
 
 

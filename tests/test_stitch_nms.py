@@ -27,8 +27,7 @@ def reference_nms(boxes, scores, labels=None, thr=0.5, metric="iou") -> list[int
     kept: list[int] = []
     for k in order:
         if all(
-            (labels is not None and labels[k] != labels[q]) or _overlap(boxes[k], boxes[q], metric) <= thr
-            for q in kept
+            (labels is not None and labels[k] != labels[q]) or _overlap(boxes[k], boxes[q], metric) <= thr for q in kept
         ):
             kept.append(k)
     return kept

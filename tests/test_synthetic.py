@@ -203,8 +203,9 @@ def test_render_is_local_pieces_equal_the_whole(kind, d):
         np.testing.assert_array_equal(np.vstack([top, bottom]), whole)
     # A fresh scene (no cached cells) renders a sub-window identically.
     fresh = SyntheticScene(W, H, SEED, kind=kind)
-    np.testing.assert_array_equal(fresh.render(x + 256, y + 128, 512, 512, d),
-                                  whole[128 // d : 640 // d, 256 // d : 768 // d])
+    np.testing.assert_array_equal(
+        fresh.render(x + 256, y + 128, 512, 512, d), whole[128 // d : 640 // d, 256 // d : 768 // d]
+    )
 
 
 def test_objects_in_lists_objects_whose_box_meets_the_region(scene):
@@ -292,20 +293,37 @@ def test_cli_writes_slide_and_truth(tmp_path, capsys):
     assert "cli.tiff" in capsys.readouterr().out
     assert sorted(os.listdir(tmp_path)) == ["cli.tiff", "cli.truth.geojson"]  # no temporaries left
     truth_path = tmp_path / "other.geojson"
-    rc = cli.main(["synth", str(tmp_path / "i.tiff"), "--width", "800", "--height", "600",
-                   "--kind", "industrial", "--truth", str(truth_path), "--tile-size", "128"])
+    rc = cli.main(
+        [
+            "synth",
+            str(tmp_path / "i.tiff"),
+            "--width",
+            "800",
+            "--height",
+            "600",
+            "--kind",
+            "industrial",
+            "--truth",
+            str(truth_path),
+            "--tile-size",
+            "128",
+        ]
+    )
     assert rc == 0 and truth_path.exists()
     with tifffile.TiffFile(tmp_path / "i.tiff") as tf:
         assert tf.pages[0].tilewidth == 128
 
 
-@pytest.mark.parametrize("argv", [
-    ["--width", "0", "--height", "100"],
-    ["--width", "100", "--height", "-5"],
-    ["--width", "10000000", "--height", "100"],
-    ["--width", "100", "--height", "100", "--tile-size", "100"],
-    ["--width", "100", "--height", "100", "--mpp", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--width", "0", "--height", "100"],
+        ["--width", "100", "--height", "-5"],
+        ["--width", "10000000", "--height", "100"],
+        ["--width", "100", "--height", "100", "--tile-size", "100"],
+        ["--width", "100", "--height", "100", "--mpp", "0"],
+    ],
+)
 def test_cli_rejects_bad_sizes(tmp_path, capsys, argv):
     out = tmp_path / "bad.tiff"
     assert cli.main(["synth", str(out), *argv]) != 0

@@ -17,17 +17,51 @@ import pytest
 import wsi_pipeline
 
 PKG = Path(wsi_pipeline.__file__).parent
-SOURCES = [PKG / "inference" / "tensorrt_backend.py", PKG / "inference" / "engine_build.py",
-           PKG / "commands" / "build_engine.py"]
+SOURCES = [
+    PKG / "inference" / "tensorrt_backend.py",
+    PKG / "inference" / "engine_build.py",
+    PKG / "commands" / "build_engine.py",
+]
 # Names our code binds to TensorRT objects (module, builder, network, ...).
-TRT_ROOTS = {"trt", "builder", "network", "parser", "config", "profile", "engine", "context",
-             "runtime", "timing_cache", "logger", "inp"}
-REMOVED = ["execute_async_v2", "get_binding_shape", "set_binding_shape", "BuilderFlag.FP16",
-           "BuilderFlag.INT8", "IInt8EntropyCalibrator2", "int8_calibrator", "max_workspace_size",
-           "BuilderFlag"]
-MUST_USE = {"execute_async_v3", "set_input_shape", "set_tensor_address", "build_serialized_network",
-            "set_memory_pool_limit", "create_optimization_profile", "set_shape", "STRONGLY_TYPED",
-            "WORKSPACE", "create_timing_cache", "deserialize_cuda_engine", "get_tensor_profile_shape"}
+TRT_ROOTS = {
+    "trt",
+    "builder",
+    "network",
+    "parser",
+    "config",
+    "profile",
+    "engine",
+    "context",
+    "runtime",
+    "timing_cache",
+    "logger",
+    "inp",
+}
+REMOVED = [
+    "execute_async_v2",
+    "get_binding_shape",
+    "set_binding_shape",
+    "BuilderFlag.FP16",
+    "BuilderFlag.INT8",
+    "IInt8EntropyCalibrator2",
+    "int8_calibrator",
+    "max_workspace_size",
+    "BuilderFlag",
+]
+MUST_USE = {
+    "execute_async_v3",
+    "set_input_shape",
+    "set_tensor_address",
+    "build_serialized_network",
+    "set_memory_pool_limit",
+    "create_optimization_profile",
+    "set_shape",
+    "STRONGLY_TYPED",
+    "WORKSPACE",
+    "create_timing_cache",
+    "deserialize_cuda_engine",
+    "get_tensor_profile_shape",
+}
 
 
 def _chain(node: ast.AST) -> list[str]:
@@ -50,15 +84,19 @@ def _api_names(tree: ast.AST) -> set[str]:
         chain = None
         if isinstance(node, ast.Attribute):
             chain = _chain(node)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("hasattr", "getattr") and len(node.args) >= 2 and \
-                isinstance(node.args[1], ast.Constant):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             chain = [*_chain(node.args[0]), node.args[1].value]
         if not chain:
             continue
         for i, part in enumerate(chain[:-1]):
             if part in TRT_ROOTS and (i == 0 or chain[i - 1] in ("self", "backend")):
-                names.update(chain[i + 1:])
+                names.update(chain[i + 1 :])
                 break
     return names
 
@@ -90,8 +128,9 @@ def test_every_tensorrt_name_we_use_is_in_the_bindings():
     assert MUST_USE <= names, f"collector missed {sorted(MUST_USE - names)}"
     # The linker merges string tails ("INPUT" may live inside "CONDITIONAL_INPUT\0"),
     # so a name counts as present when it ends a NUL-terminated string.
-    missing = [n for n in sorted(names)
-               if n.encode() + b"\0" not in blob and not re.search(rf"\b{re.escape(n)}\b", py_text)]
+    missing = [
+        n for n in sorted(names) if n.encode() + b"\0" not in blob and not re.search(rf"\b{re.escape(n)}\b", py_text)
+    ]
     assert not missing, f"{so.name} does not export {missing}"
 
 

@@ -20,16 +20,27 @@ def _tiff(path, photometric: str, compression: str = "jpeg"):
     img = np.repeat(np.repeat(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8), 16, 0), 16, 1)
     # RGB JPEG (no colour transform), as Aperio stores it, needs the encoder told so.
     extra = {"compressionargs": {"outcolorspace": "RGB"}} if (photometric, compression) == ("rgb", "jpeg") else {}
-    tifffile.imwrite(path, img, tile=(256, 256), photometric="rgb", compression=compression,
-                     resolution=(1e4 / 0.25, 1e4 / 0.25), resolutionunit="CENTIMETER", **extra)
+    tifffile.imwrite(
+        path,
+        img,
+        tile=(256, 256),
+        photometric="rgb",
+        compression=compression,
+        resolution=(1e4 / 0.25, 1e4 / 0.25),
+        resolutionunit="CENTIMETER",
+        **extra,
+    )
     return path
 
 
-@pytest.mark.parametrize("photometric, compression, refused", [
-    ("ycbcr", "jpeg", None),  # tifffile's default for RGB pixels in JPEG
-    ("rgb", "jpeg", "RGB JPEG"),
-    ("rgb", "zlib", "ADOBE_DEFLATE, not JPEG"),
-])
+@pytest.mark.parametrize(
+    "photometric, compression, refused",
+    [
+        ("ycbcr", "jpeg", None),  # tifffile's default for RGB pixels in JPEG
+        ("rgb", "jpeg", "RGB JPEG"),
+        ("rgb", "zlib", "ADOBE_DEFLATE, not JPEG"),
+    ],
+)
 def test_gpu_decode_takes_ycbcr_jpeg_tiles_only(tmp_path, photometric, compression, refused):
     with open_slide(_tiff(tmp_path / "s.tiff", photometric, compression)) as slide:
         reason = gpu_decode_refusal(slide, list(TileGrid(slide)))

@@ -39,7 +39,7 @@ def test_grid_edge_tile_is_padded_with_background():
     patch = grid.read(last)
     assert patch.shape == (512, 512, 3)
     np.testing.assert_array_equal(patch[: 700 - 448, : 900 - 448], img[448:, 448:])
-    assert (patch[700 - 448:] == 255).all() and (patch[:, 900 - 448:] == 255).all()
+    assert (patch[700 - 448 :] == 255).all() and (patch[:, 900 - 448 :] == 255).all()
 
 
 def test_grid_at_level_and_target_mpp(pyramid_tiff):
@@ -97,15 +97,25 @@ def test_tissue_mask_all_and_blank():
     all_mask = tissue_mask(s, method="all")
     frac = all_mask.tile_fractions(TileGrid(s))
     # Every tile counts; the edge tiles by the part of them inside the slide.
-    np.testing.assert_allclose(frac, [[1, 1, 104 / 512], [1, 1, 104 / 512], [104 / 512, 104 / 512, (104 / 512) ** 2]], atol=0.01)
+    np.testing.assert_allclose(
+        frac, [[1, 1, 104 / 512], [1, 1, 104 / 512], [104 / 512, 104 / 512, (104 / 512) ** 2]], atol=0.01
+    )
 
 
 def test_user_masks_image_and_geojson(tmp_path):
     s = _blank(2000, 3000)
     poly = [[1000, 500], [2600, 500], [2600, 1500], [1000, 1500], [1000, 500]]
     gj = tmp_path / "roi.geojson"
-    gj.write_text(json.dumps({"type": "FeatureCollection", "features": [
-        {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [poly]}, "properties": {}}]}))
+    gj.write_text(
+        json.dumps(
+            {
+                "type": "FeatureCollection",
+                "features": [
+                    {"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [poly]}, "properties": {}}
+                ],
+            }
+        )
+    )
     m1 = mask_from_file(s, gj, size=600)
     assert m1.fraction == pytest.approx(1600 * 1000 / 6e6, abs=0.01)
     png = tmp_path / "mask.png"
@@ -119,6 +129,7 @@ def test_user_masks_image_and_geojson(tmp_path):
 
 
 # -- loader -------------------------------------------------------------------
+
 
 def _tagged_slide(h=2200, w=2700):
     """Each pixel's value encodes nothing; tiles are checked against direct reads."""

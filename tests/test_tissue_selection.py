@@ -48,7 +48,7 @@ def test_background_with_two_stains_keeps_both():
     # Background, a faint stain and a strong one: Otsu alone splits the stains apart.
     img = np.full((400, 600, 3), 240, np.uint8)
     img[:, 300:400] = (200, 150, 180)  # faint: saturation about 64
-    img[:, 400:] = (150, 40, 110)      # strong: saturation about 188
+    img[:, 400:] = (150, 40, 110)  # strong: saturation about 188
     mask = otsu_tissue_mask(img)
     assert mask[:, 310:390].mean() > 0.95 and mask[:, 410:].mean() > 0.95
     assert mask[:, :290].mean() < 0.01
@@ -90,8 +90,12 @@ def test_all_tissue_tiff_from_the_cli(all_tissue_crop, tmp_path):
     slide = tmp_path / "roi.tiff"
     write_pyramid_tiff(slide, all_tissue_crop, levels=2, mpp=0.25)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(slide), "--out", str(out),
-                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(slide), "--out", str(out), "--backend", "ort"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "slides" / "roi" / "summary.json").read_text())
     assert summary["tiles"]["read"] == summary["tiles"]["total"]
@@ -103,8 +107,12 @@ def test_all_white_image_from_the_cli_warns_in_the_log_and_summary(tmp_path):
     image = tmp_path / "white.png"
     cv2.imwrite(str(image), np.full((1000, 1500, 3), 245, np.uint8))
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "wsi_pipeline", "run", str(image), "--out", str(out),
-                           "--backend", "ort"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(image), "--out", str(out), "--backend", "ort"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "WARNING" in (log := (out / "run.log").read_text()) and "no tile selected" in log
     summary = json.loads((out / "slides" / "white" / "summary.json").read_text())

@@ -7,8 +7,17 @@ __version__ = "0.1.0"
 from .errors import SlideError, SlideOpenError, TileReadError, WSIPipelineError  # noqa: E402
 from .slide import Slide, open_slide  # noqa: E402
 
-__all__ = ["__version__", "open_slide", "Pipeline", "Result", "Slide", "SlideError", "SlideOpenError",
-           "TileReadError", "WSIPipelineError"]
+__all__ = [
+    "__version__",
+    "open_slide",
+    "Pipeline",
+    "Result",
+    "Slide",
+    "SlideError",
+    "SlideOpenError",
+    "TileReadError",
+    "WSIPipelineError",
+]
 
 
 def __getattr__(name: str):

@@ -62,16 +62,41 @@ log = logging.getLogger("wsi_pipeline")
 
 # Extensions of files a folder input contributes (lower case; ".ome.tif" is covered by ".tif").
 SLIDE_EXTENSIONS = (
-    ".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif", ".dcm",
-    ".png", ".jpg", ".jpeg", ".bmp",
+    ".svs",
+    ".tif",
+    ".tiff",
+    ".ndpi",
+    ".vms",
+    ".vmu",
+    ".scn",
+    ".mrxs",
+    ".svslide",
+    ".bif",
+    ".dcm",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".bmp",
 )
 LIST_EXTENSIONS = (".txt", ".csv")
 _counter = itertools.count()
-__all__ = ["LOG_FILE", "MANIFEST", "BatchReport", "Manifest", "PipelineFactory", "SlideOutcome", "expand_inputs",
-           "output_names", "process_slide", "run_batch", "run_key"]
+__all__ = [
+    "LOG_FILE",
+    "MANIFEST",
+    "BatchReport",
+    "Manifest",
+    "PipelineFactory",
+    "SlideOutcome",
+    "expand_inputs",
+    "output_names",
+    "process_slide",
+    "run_batch",
+    "run_key",
+]
 
 
 # -- inputs ---------------------------------------------------------------------
+
 
 def _is_slide_file(path: Path) -> bool:
     name = path.name.lower()
@@ -88,8 +113,9 @@ def _read_list(path: Path) -> list[Path]:
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: the list of slides is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
-                         f"offset {exc.start})") from None
+        raise UsageError(
+            f"{path}: the list of slides is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+        ) from None
     if "\x00" in text:
         line = text[: text.index("\x00")].count("\n") + 1
         raise UsageError(f"{path}: line {line}: the list of slides holds a NUL byte (expected text)")
@@ -118,8 +144,9 @@ def _is_link_loop(path: Path) -> bool:
     return False
 
 
-def expand_inputs(inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
-                  ) -> list[Path]:
+def expand_inputs(
+    inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
+) -> list[Path]:
     """Slide paths from files, folders (recursive, by :data:`SLIDE_EXTENSIONS`), globs and lists.
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
@@ -176,8 +203,7 @@ def _dicom_series_uid(path: Path) -> str | None:
     import pydicom
 
     try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SeriesInstanceUID"],
-                             defer_size="1 KB")
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SeriesInstanceUID"], defer_size="1 KB")
     except Exception:  # not DICOM or damaged: it stays a slide of its own, to fail as one
         return None
     uid = ds.get("SeriesInstanceUID")
@@ -209,13 +235,13 @@ def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
 
 # -- resume key -----------------------------------------------------------------
 
+
 def run_key(config: RunConfig, card: ModelCard) -> RunKey:
     """The key of everything besides the slide that decides its outputs (see :mod:`.run_key`)."""
     return RunKey.of(config, card)
 
 
-def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None,
-                                                                                 str | None]:
+def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str | None]:
     """(summary, why the slide at ``path`` needs running) for its outputs ``folder``; the reason is None
     when they are its result under ``key``."""
     from .outputs import OUTPUT_FILES
@@ -226,13 +252,15 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
     required = (summary or {}).get("files")  # what the run wrote (the run key covers the formats asked for)
     if not isinstance(required, list) or not all(isinstance(n, str) for n in required):
         # A summary from before the files were listed: the default set.
-        required = [n for n in OUTPUT_FILES
-                    if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None]
+        required = [
+            n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None
+        ]
     missing = [n for n in required if not (folder / n).exists()]  # files, and the folders of ome-zarr and dicom-heatmap
     return summary, why_redo(summary, key, input_identity(path), missing)
 
 
 # -- manifest -------------------------------------------------------------------
+
 
 class Manifest:
     """``DIR/manifest.json``: one record per slide name, saved atomically on every change.
@@ -254,8 +282,12 @@ class Manifest:
                 log.warning("%s: unreadable, starting a new manifest (finished slide folders are kept)", self.path)
             else:
                 if doc.get("format") == 1:
-                    log.warning("%s: written by an older version, whose slide folders (DIR/<name>/) are not "
-                                "reused; slides now go to DIR/%s/<name>/", self.path, SLIDES_DIR)
+                    log.warning(
+                        "%s: written by an older version, whose slide folders (DIR/<name>/) are not "
+                        "reused; slides now go to DIR/%s/<name>/",
+                        self.path,
+                        SLIDES_DIR,
+                    )
 
     def update(self, name: str, **fields: Any) -> None:
         self.update_records({name: fields})
@@ -270,7 +302,8 @@ class Manifest:
             except OSError as exc:
                 raise OutputFolderError(
                     f"{self.path}: cannot record the batch's progress ({exc.strerror or exc}); the run stops. "
-                    "Finished slides are kept: free space or fix the folder, then run again") from None
+                    "Finished slides are kept: free space or fix the folder, then run again"
+                ) from None
 
 
 def _now() -> str:
@@ -279,30 +312,50 @@ def _now() -> str:
 
 # -- one slide ------------------------------------------------------------------
 
-def process_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
-                  key: RunKey, progress: bool | Callable[[int], None] = False) -> SlideOutcome:
+
+def process_slide(
+    pipeline: Any,
+    path: str | os.PathLike[str],
+    name: str,
+    out_dir: str | os.PathLike[str],
+    key: RunKey,
+    progress: bool | Callable[[int], None] = False,
+) -> SlideOutcome:
     """Run ``pipeline`` on one slide into ``out_dir/slides/name`` (atomically); never raises for a bad
     slide, a failed write included (a full disk fails the slide)."""
     return start_slide(pipeline, path, name, out_dir, key, progress).finish()
 
 
-def start_slide(pipeline: Any, path: str | os.PathLike[str], name: str, out_dir: str | os.PathLike[str],
-                key: RunKey, progress: bool | Callable[[int], None] = False,
-                wait_written: bool = True) -> StartedSlide:
+def start_slide(
+    pipeline: Any,
+    path: str | os.PathLike[str],
+    name: str,
+    out_dir: str | os.PathLike[str],
+    key: RunKey,
+    progress: bool | Callable[[int], None] = False,
+    wait_written: bool = True,
+) -> StartedSlide:
     """Run ``pipeline`` on one slide into a partial folder; :meth:`StartedSlide.finish` completes it.
 
     With ``wait_written=False`` this returns once the slide is stitched, while its files are still
     being written: the next slide's inference can run while ``finish`` (in another thread) waits for
     them. Never raises for a bad slide (its ``finish`` returns the failure)."""
     folder = slides_dir(out_dir)
-    started = StartedSlide(name, str(path), slide_dir(out_dir, name), folder,
-                           folder / f".{name}.partial-{os.getpid()}-{next(_counter)}", time.perf_counter())
+    started = StartedSlide(
+        name,
+        str(path),
+        slide_dir(out_dir, name),
+        folder,
+        folder / f".{name}.partial-{os.getpid()}-{next(_counter)}",
+        time.perf_counter(),
+    )
     try:
         extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
         folder.mkdir(parents=True, exist_ok=True)
         kwargs = {} if wait_written else {"wait_written": False}
-        started.result = pipeline.run(path, out_dir=started.partial, progress=progress, keep_heatmap=False,
-                                      extra_summary=extra, **kwargs)
+        started.result = pipeline.run(
+            path, out_dir=started.partial, progress=progress, keep_heatmap=False, extra_summary=extra, **kwargs
+        )
     except KeyboardInterrupt:
         started.discard("the outputs of an interrupted slide")
         raise
@@ -327,8 +380,9 @@ class StartedSlide:
     def fail(self, exc: BaseException) -> None:
         self.discard("the outputs of a failed slide")
         log.debug("slide %s failed", self.path, exc_info=exc)
-        self.outcome = SlideOutcome(self.name, self.path, "failed", time.perf_counter() - self.t0,
-                                    error=_describe(exc, self.path, self.folder))
+        self.outcome = SlideOutcome(
+            self.name, self.path, "failed", time.perf_counter() - self.t0, error=_describe(exc, self.path, self.folder)
+        )
 
     def discard(self, what: str = "the outputs of a slide not asked for") -> None:
         wait = getattr(self.result, "wait_written", None)
@@ -354,8 +408,14 @@ class StartedSlide:
             else:
                 os.replace(self.partial, self.final)
             summary = self.result.summary
-            self.outcome = SlideOutcome(self.name, self.path, "done", time.perf_counter() - self.t0,
-                                        dict(summary["counts"]), tiles=(summary.get("tiles") or {}).get("read"))
+            self.outcome = SlideOutcome(
+                self.name,
+                self.path,
+                "done",
+                time.perf_counter() - self.t0,
+                dict(summary["counts"]),
+                tiles=(summary.get("tiles") or {}).get("read"),
+            )
         except KeyboardInterrupt:
             self.discard("the outputs of an interrupted slide")
             raise
@@ -374,11 +434,11 @@ def _describe(exc: BaseException, path: Any, folder: Path) -> str:
 
 # -- the batch ------------------------------------------------------------------
 
+
 def display_width(text: str) -> int:
     """Terminal columns ``text`` takes: East Asian wide and full-width characters take two,
     combining marks none."""
-    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
-               for ch in text)
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
 @dataclass
@@ -404,16 +464,18 @@ class BatchReport:
             status = "done earlier" if o.status == "skipped" else o.status
             rows.append((printable(o.name), status, counts, f"{o.seconds:.1f}"))
         widths = [max(display_width(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c + " " * (w - display_width(c)) for c, w in zip(r, widths, strict=True)).rstrip()
-                 for r in rows]
+        lines = [
+            "  ".join(c + " " * (w - display_width(c)) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         for o in self.failed:
             lines.append(printable(f"failed: {o.name}: {o.error}"))
         return "\n".join(lines)
 
 
-def plan(slides: list[Path], out_dir: Path, key: RunKey, force: bool) -> tuple[list[tuple[Path, str]],
-                                                                              list[SlideOutcome]]:
+def plan(
+    slides: list[Path], out_dir: Path, key: RunKey, force: bool
+) -> tuple[list[tuple[Path, str]], list[SlideOutcome]]:
     """Split slides into (to run, already done) by their folders' run keys and input identities;
     log why each slide that has outputs is redone."""
     todo: list[tuple[Path, str]] = []
@@ -429,9 +491,17 @@ def plan(slides: list[Path], out_dir: Path, key: RunKey, force: bool) -> tuple[l
     return todo, done
 
 
-def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_factory: Callable[[], Any],
-              config: RunConfig, key: RunKey, force: bool = False, progress: bool = True,
-              dask: str | None = None, on_outcome: Callable[[SlideOutcome], None] | None = None) -> BatchReport:
+def run_batch(
+    slides: list[Path],
+    out_dir: str | os.PathLike[str],
+    pipeline_factory: Callable[[], Any],
+    config: RunConfig,
+    key: RunKey,
+    force: bool = False,
+    progress: bool = True,
+    dask: str | None = None,
+    on_outcome: Callable[[SlideOutcome], None] | None = None,
+) -> BatchReport:
     """Run every slide not already done; record each in the manifest as it ends.
 
     ``pipeline_factory`` builds the pipeline (once, and only when a slide
@@ -453,8 +523,9 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
         try:
             slides_dir(out).mkdir(exist_ok=True)
         except OSError as exc:
-            raise OutputFolderError(f"{slides_dir(out)}: cannot make the folder of the slides' outputs: "
-                                    f"{exc.strerror or exc}") from None
+            raise OutputFolderError(
+                f"{slides_dir(out)}: cannot make the folder of the slides' outputs: {exc.strerror or exc}"
+            ) from None
         clean_leftovers(out)
         manifest = Manifest(out)
         todo, done = plan(slides, out, key, force)
@@ -471,11 +542,17 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
             except BaseException:
                 runner.close()
                 raise
-        manifest.update_records({
-            **{o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts)
-               for o in done},
-            **{name: dict(**path_record(path), status="pending", run_key=key.value, error=None)
-               for path, name in todo}})
+        manifest.update_records(
+            {
+                **{
+                    o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts) for o in done
+                },
+                **{
+                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None)
+                    for path, name in todo
+                },
+            }
+        )
 
         def record(o: SlideOutcome) -> None:
             outcomes[o.name] = o
@@ -506,8 +583,11 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
                         bar.update(1)
         except KeyboardInterrupt:
             # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
-            stopped = [n for _, n in todo if n not in outcomes and (
-                dask or manifest.slides.get(n, {}).get("status") == "running")]
+            stopped = [
+                n
+                for _, n in todo
+                if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
+            ]
             manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
             raise
         finally:
@@ -519,8 +599,9 @@ def run_batch(slides: list[Path], out_dir: str | os.PathLike[str], pipeline_fact
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 
-def _run_local(todo: list[tuple[Path, str]], out: Path, runner: Any, config: RunConfig, key: RunKey,
-               manifest: Manifest) -> Generator[SlideOutcome, None, None]:
+def _run_local(
+    todo: list[tuple[Path, str]], out: Path, runner: Any, config: RunConfig, key: RunKey, manifest: Manifest
+) -> Generator[SlideOutcome, None, None]:
     if not todo:
         return
     try:
@@ -528,7 +609,8 @@ def _run_local(todo: list[tuple[Path, str]], out: Path, runner: Any, config: Run
             runner.prepare()  # the model loads before the slide counts as running, and outside its limit
             manifest.update(name, status="running", started=_now())
             log.info("%s: started (%d of %d)", path, i, len(todo))
-            yield runner.run(path, name, out, key, slide_time_limit(config, path),
-                             next_slide=todo[i] if i < len(todo) else None)
+            yield runner.run(
+                path, name, out, key, slide_time_limit(config, path), next_slide=todo[i] if i < len(todo) else None
+            )
     finally:
         runner.close()

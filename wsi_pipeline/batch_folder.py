@@ -59,6 +59,7 @@ def slide_dir(out_dir: str | os.PathLike[str], name: str) -> Path:
 
 # -- names ----------------------------------------------------------------------
 
+
 def _stem(p: Path) -> str:
     name = p.name
     for ext in (".ome.tiff", ".ome.tif"):
@@ -158,8 +159,10 @@ def _acquire(out: Path) -> int:
     except OSError:
         holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
-        raise UsageError(f"{out}: another run (process {holder}) is writing into this folder; "
-                         "wait for it to end or give another --out") from None
+        raise UsageError(
+            f"{out}: another run (process {holder}) is writing into this folder; "
+            "wait for it to end or give another --out"
+        ) from None
     with contextlib.suppress(OSError):  # the pid is for the message above only
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -167,6 +170,7 @@ def _acquire(out: Path) -> int:
 
 
 # -- removal ----------------------------------------------------------------------
+
 
 def remove_path(path: str | os.PathLike[str]) -> None:
     """Remove a file, link or folder tree, read-only folders included; OSError when it cannot."""
@@ -215,6 +219,7 @@ def clean_leftovers(out_dir: str | os.PathLike[str]) -> None:
 
 
 # -- the log file -------------------------------------------------------------------
+
 
 class BatchLogHandler(logging.FileHandler):
     """``DIR/run.log``: any file name is written (undecodable bytes escaped), and a failed write

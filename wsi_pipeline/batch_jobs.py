@@ -31,8 +31,15 @@ class SlideOutcome:
     tiles: int | None = None  # tiles read (None when not run)
 
     def as_record(self) -> dict[str, Any]:
-        return {**path_record(self.path), "status": self.status, "seconds": round(self.seconds, 3),
-                "counts": self.counts, "error": self.error, "worker": self.worker, "tiles": self.tiles}
+        return {
+            **path_record(self.path),
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "counts": self.counts,
+            "error": self.error,
+            "worker": self.worker,
+            "tiles": self.tiles,
+        }
 
     def describe(self) -> str:
         """One line for the log: seconds, tiles read, detections per class."""
@@ -66,8 +73,10 @@ class PipelineFactory:
         except BackendUnavailableError as exc:
             if self.config.backend == "auto":
                 raise
-            raise UsageError(f"backend {self.config.backend}: {exc}; --backend ort runs on the CPU, "
-                             "--backend auto takes the best this machine has") from exc
+            raise UsageError(
+                f"backend {self.config.backend}: {exc}; --backend ort runs on the CPU, "
+                "--backend auto takes the best this machine has"
+            ) from exc
 
 
 __all__ = ["PipelineFactory", "SlideOutcome", "path_record"]

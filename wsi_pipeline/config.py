@@ -124,8 +124,12 @@ class RunConfig:
             raise bad("min_tissue", "a fraction in [0, 1]", self.min_tissue)
         if self.tissue == "file" and not self.mask:
             raise ConfigError(f"{source}: tissue = 'file' needs mask = PATH")
-        for key, most in (("workers", MAX_WORKERS), ("batch_size", MAX_BATCH_SIZE), ("streams", MAX_STREAMS),
-                          ("overlay_size", MAX_OVERLAY_SIZE)):
+        for key, most in (
+            ("workers", MAX_WORKERS),
+            ("batch_size", MAX_BATCH_SIZE),
+            ("streams", MAX_STREAMS),
+            ("overlay_size", MAX_OVERLAY_SIZE),
+        ):
             v = getattr(self, key)
             if v is not None and not 1 <= v <= most:
                 raise bad(key, f"between 1 and {most}", v)
@@ -185,7 +189,11 @@ class RunConfig:
 
 def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
     args = typing.get_args(hint)
-    allowed = [a for a in args if a is not type(None)] if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint]
+    allowed = (
+        [a for a in args if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else [hint]
+    )
     if value is None:
         if type(None) in args:
             return None
@@ -203,8 +211,9 @@ def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
             return value
         if typing.get_origin(t) is tuple and isinstance(value, str | list | tuple):
             return value  # the names are checked by validate()
-    names = " or ".join("a list of names or a comma-separated string" if typing.get_origin(t) is tuple
-                        else t.__name__ for t in allowed)
+    names = " or ".join(
+        "a list of names or a comma-separated string" if typing.get_origin(t) is tuple else t.__name__ for t in allowed
+    )
     raise ConfigError(f"{source}: {key}: expected {names}, found {type(value).__name__} {value!r}")
 
 
@@ -222,8 +231,10 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: expected UTF-8 text, found byte "
-                          f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
+        raise ConfigError(
+            f"{path}: not valid TOML: expected UTF-8 text, found byte "
+            f"0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     if "run" in doc and isinstance(doc["run"], dict):

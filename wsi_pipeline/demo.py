@@ -1,6 +1,6 @@
 """``make demo``: write a small synthetic slide and run ``wsi-pipeline run`` on it.
 
-    python -m wsi_pipeline.demo [--out demo_out] [--size 4096]
+python -m wsi_pipeline.demo [--out demo_out] [--size 4096]
 """
 
 from __future__ import annotations
@@ -35,9 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     folder = slide_dir(results, "demo_slide").resolve()  # absolute: the notebook runs from notebooks/
     summary = load_summary(folder)
     tumour = (summary.get("heatmap_scores") or {}).get("tumour", {})
-    print(f"\nfound {summary['detections_total']} nuclei; tissue {summary['tissue']['area_mm2']:.3f} mm2, "
-          f"tumour {tumour.get('area_above_0.5_mm2', 0):.3f} mm2 "
-          f"({100 * tumour.get('fraction_of_tissue_above_0.5', 0):.1f} % of tissue)")
+    print(
+        f"\nfound {summary['detections_total']} nuclei; tissue {summary['tissue']['area_mm2']:.3f} mm2, "
+        f"tumour {tumour.get('area_above_0.5_mm2', 0):.3f} mm2 "
+        f"({100 * tumour.get('fraction_of_tissue_above_0.5', 0):.1f} % of tissue)"
+    )
     print(f"""
 outputs in {folder}{os.sep}:
   overlay.png          the slide with the tumour heatmap and the boxes: open it in any image viewer

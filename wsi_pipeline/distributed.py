@@ -78,16 +78,26 @@ def start_local_cluster(n_workers: int, gpus: int | None = None):
     try:
         from dask_cuda import LocalCUDACluster
 
-        return LocalCUDACluster(n_workers=n, threads_per_worker=1, host="127.0.0.1",
-                                CUDA_VISIBLE_DEVICES=list(range(n)), env=env, **common)
+        return LocalCUDACluster(
+            n_workers=n, threads_per_worker=1, host="127.0.0.1", CUDA_VISIBLE_DEVICES=list(range(n)), env=env, **common
+        )
     except ImportError:
         pass
     # dask-cuda's layout from plain dask: one Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES.
     from dask.distributed import Nanny, Scheduler, SpecCluster
 
-    workers = {f"gpu-{i}": {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "memory_limit": 0,
-                                                       "env": {**env, "CUDA_VISIBLE_DEVICES": str(i)}}}
-               for i in range(n)}
+    workers = {
+        f"gpu-{i}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "host": "127.0.0.1",
+                "memory_limit": 0,
+                "env": {**env, "CUDA_VISIBLE_DEVICES": str(i)},
+            },
+        }
+        for i in range(n)
+    }
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": None}}
     return SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.ERROR)
 
@@ -97,8 +107,9 @@ def check_address(address: str) -> int | None:
     try:
         import dask.distributed  # noqa: F401
     except ImportError:
-        raise UsageError(f"--dask {address}: dask.distributed is not installed: "
-                         "pip install 'wsi-pipeline[dask]'") from None
+        raise UsageError(
+            f"--dask {address}: dask.distributed is not installed: pip install 'wsi-pipeline[dask]'"
+        ) from None
     if not address.startswith("local:"):
         return None
     try:
@@ -145,21 +156,23 @@ def slide_task(path: str, name: str, out_dir: str, config_doc: dict[str, Any], k
 
     config = RunConfig.from_mapping(config_doc, "task")
     try:
-        outcome = _worker_runner(config_doc).run(Path(path), name, Path(out_dir), key,
-                                                 slide_time_limit(config, path))
+        outcome = _worker_runner(config_doc).run(Path(path), name, Path(out_dir), key, slide_time_limit(config, path))
     except Exception as exc:
         with _worker_lock:
             runner = _worker_runners.pop(json.dumps(config_doc, sort_keys=True), None)
         if runner is not None:
             runner.close()
-        return {**SlideOutcome(name, path, "failed", error=f"worker could not build the pipeline: {exc}")
-                .as_record(), "name": name}
+        return {
+            **SlideOutcome(name, path, "failed", error=f"worker could not build the pipeline: {exc}").as_record(),
+            "name": name,
+        }
     outcome.worker = f"{socket.gethostname()}:{os.getpid()}"
     return {**outcome.as_record(), "name": name}
 
 
-def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig,
-                key: RunKey) -> Iterator[SlideOutcome]:
+def run_on_dask(
+    address: str, todo: list[tuple[Path, str]], out_dir: Path, config: RunConfig, key: RunKey
+) -> Iterator[SlideOutcome]:
     """Submit every slide as a task; yield outcomes as they finish."""
     from dask.distributed import as_completed
 
@@ -173,8 +186,9 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
         futures = []
         where: dict[str, tuple[Path, str]] = {}
         for path, name in todo:
-            fut = client.submit(slide_task, str(path), name, str(out_dir), doc, key, pure=False,
-                                key=f"slide-{name}-{key.value}")
+            fut = client.submit(
+                slide_task, str(path), name, str(out_dir), doc, key, pure=False, key=f"slide-{name}-{key.value}"
+            )
             futures.append(fut)
             where[fut.key] = (path, name)
         for fut in as_completed(futures):
@@ -184,10 +198,17 @@ def run_on_dask(address: str, todo: list[tuple[Path, str]], out_dir: Path, confi
             except Exception as exc:  # the worker died (KilledWorker) or the task could not run
                 yield SlideOutcome(name, str(path), "failed", error=f"{path}: task failed on the cluster: {exc}")
                 continue
-            yield SlideOutcome(rec["name"], str(path), rec["status"], rec["seconds"], rec["counts"] or {},
-                               rec["error"], rec.get("worker"), rec.get("tiles"))
+            yield SlideOutcome(
+                rec["name"],
+                str(path),
+                rec["status"],
+                rec["seconds"],
+                rec["counts"] or {},
+                rec["error"],
+                rec.get("worker"),
+                rec.get("tiles"),
+            )
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
-

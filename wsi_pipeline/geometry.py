@@ -61,11 +61,13 @@ def check_tiling(tile: int, overlap: int, heatmap_stride: int | None = None, *, 
     if heatmap_stride is not None and (tile % heatmap_stride or (tile - overlap) % heatmap_stride):
         raise ConfigError(
             f"{pre}overlap: tile size minus overlap ({tile} - {overlap}) must be a multiple of the "
-            f"model's heatmap stride {heatmap_stride}")
+            f"model's heatmap stride {heatmap_stride}"
+        )
 
 
-def read_resolution(slide: _Pyramid, level: int | None = None, mpp: float | None = None,
-                    preferred_mpp: float | None = None) -> tuple[int, float]:
+def read_resolution(
+    slide: _Pyramid, level: int | None = None, mpp: float | None = None, preferred_mpp: float | None = None
+) -> tuple[int, float]:
     """The level to read and the downsample (level-0 pixels per grid pixel) of a grid.
 
     ``level``: read that level as it is. ``mpp``: read at that resolution
@@ -88,17 +90,25 @@ def read_resolution(slide: _Pyramid, level: int | None = None, mpp: float | None
         raise ConfigError(f"target mpp must be a positive number, got {want}")
     if slide.mpp is None:
         if mpp is not None:
-            raise ConfigError(f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
-                              "resolution is unknown; choose a level instead")
-        warnings.warn(f"{slide.path}: resolution unknown; the model expects {want} um/px, reading level 0",
-                      stacklevel=3)
+            raise ConfigError(
+                f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
+                "resolution is unknown; choose a level instead"
+            )
+        warnings.warn(
+            f"{slide.path}: resolution unknown; the model expects {want} um/px, reading level 0", stacklevel=3
+        )
         return 0, float(slide.level_downsamples[0])
     if want < slide.mpp[0] * (1 - RESOLUTION_RTOL):
         if mpp is not None:
-            raise ConfigError(f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
-                              f"({slide.mpp[0]:.4g} um/px); upsampling is not supported")
-        warnings.warn(f"{slide.path}: level 0 is {slide.mpp[0]:.4g} um/px, coarser than the model's "
-                      f"{want} um/px; reading level 0 as it is", stacklevel=3)
+            raise ConfigError(
+                f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
+                f"({slide.mpp[0]:.4g} um/px); upsampling is not supported"
+            )
+        warnings.warn(
+            f"{slide.path}: level 0 is {slide.mpp[0]:.4g} um/px, coarser than the model's "
+            f"{want} um/px; reading level 0 as it is",
+            stacklevel=3,
+        )
         return 0, float(slide.level_downsamples[0])
     downsample = want / slide.mpp[0]
     return slide.best_level_for_downsample(downsample), float(downsample)
@@ -132,18 +142,28 @@ class TilingGeometry:
         if min(self.width_level0, self.height_level0) <= 0 or not self.downsample > 0:
             raise ConfigError(
                 f"tiling: expected a positive slide size and downsample, found "
-                f"{self.width_level0} x {self.height_level0} level-0 px at downsample {self.downsample}")
+                f"{self.width_level0} x {self.height_level0} level-0 px at downsample {self.downsample}"
+            )
 
     @classmethod
-    def for_slide(cls, slide: _Pyramid, tile: int, overlap: int, *, level: int | None = None,
-                  mpp: float | None = None, preferred_mpp: float | None = None,
-                  heatmap_stride: int | None = None) -> TilingGeometry:
+    def for_slide(
+        cls,
+        slide: _Pyramid,
+        tile: int,
+        overlap: int,
+        *,
+        level: int | None = None,
+        mpp: float | None = None,
+        preferred_mpp: float | None = None,
+        heatmap_stride: int | None = None,
+    ) -> TilingGeometry:
         """The geometry of ``slide`` read as :func:`read_resolution` decides."""
         check_tiling(tile, overlap, heatmap_stride)
         lvl, ds = read_resolution(slide, level, mpp, preferred_mpp)
         w0, h0 = slide.dimensions
-        return cls(int(w0), int(h0), int(tile), int(overlap), ds, lvl, float(slide.level_downsamples[lvl]),
-                   heatmap_stride)
+        return cls(
+            int(w0), int(h0), int(tile), int(overlap), ds, lvl, float(slide.level_downsamples[lvl]), heatmap_stride
+        )
 
     # -- the grid plane ----------------------------------------------------------
     @property

@@ -62,8 +62,16 @@ class SlideOutputs:
         keep_heatmap: hold the blended heatmap in memory.
     """
 
-    def __init__(self, geometry: TilingGeometry, card: ModelCard, config: RunConfig, slide: Slide,
-                 mask: TissueMask, out: Path | None, keep_heatmap: bool):
+    def __init__(
+        self,
+        geometry: TilingGeometry,
+        card: ModelCard,
+        config: RunConfig,
+        slide: Slide,
+        mask: TissueMask,
+        out: Path | None,
+        keep_heatmap: bool,
+    ):
         self.geometry, self.card, self.config, self.slide, self.out = geometry, card, config, slide, out
         self.writer: OmeTiffHeatmapWriter | None = None
         self.zarr_writer: Any = None  # an OmeZarrHeatmapWriter with ``ome-zarr``
@@ -79,14 +87,16 @@ class SlideOutputs:
         sinks: list[Sink] = []
         plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
         if out is not None and "ome-tiff" in config.formats:
-            self.writer = OmeTiffHeatmapWriter(out / FORMATS["ome-tiff"].filename, g.heatmap_width,
-                                               g.heatmap_height, c, **plane)
+            self.writer = OmeTiffHeatmapWriter(
+                out / FORMATS["ome-tiff"].filename, g.heatmap_width, g.heatmap_height, c, **plane
+            )
             sinks.append(self.writer)
         if out is not None and "ome-zarr" in config.formats:
             from .io.ome_zarr import OmeZarrHeatmapWriter  # needs zarr: only where chosen
 
-            self.zarr_writer = OmeZarrHeatmapWriter(out / FORMATS["ome-zarr"].filename, g.heatmap_width,
-                                                    g.heatmap_height, c, **plane)
+            self.zarr_writer = OmeZarrHeatmapWriter(
+                out / FORMATS["ome-zarr"].filename, g.heatmap_width, g.heatmap_height, c, **plane
+            )
             sinks.append(self.zarr_writer)
         if keep_heatmap:
             self.array_sink = ArraySink(c, g.heatmap_height, g.heatmap_width)
@@ -95,12 +105,14 @@ class SlideOutputs:
         sinks.append(self.stats)
         w0, h0 = slide.dimensions
         thumb_downsample = max(w0 / config.overlay_size, h0 / config.overlay_size, 1.0)
-        self.reduced = ReducedCopy(c, g.heatmap_height, g.heatmap_width,
-                                   max(1, int(thumb_downsample // g.heatmap_scale_level0)))
+        self.reduced = ReducedCopy(
+            c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
+        )
         sinks.append(self.reduced)
         self.heatmap_sink = fan_out(*sinks)
-        self.heatmap_weights = tile_weights(g.heatmap_tile, config.blend, config.sigma_scale,
-                                            overlap_px=(g.overlap // hm.stride) or 1)
+        self.heatmap_weights = tile_weights(
+            g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
+        )
 
     @property
     def heatmap_channels(self) -> int:
@@ -127,7 +139,7 @@ class SlideOutputs:
         """Per-class statistics over the tissue (see :class:`~.stitch.sinks.HeatmapStats`)."""
         if self.stats is None:
             return None
-        mm2 = mm2_per_px0 * self.geometry.heatmap_scale_level0 ** 2 if mm2_per_px0 else None
+        mm2 = mm2_per_px0 * self.geometry.heatmap_scale_level0**2 if mm2_per_px0 else None
         return self.stats.summary(list(self.card.heatmap.classes), mm2)
 
     def overlay_inputs(self, dets: np.ndarray) -> tuple:
@@ -156,8 +168,11 @@ class SlideOutputs:
         classes = [{"name": c.name, "color": c.color} for c in self.card.classes]
         # The overlay reads the thumbnail: that may fail, before any file is begun.
         overlay = self.overlay_inputs(dets) if chosen(formats, OVERLAY) else None
-        slide = {"dimensions": tuple(self.slide.dimensions), "slide_path": self.slide.absolute_path,
-                 "mpp": self.slide.mpp}
+        slide = {
+            "dimensions": tuple(self.slide.dimensions),
+            "slide_path": self.slide.absolute_path,
+            "mpp": self.slide.mpp,
+        }
         jobs = WriteJobs()
         for fmt in chosen(formats):
             if fmt.kind in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
@@ -170,8 +185,9 @@ class SlideOutputs:
                 # Files made from the finished heatmap file (its pyramid read back, not the stream).
                 for fmt in chosen(formats, HEATMAP_FILE) if self.writer is not None else ():
                     job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
-                    writers.submit(jobs, fmt.filename, job, out / fmt.filename, self.writer.path,
-                                   list(self.card.heatmap.classes))
+                    writers.submit(
+                        jobs, fmt.filename, job, out / fmt.filename, self.writer.path, list(self.card.heatmap.classes)
+                    )
                 return heatmap
             finally:
                 jobs.wait()
@@ -183,8 +199,11 @@ class SlideOutputs:
         GeoJSON format, ``geojson_left_out`` (boxes without area, not written there; logged)."""
         notes = detection_notes(self.config.formats, dets)
         if notes.get("geojson_left_out"):
-            log.warning("%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
-                        self.slide.path, notes["geojson_left_out"])
+            log.warning(
+                "%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
+                self.slide.path,
+                notes["geojson_left_out"],
+            )
         return {"files": output_files(self.config.formats, heatmap=self.card.heatmap is not None), **notes}
 
     def write_summary(self, summary: dict[str, Any]) -> None:

@@ -84,9 +84,15 @@ class Pipeline:
     ``max_wait_s`` for a batch to fill).
     """
 
-    def __init__(self, card: ModelCard | str | os.PathLike[str] | None = None, backend: str = "auto",
-                 config: RunConfig | None = None, max_wait_s: float = 0.005,
-                 writer_processes: int = DEFAULT_WRITER_PROCESSES, **overrides: Any):
+    def __init__(
+        self,
+        card: ModelCard | str | os.PathLike[str] | None = None,
+        backend: str = "auto",
+        config: RunConfig | None = None,
+        max_wait_s: float = 0.005,
+        writer_processes: int = DEFAULT_WRITER_PROCESSES,
+        **overrides: Any,
+    ):
         config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
         if card is None:
             card = config.model or DEFAULT_MODEL
@@ -95,19 +101,26 @@ class Pipeline:
         self._check_card_config()
         requested = backend if backend != "auto" else config.backend
         self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
-        self.batch_size = config.batch_size or min(default_batch_size(self.card, self.executor.is_cuda),
-                                                   self.executor.max_batch)
+        self.batch_size = config.batch_size or min(
+            default_batch_size(self.card, self.executor.is_cuda), self.executor.max_batch
+        )
         self.reader_workers = config.workers or default_reader_workers(os.cpu_count() or 2)
-        self.service = TileService(self.executor.infer_tiles, max_batch=self.batch_size,
-                                   workers=self.executor.streams, max_wait_s=max_wait_s)
+        self.service = TileService(
+            self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
+        )
         self.writers = WriterPool(writer_processes)
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False
 
     @classmethod
-    def from_card(cls, path: str | os.PathLike[str] | None = None, backend: str = "auto",
-                  config: RunConfig | None = None, **overrides: Any) -> Pipeline:
+    def from_card(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        backend: str = "auto",
+        config: RunConfig | None = None,
+        **overrides: Any,
+    ) -> Pipeline:
         """Load the model card at ``path`` (default: the shipped pathology model) once."""
         return cls(path, backend=backend, config=config, **overrides)
 
@@ -123,9 +136,15 @@ class Pipeline:
         check_tiling(h, cfg.overlap, stride, where=str(self.card.card_path or self.card.name))
 
     # -- running ---------------------------------------------------------------
-    def run(self, source: str | os.PathLike[str] | Slide | np.ndarray, out_dir: str | os.PathLike[str] | None = None,
-            progress: bool | Progress = False, keep_heatmap: bool | None = None,
-            extra_summary: dict[str, Any] | None = None, wait_written: bool = True) -> Result:
+    def run(
+        self,
+        source: str | os.PathLike[str] | Slide | np.ndarray,
+        out_dir: str | os.PathLike[str] | None = None,
+        progress: bool | Progress = False,
+        keep_heatmap: bool | None = None,
+        extra_summary: dict[str, Any] | None = None,
+        wait_written: bool = True,
+    ) -> Result:
         """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
 
         ``out_dir``: write the files of ``config.formats`` there (by default
@@ -154,8 +173,17 @@ class Pipeline:
             slide = as_slide(source)
         slide.on_damaged_tile = self.config.on_damaged_tile
         try:
-            return self._run_slide(slide, isinstance(source, np.ndarray), out_dir, progress, keep_heatmap,
-                                   timer, t_start, extra_summary or {}, wait_written)
+            return self._run_slide(
+                slide,
+                isinstance(source, np.ndarray),
+                out_dir,
+                progress,
+                keep_heatmap,
+                timer,
+                t_start,
+                extra_summary or {},
+                wait_written,
+            )
         finally:
             if owns:
                 slide.close()
@@ -164,13 +192,27 @@ class Pipeline:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
         cfg, card = self.config, self.card
         return TilingGeometry.for_slide(
-            slide, card.input.size_hw[0], cfg.overlap, level=cfg.level, mpp=cfg.mpp,
+            slide,
+            card.input.size_hw[0],
+            cfg.overlap,
+            level=cfg.level,
+            mpp=cfg.mpp,
             preferred_mpp=card.mpp if cfg.level is None and cfg.mpp is None else None,
-            heatmap_stride=card.heatmap.stride if card.heatmap is not None else None)
+            heatmap_stride=card.heatmap.stride if card.heatmap is not None else None,
+        )
 
-    def _run_slide(self, slide: Slide, is_array: bool, out_dir: str | os.PathLike[str] | None,
-                   progress: bool | Progress, keep_heatmap: bool | None, timer: StageTimer,
-                   t_start: float, extra_summary: dict[str, Any], wait_written: bool = True) -> Result:
+    def _run_slide(
+        self,
+        slide: Slide,
+        is_array: bool,
+        out_dir: str | os.PathLike[str] | None,
+        progress: bool | Progress,
+        keep_heatmap: bool | None,
+        timer: StageTimer,
+        t_start: float,
+        extra_summary: dict[str, Any],
+        wait_written: bool = True,
+    ) -> Result:
         cfg, card = self.config, self.card
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
@@ -193,8 +235,15 @@ class Pipeline:
 
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, out, keep_heatmap)
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
-        stitcher = Stitcher(geometry, policy, cfg.score_threshold, outputs.heatmap_sink, outputs.heatmap_weights,
-                            outputs.heatmap_channels, source=str(card.card_path or card.name))
+        stitcher = Stitcher(
+            geometry,
+            policy,
+            cfg.score_threshold,
+            outputs.heatmap_sink,
+            outputs.heatmap_weights,
+            outputs.heatmap_channels,
+            source=str(card.card_path or card.name),
+        )
         run_info: dict[str, Any] = {"tile_decode": {"where": "cpu", "why": "an array in memory"}}
         bar = None
         if progress is True:
@@ -216,8 +265,21 @@ class Pipeline:
                 t_write = time.perf_counter()
                 heatmap = outputs.close_heatmap() if out is None else None
                 tissue = {"method": method, "fraction": float(mask.fraction), "area_mm2": None}
-                result = self._result(slide, grid, tissue, mask, tiles, outputs, dets, heatmap, timer, t_start,
-                                      t_write, {**run_info, **extra_summary}, wait_written)
+                result = self._result(
+                    slide,
+                    grid,
+                    tissue,
+                    mask,
+                    tiles,
+                    outputs,
+                    dets,
+                    heatmap,
+                    timer,
+                    t_start,
+                    t_write,
+                    {**run_info, **extra_summary},
+                    wait_written,
+                )
         except BaseException:
             outputs.abort()
             raise
@@ -249,17 +311,29 @@ class Pipeline:
             raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
         return "cpu", reason
 
-    def _infer_slide(self, slide: Slide, tiles: list[Tile], stitcher: Stitcher, report: Progress | None,
-                     timer: StageTimer, run_info: dict[str, Any]) -> None:
+    def _infer_slide(
+        self,
+        slide: Slide,
+        tiles: list[Tile],
+        stitcher: Stitcher,
+        report: Progress | None,
+        timer: StageTimer,
+        run_info: dict[str, Any],
+    ) -> None:
         where, why = self._tile_decode(slide, tiles)
         log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
         read_s = [0.0]
         if where == "gpu":
             from .tiling.gpu_loader import GpuTileLoader
 
-            loader: Any = GpuTileLoader(slide, tiles, batch_size=self.batch_size * GPU_DECODE_BATCHES,
-                                        device=str(self.executor.backend.device),
-                                        prefetch=self.executor.streams + 1, decode_threads=2)
+            loader: Any = GpuTileLoader(
+                slide,
+                tiles,
+                batch_size=self.batch_size * GPU_DECODE_BATCHES,
+                device=str(self.executor.backend.device),
+                prefetch=self.executor.streams + 1,
+                decode_threads=2,
+            )
         else:
             lock = threading.Lock()
 
@@ -269,9 +343,16 @@ class Pipeline:
                 with lock:
                     read_s[0] += time.perf_counter() - t0
 
-            loader = TileLoader(slide, tiles, batch_size=self.batch_size, workers=self.reader_workers,
-                                prefetch=max(2, self.executor.streams), auto_release=False,
-                                max_held=self.executor.streams + 1, read=timed_read)
+            loader = TileLoader(
+                slide,
+                tiles,
+                batch_size=self.batch_size,
+                workers=self.reader_workers,
+                prefetch=max(2, self.executor.streams),
+                auto_release=False,
+                max_held=self.executor.streams + 1,
+                read=timed_read,
+            )
         with loader:
             for br in self.executor.run(loader, ordered=True):
                 stitcher.add_batch(br.tiles, br.detections)
@@ -289,7 +370,7 @@ class Pipeline:
         pending: list[tuple[list[Tile], Any]] = []
         max_pending = self.executor.streams + 1
         for start in range(0, len(tiles), chunk):
-            part = tiles[start:start + chunk]
+            part = tiles[start : start + chunk]
             images = np.empty((len(part), size, size, 3), np.uint8)
             for i, t in enumerate(part):
                 read_tile(slide, t, images[i])
@@ -306,28 +387,64 @@ class Pipeline:
         if report is not None:
             report(len(part))
 
-    def _result(self, slide: Slide, grid: TileGrid, tissue: dict[str, Any], mask: TissueMask, tiles: list[Tile],
-                outputs: SlideOutputs, dets: np.ndarray, heatmap: Any, timer: StageTimer, t_start: float,
-                t_write: float, extra_summary: dict[str, Any], wait_written: bool = True) -> Result:
+    def _result(
+        self,
+        slide: Slide,
+        grid: TileGrid,
+        tissue: dict[str, Any],
+        mask: TissueMask,
+        tiles: list[Tile],
+        outputs: SlideOutputs,
+        dets: np.ndarray,
+        heatmap: Any,
+        timer: StageTimer,
+        t_start: float,
+        t_write: float,
+        extra_summary: dict[str, Any],
+        wait_written: bool = True,
+    ) -> Result:
         card = self.card
         mm2_per_px0 = (slide.mpp[0] * slide.mpp[1] / 1e6) if slide.mpp else None
         if mm2_per_px0:
             tissue["area_mm2"] = float(mask.area_level0_px() * mm2_per_px0)
         summary = build_summary(
-            slide=slide, dets=dets, card=card, tissue=tissue,  # type: ignore[arg-type]
-            tiles={"total": len(grid), "read": len(tiles), "skipped": len(grid) - len(tiles),
-                   "grid": [grid.n_rows, grid.n_cols], "level": grid.level, "downsample": grid.downsample},
+            slide=slide,
+            dets=dets,
+            card=card,
+            tissue=tissue,  # type: ignore[arg-type]
+            tiles={
+                "total": len(grid),
+                "read": len(tiles),
+                "skipped": len(grid) - len(tiles),
+                "grid": [grid.n_rows, grid.n_cols],
+                "level": grid.level,
+                "downsample": grid.downsample,
+            },
             heatmap_scale_level0=outputs.geometry.heatmap_scale_level0,
             heatmap_scores=outputs.heatmap_scores(mm2_per_px0),
             seconds={**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},
-            run={"peak_host_memory_mb": round(peak_host_memory_mb(), 1),
-                 "peak_gpu_memory_mb": _round(peak_gpu_memory_mb()),
-                 "backend": self.backend_name, "batch_size": self.batch_size, "streams": self.executor.streams,
-                 "reader_workers": self.reader_workers, "parameters": self.config.as_dict(),
-                 "versions": package_versions()},
-            extra=extra_summary)
-        result = Result(str(slide.path), dets, heatmap, outputs.geometry.heatmap_scale_level0, summary,
-                        card.class_names, list(card.heatmap.classes) if card.heatmap else [], outputs.out)
+            run={
+                "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
+                "peak_gpu_memory_mb": _round(peak_gpu_memory_mb()),
+                "backend": self.backend_name,
+                "batch_size": self.batch_size,
+                "streams": self.executor.streams,
+                "reader_workers": self.reader_workers,
+                "parameters": self.config.as_dict(),
+                "versions": package_versions(),
+            },
+            extra=extra_summary,
+        )
+        result = Result(
+            str(slide.path),
+            dets,
+            heatmap,
+            outputs.geometry.heatmap_scale_level0,
+            summary,
+            card.class_names,
+            list(card.heatmap.classes) if card.heatmap else [],
+            outputs.out,
+        )
         if outputs.out is None:
             return result
         # Detection files and overlay are written by worker processes while a thread finishes the

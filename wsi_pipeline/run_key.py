@@ -28,8 +28,7 @@ SAMPLES = 16
 SAMPLE_BYTES = 4 << 10
 
 # What each part of the key covers, for the log line of a redone slide.
-PART_NAMES = {"settings": "the settings", "card": "the model card", "model": "the model file",
-              "mask": "the mask file"}
+PART_NAMES = {"settings": "the settings", "card": "the model card", "model": "the model file", "mask": "the mask file"}
 
 
 def _digest(obj: Any) -> str:
@@ -127,8 +126,9 @@ def _folder_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"size": sum(n for _, n in entries), "fingerprint": hashlib.sha256(listing).hexdigest()[:32]}
 
 
-def why_redo(summary: dict[str, Any] | None, key: RunKey, identity: dict[str, Any] | None,
-             missing: list[str]) -> str | None:
+def why_redo(
+    summary: dict[str, Any] | None, key: RunKey, identity: dict[str, Any] | None, missing: list[str]
+) -> str | None:
     """Why a slide folder with ``summary`` (None: none readable) is not a result of ``key`` on this
     input; None when it is one."""
     if summary is None:
@@ -145,5 +145,3 @@ def why_redo(summary: dict[str, Any] | None, key: RunKey, identity: dict[str, An
     if recorded.get("fingerprint") != identity["fingerprint"]:
         return "the slide file changed (same size, different content)"
     return None
-
-

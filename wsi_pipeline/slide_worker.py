@@ -77,8 +77,15 @@ class InProcessRunner:
         if self.pipeline is None:
             self.pipeline = self.factory()
 
-    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None,
-            next_slide: tuple[Path, str] | None = None):
+    def run(
+        self,
+        path: Path,
+        name: str,
+        out_dir: Path,
+        key: Any,
+        limit_s: float | None = None,
+        next_slide: tuple[Path, str] | None = None,
+    ):
         from .batch import process_slide
 
         self.prepare()
@@ -106,8 +113,9 @@ class ChildProcessRunner:
         cmd = [sys.executable, "-m", "wsi_pipeline.slide_worker", str(to_child_r), str(from_child_w)]
         try:
             # Its own session: Ctrl-C at the terminal reaches only the parent, which stops the child.
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w),
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w), start_new_session=True
+            )
         finally:
             os.close(to_child_r)
             os.close(from_child_w)
@@ -121,8 +129,9 @@ class ChildProcessRunner:
             self._stop()
             raise
         if reply is None:
-            raise WSIPipelineError(f"the process that runs slides ended while loading the model "
-                                   f"(exit code {self._stop()})")
+            raise WSIPipelineError(
+                f"the process that runs slides ended while loading the model (exit code {self._stop()})"
+            )
         if reply[0] == "fatal":
             self._stop()
             raise _exception(reply[1])
@@ -167,8 +176,15 @@ class ChildProcessRunner:
         if self.proc is None:
             self._start()
 
-    def run(self, path: Path, name: str, out_dir: Path, key: Any, limit_s: float | None = None,
-            next_slide: tuple[Path, str] | None = None):
+    def run(
+        self,
+        path: Path,
+        name: str,
+        out_dir: Path,
+        key: Any,
+        limit_s: float | None = None,
+        next_slide: tuple[Path, str] | None = None,
+    ):
         """The slide's outcome. ``next_slide`` (path, name): the slide that will be asked for next,
         which the child starts while this one's files are written."""
         from .batch_jobs import SlideOutcome
@@ -192,8 +208,13 @@ class ChildProcessRunner:
         except TimeoutError:
             self._stop()
             self._remove_partials(out_dir, name, pid)
-            return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
-                                error=f"{path}: did not finish within {limit_s:.0f} s (slide_timeout); stopped")
+            return SlideOutcome(
+                name,
+                str(path),
+                "failed",
+                time.perf_counter() - t0,
+                error=f"{path}: did not finish within {limit_s:.0f} s (slide_timeout); stopped",
+            )
         except BaseException:  # Ctrl-C: the caller records the slide as interrupted
             self._stop()
             self._remove_partials(out_dir, name, pid)
@@ -204,12 +225,20 @@ class ChildProcessRunner:
             if inferred and next_slide is not None:
                 # The child died after this slide's inference, most likely in the next slide it had
                 # started ahead: run this one again, alone.
-                log.warning("%s: the process running slides died (exit code %s) while writing this slide; "
-                            "running it again", path, code)
+                log.warning(
+                    "%s: the process running slides died (exit code %s) while writing this slide; running it again",
+                    path,
+                    code,
+                )
                 return self.run(path, name, out_dir, key, limit_s)
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            return SlideOutcome(name, str(path), "failed", time.perf_counter() - t0,
-                                error=f"{path}: the process running the slide died ({how})")
+            return SlideOutcome(
+                name,
+                str(path),
+                "failed",
+                time.perf_counter() - t0,
+                error=f"{path}: the process running the slide died ({how})",
+            )
         return reply[1]
 
     @staticmethod
@@ -226,16 +255,17 @@ class ChildProcessRunner:
         self._stop()
 
 
-def make_runner(factory: Callable[[], Any], config: RunConfig, progress: bool
-                ) -> InProcessRunner | ChildProcessRunner:
+def make_runner(factory: Callable[[], Any], config: RunConfig, progress: bool) -> InProcessRunner | ChildProcessRunner:
     """A child-process runner, or an in-process one for ``slide_timeout = 0``."""
     if config.slide_timeout == 0:
         return InProcessRunner(factory, progress)
     try:
         pickle.dumps(factory)
     except Exception as exc:
-        raise TypeError("the pipeline factory must be picklable to run slides in a child process "
-                        f"({exc}); set slide_timeout = 0 to run them in this process") from exc
+        raise TypeError(
+            "the pipeline factory must be picklable to run slides in a child process "
+            f"({exc}); set slide_timeout = 0 to run them in this process"
+        ) from exc
     return ChildProcessRunner(factory, progress)
 
 
@@ -249,6 +279,7 @@ def _exception(payload: bytes | str) -> BaseException:
 
 
 # -- the child ----------------------------------------------------------------------
+
 
 class _PipeHandler(logging.Handler):
     """Sends each record, formatted, to the parent (from any thread)."""
@@ -341,8 +372,10 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
             finishing.append(t)
             if next_slide is not None:
                 next_path, next_name = next_slide
-                ahead = ((str(next_path), next_name),
-                         start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False))
+                ahead = (
+                    (str(next_path), next_name),
+                    start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False),
+                )
     finally:
         if ahead is not None:
             ahead[1].discard()

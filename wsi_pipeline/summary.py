@@ -93,8 +93,18 @@ class Summary(TypedDict, total=False):
 def package_versions() -> dict[str, str]:
     """Versions of the packages that decide a run's result."""
     out = {"python": platform.python_version()}
-    for name in ("wsi-pipeline", "numpy", "tifffile", "imagecodecs", "opencv-python-headless", "openslide-python",
-                 "openslide-bin", "onnxruntime", "torch", "tensorrt"):
+    for name in (
+        "wsi-pipeline",
+        "numpy",
+        "tifffile",
+        "imagecodecs",
+        "opencv-python-headless",
+        "openslide-python",
+        "openslide-bin",
+        "onnxruntime",
+        "torch",
+        "tensorrt",
+    ):
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -102,9 +112,19 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def build_summary(*, slide: Any, dets: np.ndarray, card: Any, tiles: TilesInfo, tissue: TissueInfo,
-                  heatmap_scale_level0: float, heatmap_scores: dict[str, Any] | None,
-                  seconds: dict[str, float], run: dict[str, Any], extra: dict[str, Any]) -> Summary:
+def build_summary(
+    *,
+    slide: Any,
+    dets: np.ndarray,
+    card: Any,
+    tiles: TilesInfo,
+    tissue: TissueInfo,
+    heatmap_scale_level0: float,
+    heatmap_scores: dict[str, Any] | None,
+    seconds: dict[str, float],
+    run: dict[str, Any],
+    extra: dict[str, Any],
+) -> Summary:
     """The summary of a run over ``slide`` (a :class:`~.slide.Slide`) that found ``dets``.
 
     ``card``: the :class:`~.inference.card.ModelCard`. ``run``: how it ran
@@ -122,17 +142,26 @@ def build_summary(*, slide: Any, dets: np.ndarray, card: Any, tiles: TilesInfo, 
         "status": "done",
         "counts": {n: int((dets["label"] == i).sum()) for i, n in enumerate(names)},
         "classes": [{"name": c.name, "color": c.color} for c in card.classes],
-        "heatmap": None if card.heatmap is None else {
-            "classes": list(card.heatmap.classes), "stride": card.heatmap.stride,
-            "scale_level0": heatmap_scale_level0},
+        "heatmap": None
+        if card.heatmap is None
+        else {
+            "classes": list(card.heatmap.classes),
+            "stride": card.heatmap.stride,
+            "scale_level0": heatmap_scale_level0,
+        },
         "detections_total": int(len(dets)),
         "tissue": tissue,
         "heatmap_scores": heatmap_scores,
         "tiles": tiles,
         "seconds": seconds,
         "damaged_tiles": slide.damage_summary(),
-        "model": {"name": card.name, "version": card.version, "sha256": card.sha256,
-                  "card": str(card.card_path), "precision": card.precision},
+        "model": {
+            "name": card.name,
+            "version": card.version,
+            "sha256": card.sha256,
+            "card": str(card.card_path),
+            "precision": card.precision,
+        },
     }
     summary.update(run)  # type: ignore[typeddict-item]
     summary.update(extra)  # type: ignore[typeddict-item]

@@ -21,8 +21,14 @@ def smooth_rgb(h: int, w: int, seed: int = 0) -> np.ndarray:
 
 
 def write_pyramid_tiff(
-    path, image: np.ndarray, levels: int = 3, tile: int = 256, photometric: str = "ycbcr",
-    mpp: float | None = 0.25, subifds: bool = False, compression: str = "jpeg",
+    path,
+    image: np.ndarray,
+    levels: int = 3,
+    tile: int = 256,
+    photometric: str = "ycbcr",
+    mpp: float | None = 0.25,
+    subifds: bool = False,
+    compression: str = "jpeg",
 ) -> None:
     """A pyramidal tiled TIFF: levels as successive pages, or as SubIFDs (OME)."""
     pyramid = [image]
@@ -57,7 +63,6 @@ def corrupt_stored_tile(path, index: int | None = None, page: int = 0) -> int:
     return i
 
 
-
 def make_tiny_model(out_dir, tile_px: int = TILE_PX, seed: int = 0):
     """A randomly initialised detector of the demo architecture, exported to ONNX + card.
 
@@ -86,9 +91,18 @@ def make_tiny_model(out_dir, tile_px: int = TILE_PX, seed: int = 0):
         net.center_head.weight.mul_(50.0)  # spread the peak scores
     top_k = 48
     card = export_with_card(
-        net, out_dir / "tiny.onnx", name="tiny", version="0", class_names=["cell", "debris"],
-        class_colors=["#ff0000", "#00ff00"], region_classes=["tumour", "stroma", "other"],
-        top_k=top_k, mpp=0.5, score_threshold=0.5, tile_px=tile_px)
+        net,
+        out_dir / "tiny.onnx",
+        name="tiny",
+        version="0",
+        class_names=["cell", "debris"],
+        class_colors=["#ff0000", "#00ff00"],
+        region_classes=["tumour", "stroma", "other"],
+        top_k=top_k,
+        mpp=0.5,
+        score_threshold=0.5,
+        tile_px=tile_px,
+    )
     probe = np.stack([smooth_image(tile_px, tile_px, seed=100 + i) for i in range(6)])
     scores = create_backend(card, "ort").infer(probe)["scores"]
     threshold = float(np.sort(scores, axis=1)[:, ::-1][:, top_k // 2].max()) + 1e-3
@@ -116,8 +130,11 @@ def _unmatched(a, b, box_tol, score_tol):
     missing = []
     for i in range(len(a)):
         for j in free:
-            if a.labels[i] == b.labels[j] and abs(a.scores[i] - b.scores[j]) <= score_tol \
-                    and np.abs(a.boxes[i] - b.boxes[j]).max() <= box_tol:
+            if (
+                a.labels[i] == b.labels[j]
+                and abs(a.scores[i] - b.scores[j]) <= score_tol
+                and np.abs(a.boxes[i] - b.boxes[j]).max() <= box_tol
+            ):
                 free.remove(j)
                 break
         else:
@@ -137,8 +154,9 @@ def assert_same_detections(got, want, threshold=None, box_tol=1e-3, score_tol=1e
         assert np.all(np.diff(g.scores) <= 0), "detections must come sorted by score"
         for a, b in ((g, w), (w, g)):
             for i in _unmatched(a, b, box_tol, score_tol):
-                assert threshold is not None and abs(a.scores[i] - threshold) <= score_tol, \
+                assert threshold is not None and abs(a.scores[i] - threshold) <= score_tol, (
                     f"detection {a.boxes[i]} {a.scores[i]} label {a.labels[i]} has no partner"
+                )
         np.testing.assert_allclose(g.heatmap, w.heatmap, atol=heat_tol)
 
 
@@ -160,6 +178,7 @@ class CountingLoader:
                 with self._lock:
                     self.released += 1
                 inner()
+
             batch._release = release
             yield batch
 
@@ -181,8 +200,8 @@ def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int,
     for y in range(0, h, tile):
         for x in range(0, w, tile):
             frame = np.zeros((tile, tile, 3), np.uint8)
-            part = image[y:y + tile, x:x + tile]
-            frame[:part.shape[0], :part.shape[1]] = part
+            part = image[y : y + tile, x : x + tile]
+            frame[: part.shape[0], : part.shape[1]] = part
             frames.append(frame)
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = VLWholeSlideMicroscopyImageStorage
@@ -223,12 +242,12 @@ def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int,
 
 def write_dicom_wsi(folder, stem: str, image: np.ndarray, levels: int = 2, mpp: float = 0.25) -> list:
     """A DICOM WSI of ``levels`` files ``stem_N.dcm`` in ``folder`` (one series); returns the paths."""
-    uids = {name: generate_uid() for name in
-            ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID", "PyramidUID")}
+    uids = {
+        name: generate_uid() for name in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID", "PyramidUID")
+    }
     paths = []
     for level in range(levels):
         path = folder / f"{stem}_{level}.dcm"
-        write_dicom_level(path, np.ascontiguousarray(image[::2 ** level, ::2 ** level]), uids, level,
-                          mpp * 2 ** level)
+        write_dicom_level(path, np.ascontiguousarray(image[:: 2**level, :: 2**level]), uids, level, mpp * 2**level)
         paths.append(path)
     return paths

@@ -49,8 +49,7 @@ STD = (60.0, 55.0, 50.0)
 
 
 def _conv_bn(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout),
-                         nn.ReLU())
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
 
 
 def _randomise_batch_norms(net: nn.Module) -> None:
@@ -93,8 +92,9 @@ class TinyDetector(nn.Module):
         cx = cx.float() * 4.0 + 2.0
         cy = cy.float() * 4.0 + 2.0
         size = torch.gather(wh.flatten(2), 2, pos.unsqueeze(1).expand(-1, 2, -1))  # [B, 2, K]
-        boxes = torch.stack([cx - size[:, 0] / 2, cy - size[:, 1] / 2,
-                             cx + size[:, 0] / 2, cy + size[:, 1] / 2], dim=-1)
+        boxes = torch.stack(
+            [cx - size[:, 0] / 2, cy - size[:, 1] / 2, cx + size[:, 0] / 2, cy + size[:, 1] / 2], dim=-1
+        )
         heatmap = torch.softmax(self.region(f), dim=1)
         return {"boxes": boxes, "scores": scores, "labels": labels.to(torch.int32), "heatmap": heatmap}
 
@@ -171,8 +171,16 @@ def export_onnx(net: nn.Module, path: Path) -> Path:
     axes = {n: {0: "batch"} for n in ("image", *names)}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings on shape arithmetic, the legacy-exporter notice
-        torch.onnx.export(_AsTuple(net, names).eval(), (example_input(net),), str(path), input_names=["image"],
-                          output_names=list(names), dynamic_axes=axes, opset_version=17, dynamo=False)
+        torch.onnx.export(
+            _AsTuple(net, names).eval(),
+            (example_input(net),),
+            str(path),
+            input_names=["image"],
+            output_names=list(names),
+            dynamic_axes=axes,
+            opset_version=17,
+            dynamo=False,
+        )
     return path
 
 
@@ -191,21 +199,34 @@ def card_for(net: nn.Module, model_path: Path, score_threshold: float) -> ModelC
         k = net.top_k
         inp = InputSpec("image", (TILE, TILE), "NHWC", "uint8", "RGB", MEAN, STD, True)
         # Another order than the program's dict: its outputs map by name, not position.
-        outputs = (OutputSpec("heatmap", ("batch", 2, TILE // 8, TILE // 8)), OutputSpec("scores", ("batch", k)),
-                   OutputSpec("labels", ("batch", k), "int32"), OutputSpec("boxes", ("batch", k, 4)))
+        outputs = (
+            OutputSpec("heatmap", ("batch", 2, TILE // 8, TILE // 8)),
+            OutputSpec("scores", ("batch", k)),
+            OutputSpec("labels", ("batch", k), "int32"),
+            OutputSpec("boxes", ("batch", k, 4)),
+        )
         decoder = DecoderSpec("centernet", {"score_threshold": score_threshold})
         heatmap = HeatmapSpec("heatmap", 8, ("tissue", "tumour"), "none")
     else:
         n = (TILE // 4) ** 2
         inp = InputSpec("image", (TILE, TILE), "NCHW", "float32", "RGB", MEAN, STD, False)
         outputs = (OutputSpec("head", ("batch", 6, n)), OutputSpec("heatmap", ("batch", 1, TILE // 2, TILE // 2)))
-        decoder = DecoderSpec("yolo", {"output": "head", "score_threshold": score_threshold,
-                                       "iou_threshold": 0.45})
+        decoder = DecoderSpec("yolo", {"output": "head", "score_threshold": score_threshold, "iou_threshold": 0.45})
         heatmap = HeatmapSpec("heatmap", 2, ("foreground",), "sigmoid")
     card = ModelCard(
-        name=model_path.stem, version="0", model_path=model_path, sha256=file_sha256(model_path), input=inp,
-        outputs=outputs, decoder=decoder, classes=(ClassSpec("a", "#ff0000"), ClassSpec("b", "#00ff00")),
-        mpp=None, heatmap=heatmap, precision="fp32", format=format_for(model_path))
+        name=model_path.stem,
+        version="0",
+        model_path=model_path,
+        sha256=file_sha256(model_path),
+        input=inp,
+        outputs=outputs,
+        decoder=decoder,
+        classes=(ClassSpec("a", "#ff0000"), ClassSpec("b", "#00ff00")),
+        mpp=None,
+        heatmap=heatmap,
+        precision="fp32",
+        format=format_for(model_path),
+    )
     # NAME.onnx.card.json and NAME.pt2.card.json: the default NAME.card.json would be the same file for both.
     return load_card(write_card(card, model_path.with_name(model_path.name + ".card.json")))
 
@@ -231,7 +252,7 @@ def export_both(net: nn.Module, out_dir: Path, name: str, probe: np.ndarray) -> 
         flat = np.sort(raw["head"][:, 4:].max(axis=1).reshape(-1))
     # The middle of the widest gap between neighbouring scores in the middle half.
     lo, hi = len(flat) // 4, 3 * len(flat) // 4
-    i = lo + int(np.argmax(np.diff(flat[lo:hi + 1])))
+    i = lo + int(np.argmax(np.diff(flat[lo : hi + 1])))
     threshold = float(flat[i] + flat[i + 1]) / 2
     threshold = round(threshold, 6)
     params = {**onnx_card.decoder.params, "score_threshold": threshold}

@@ -31,9 +31,13 @@ def describe(path: str, backend: str = "auto") -> dict:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="print a slide's format, size, levels and resolution")
     p.add_argument("slide", help="slide or image file")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="slide reader: tifffile (tiled TIFF), openslide (vendor formats), image (PNG, JPEG ...); "
-                        "auto: the fastest that reads the file (default auto)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="slide reader: tifffile (tiled TIFF), openslide (vendor formats), image (PNG, JPEG ...); "
+        "auto: the fastest that reads the file (default auto)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 

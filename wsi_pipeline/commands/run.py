@@ -31,71 +31,133 @@ Exit code 0 when every slide succeeded (or was already done), 1 when some
 failed, 2 when the command line or config cannot start a run.
 """
 # CLI flag -> RunConfig field, for the flags that mirror the config file.
-CONFIG_FLAGS = ("model", "backend", "tile", "overlap", "mpp", "level", "tissue", "mask", "min_tissue",
-                "batch_size", "workers", "decode", "streams", "score_threshold", "nms_iou", "merge", "blend",
-                "overlay_size", "on_damaged_tile", "dask", "slide_timeout", "formats")
+CONFIG_FLAGS = (
+    "model",
+    "backend",
+    "tile",
+    "overlap",
+    "mpp",
+    "level",
+    "tissue",
+    "mask",
+    "min_tissue",
+    "batch_size",
+    "workers",
+    "decode",
+    "streams",
+    "score_threshold",
+    "nms_iou",
+    "merge",
+    "blend",
+    "overlay_size",
+    "on_damaged_tile",
+    "dask",
+    "slide_timeout",
+    "formats",
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "run", help="detect over slides into an output folder (resumable batch)",
-        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="slide files, folders (recursive), globs, or .txt/.csv lists of paths")
+        "run",
+        help="detect over slides into an output folder (resumable batch)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="slide files, folders (recursive), globs, or .txt/.csv lists of paths",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
     p.add_argument("--model", metavar="CARD", help="model card (default: the shipped pathology model)")
-    p.add_argument("--backend", choices=BACKEND_CHOICES, help="default auto: TensorRT, torch on CUDA, ONNX Runtime; torch for a .pt2 model")
+    p.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        help="default auto: TensorRT, torch on CUDA, ONNX Runtime; torch for a .pt2 model",
+    )
     p.add_argument("--tile", type=int, help="tile size in pixels (must match the model's input)")
     p.add_argument("--overlap", type=int, help="tile overlap in pixels (default 64)")
     res = p.add_mutually_exclusive_group()
     res.add_argument("--mpp", type=float, help="read at this resolution, um/px (default: the model's)")
     res.add_argument("--level", type=int, help="read this pyramid level as it is")
-    p.add_argument("--tissue", choices=TISSUE_CHOICES,
-                   help="which tiles to read: otsu (tissue found on a thumbnail), all, or file (--mask); "
-                        "default auto: otsu for a model with an mpp (pathology), all for one without (industrial)")
+    p.add_argument(
+        "--tissue",
+        choices=TISSUE_CHOICES,
+        help="which tiles to read: otsu (tissue found on a thumbnail), all, or file (--mask); "
+        "default auto: otsu for a model with an mpp (pathology), all for one without (industrial)",
+    )
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
     p.add_argument("--workers", type=int, help="tile reader threads for CPU decoding (default: CPU cores - 2, 2 to 4)")
-    p.add_argument("--decode", choices=DECODE_CHOICES,
-                   help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
-                        "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)")
-    p.add_argument("--streams", type=int,
-                   help="concurrent inference streams / sessions (default: 4 CUDA streams on a GPU, "
-                        "2 ONNX Runtime sessions on the CPU)")
-    p.add_argument("--score-threshold", type=float,
-                   help="drop detections below this score (default: keep what the model card's decoder "
-                        "keeps, its score_threshold, 0.3 for the shipped models)")
+    p.add_argument(
+        "--decode",
+        choices=DECODE_CHOICES,
+        help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
+        "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)",
+    )
+    p.add_argument(
+        "--streams",
+        type=int,
+        help="concurrent inference streams / sessions (default: 4 CUDA streams on a GPU, "
+        "2 ONNX Runtime sessions on the CPU)",
+    )
+    p.add_argument(
+        "--score-threshold",
+        type=float,
+        help="drop detections below this score (default: keep what the model card's decoder "
+        "keeps, its score_threshold, 0.3 for the shipped models)",
+    )
     p.add_argument("--nms-iou", type=float, help="overlap threshold of the box merge (default 0.5)")
     p.add_argument("--merge", choices=MERGE_CHOICES, help="box merge across tiles (default nms)")
-    p.add_argument("--blend", choices=BLEND_CHOICES,
-                   help="weights that blend overlapping tiles' heatmaps (default gaussian)")
-    p.add_argument("--formats", metavar="NAMES",
-                   help="output files of each slide, comma-separated: "
-                        + "; ".join(f"{f.name}: {f.filename}, {f.about}" for f in FORMATS.values())
-                        + f". Default {','.join(DEFAULT_FORMATS)}. "
-                        + "; ".join(f"{f.name} needs pip install 'wsi-pipeline[{f.extra}]'"
-                                    for f in FORMATS.values() if f.extra)
-                        + ". docs/outputs.md says which to pick")
+    p.add_argument(
+        "--blend", choices=BLEND_CHOICES, help="weights that blend overlapping tiles' heatmaps (default gaussian)"
+    )
+    p.add_argument(
+        "--formats",
+        metavar="NAMES",
+        help="output files of each slide, comma-separated: "
+        + "; ".join(f"{f.name}: {f.filename}, {f.about}" for f in FORMATS.values())
+        + f". Default {','.join(DEFAULT_FORMATS)}. "
+        + "; ".join(f"{f.name} needs pip install 'wsi-pipeline[{f.extra}]'" for f in FORMATS.values() if f.extra)
+        + ". docs/outputs.md says which to pick",
+    )
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
-    p.add_argument("--on-damaged-tile", choices=DAMAGED_TILE_CHOICES,
-                   help="a stored tile that decodes with corrupt data: warn (default; logged and listed in "
-                        "summary.json) or fail the slide")
+    p.add_argument(
+        "--on-damaged-tile",
+        choices=DAMAGED_TILE_CHOICES,
+        help="a stored tile that decodes with corrupt data: warn (default; logged and listed in "
+        "summary.json) or fail the slide",
+    )
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
-    p.add_argument("--slide-timeout", type=float, metavar="SECONDS",
-                   help="stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
-                        "of slide file; 0: no limit, slides run in this process)")
+    p.add_argument(
+        "--slide-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
+        "of slide file; 0: no limit, slides run in this process)",
+    )
     p.add_argument("--force", action="store_true", help="redo slides already done")
-    p.add_argument("--progress", choices=PROGRESS_CHOICES, default="auto",
-                   help="what stderr shows while slides run: bar (progress bars), log (a line when each slide "
-                        "starts and ends), none; auto: bar on a terminal, log otherwise (scheduler, nohup, "
-                        "cron). Warnings and errors reach stderr in every mode (default %(default)s)")
-    p.add_argument("--quiet", action="store_true",
-                   help="only errors on stderr: no progress and no warnings (run.log keeps everything); "
-                        "the results table still goes to stdout")
-    p.add_argument("--no-progress", dest="progress", action="store_const", const="none", default="auto",
-                   help=argparse.SUPPRESS)  # the earlier spelling of --progress none
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_CHOICES,
+        default="auto",
+        help="what stderr shows while slides run: bar (progress bars), log (a line when each slide "
+        "starts and ends), none; auto: bar on a terminal, log otherwise (scheduler, nohup, "
+        "cron). Warnings and errors reach stderr in every mode (default %(default)s)",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only errors on stderr: no progress and no warnings (run.log keeps everything); "
+        "the results table still goes to stdout",
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_const", const="none", default="auto", help=argparse.SUPPRESS
+    )  # the earlier spelling of --progress none
     p.set_defaults(func=run)
 
 
@@ -145,12 +207,24 @@ def run(args: argparse.Namespace) -> int:
             with warnings.catch_warnings():
                 # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
                 warnings.simplefilter("default")
-                report = run_batch(slides, out, PipelineFactory(config, card), config, key, force=args.force,
-                                   progress=mode == "bar", dask=config.dask)
+                report = run_batch(
+                    slides,
+                    out,
+                    PipelineFactory(config, card),
+                    config,
+                    key,
+                    force=args.force,
+                    progress=mode == "bar",
+                    dask=config.dask,
+                )
         finally:
             remove_logging(handlers)
     print(report.table())
     n_failed = len(report.failed)
-    print(printable(f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
-                    f"{out}/slides/ ({LOG_FILE} and manifest.json in {out}/)"))
+    print(
+        printable(
+            f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
+            f"{out}/slides/ ({LOG_FILE} and manifest.json in {out}/)"
+        )
+    )
     return report.exit_code

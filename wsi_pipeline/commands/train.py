@@ -18,13 +18,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "only with --force; the shipped models in engines/ are left alone unless OUT is engines/. "
         "Same as python -m wsi_pipeline.models.train.",
     )
-    p.add_argument("--kind", choices=["pathology", "industrial"], required=True,
-                   help="pathology: nuclei boxes + tissue/tumour heatmap; industrial: spot/scratch boxes")
+    p.add_argument(
+        "--kind",
+        choices=["pathology", "industrial"],
+        required=True,
+        help="pathology: nuclei boxes + tissue/tumour heatmap; industrial: spot/scratch boxes",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_TRAIN_OUT, help="output folder (default %(default)s/)")
     p.add_argument("--force", action="store_true", help="replace a model and card already in OUT")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps (default: the preset's)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the weights' initialisation and of the crops drawn (default %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the weights' initialisation and of the crops drawn (default %(default)s)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     p.set_defaults(func=run)
 
@@ -36,6 +44,13 @@ def run(args: argparse.Namespace) -> int:
         from ..models.train import train
     except ImportError as exc:
         raise BackendUnavailableError(f"training needs torch (pip install '.[train]'): {exc}") from exc
-    train(args.kind, args.out, steps=args.steps, seed=args.seed, threads=args.threads, force=args.force,
-          log=lambda msg: print(msg, flush=True))
+    train(
+        args.kind,
+        args.out,
+        steps=args.steps,
+        seed=args.seed,
+        threads=args.threads,
+        force=args.force,
+        log=lambda msg: print(msg, flush=True),
+    )
     return 0

@@ -99,8 +99,10 @@ def resolve_backend(name: str, card: ModelCard | None = None) -> str:
             try:
                 import torch  # noqa: F401
             except ImportError:
-                raise ModelError(f"{card.model_path}: a torch.export program runs with PyTorch, which is "
-                                 "not installed here: pip install 'wsi-pipeline[gpu]'") from None
+                raise ModelError(
+                    f"{card.model_path}: a torch.export program runs with PyTorch, which is "
+                    "not installed here: pip install 'wsi-pipeline[gpu]'"
+                ) from None
             return "torch"
         return name
     if name != "auto":

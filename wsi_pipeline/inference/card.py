@@ -49,8 +49,12 @@ MAX_INPUT_SIDE = MAX_TILE
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
 # onnxruntime NodeArg.type strings -> card dtype names.
 _ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(uint8)": "uint8", "tensor(int32)": "int32",
-    "tensor(int64)": "int64", "tensor(bool)": "bool", "tensor(float16)": "float16",
+    "tensor(float)": "float32",
+    "tensor(uint8)": "uint8",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(bool)": "bool",
+    "tensor(float16)": "float16",
 }
 
 Dim = int | str | None  # a fixed size, or a symbolic name / None for a dynamic axis
@@ -172,7 +176,9 @@ class ModelCard:
             "outputs": [{"name": o.name, "shape": list(o.shape), "dtype": o.dtype} for o in self.outputs],
             "decoder": {"type": self.decoder.type, "params": dict(self.decoder.params)},
             "classes": [{"name": c.name, "color": c.color} for c in self.classes],
-            "heatmap": None if self.heatmap is None else {
+            "heatmap": None
+            if self.heatmap is None
+            else {
                 "output": self.heatmap.output,
                 "stride": self.heatmap.stride,
                 "classes": list(self.heatmap.classes),
@@ -193,9 +199,11 @@ def format_for(model_path: str | os.PathLike[str]) -> str:
 def require_onnx(card: ModelCard, what: str) -> None:
     """ModelError unless ``card`` names an ONNX model; ``what`` (e.g. "the ort backend") needs one."""
     if card.format != "onnx":
-        raise ModelError(f"{card.model_path}: expected an ONNX model for {what}, found a torch.export "
-                         f"program (card {card.card_path}, format {card.format!r}); the torch backend "
-                         "runs it (--backend torch, or --backend auto)")
+        raise ModelError(
+            f"{card.model_path}: expected an ONNX model for {what}, found a torch.export "
+            f"program (card {card.card_path}, format {card.format!r}); the torch backend "
+            "runs it (--backend torch, or --backend auto)"
+        )
 
 
 def card_path_for(model_path: str | os.PathLike[str]) -> Path:
@@ -223,6 +231,7 @@ def write_card(card: ModelCard, path: str | os.PathLike[str] | None = None) -> P
 
 # -- parsing -------------------------------------------------------------------
 
+
 class _Reader:
     """Field access on the card's JSON with errors that name the file and field."""
 
@@ -232,8 +241,16 @@ class _Reader:
     def fail(self, where: str, expected: str, found: Any) -> ModelError:
         return ModelError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
 
-    def get(self, obj: Mapping[str, Any], key: str, where: str, kinds: type | tuple[type, ...],
-            expected: str, default: Any = ..., optional: bool = False) -> Any:
+    def get(
+        self,
+        obj: Mapping[str, Any],
+        key: str,
+        where: str,
+        kinds: type | tuple[type, ...],
+        expected: str,
+        default: Any = ...,
+        optional: bool = False,
+    ) -> Any:
         full = f"{where}.{key}" if where else key
         if key not in obj or (optional and obj[key] is None):
             if default is not ...:
@@ -247,8 +264,7 @@ class _Reader:
             raise self.fail(full, expected, value)
         return value
 
-    def choice(self, obj: Mapping[str, Any], key: str, where: str, choices: Sequence[str],
-               default: Any = ...) -> str:
+    def choice(self, obj: Mapping[str, Any], key: str, where: str, choices: Sequence[str], default: Any = ...) -> str:
         value = self.get(obj, key, where, str, f"one of {list(choices)}", default)
         if value not in choices:
             raise self.fail(f"{where}.{key}" if where else key, f"one of {list(choices)}", value)
@@ -285,8 +301,11 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
     # The model lives in the card's folder or below it: a card cannot point at any file on the machine.
     inside = os.path.normpath(os.path.join(path.parent, model_file))
-    if "\x00" in model_file or os.path.isabs(model_file) or \
-            os.path.commonpath([inside, str(path.parent)]) != str(path.parent):
+    if (
+        "\x00" in model_file
+        or os.path.isabs(model_file)
+        or os.path.commonpath([inside, str(path.parent)]) != str(path.parent)
+    ):
         raise r.fail("model_file", "a path inside the card's folder", model_file)
     sha = r.get(doc, "sha256", "", str, "64 hex digits")
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
@@ -295,13 +314,17 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     implied = format_for(model_file)
     model_format = r.choice(doc, "format", "", MODEL_FORMATS, implied)
     if model_format != implied:
-        raise r.fail("format", f"{implied!r} for the model file {model_file!r} "
-                     f"(a torch.export program ends in {TORCH_EXPORT_SUFFIX})", model_format)
+        raise r.fail(
+            "format",
+            f"{implied!r} for the model file {model_file!r} (a torch.export program ends in {TORCH_EXPORT_SUFFIX})",
+            model_format,
+        )
 
     inp = r.get(doc, "input", "", dict, "an object")
     size = r.get(inp, "size", "input", list, "[height, width] in pixels")
-    if len(size) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INPUT_SIDE
-                                 for v in size):
+    if len(size) != 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INPUT_SIDE for v in size
+    ):
         raise r.fail("input.size", f"[height, width], two ints from 1 to {MAX_INPUT_SIDE}", size)
     input_spec = InputSpec(
         name=r.get(inp, "name", "input", str, "the graph input's name"),
@@ -315,10 +338,16 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     )
     if any(s == 0 for s in input_spec.std):
         raise r.fail("input.std", "non-zero values", list(input_spec.std))
-    if input_spec.dtype == "uint8" and not input_spec.normalize_in_graph and (
-            input_spec.mean != (0.0, 0.0, 0.0) or input_spec.std != (1.0, 1.0, 1.0)):
-        raise r.fail("input.normalize_in_graph", "true for a uint8 input with mean/std "
-                     "(a uint8 tensor cannot carry normalised values)", False)
+    if (
+        input_spec.dtype == "uint8"
+        and not input_spec.normalize_in_graph
+        and (input_spec.mean != (0.0, 0.0, 0.0) or input_spec.std != (1.0, 1.0, 1.0))
+    ):
+        raise r.fail(
+            "input.normalize_in_graph",
+            "true for a uint8 input with mean/std (a uint8 tensor cannot carry normalised values)",
+            False,
+        )
 
     mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
     if mpp is not None and not (math.isfinite(mpp) and mpp > 0):
@@ -333,11 +362,13 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if not isinstance(o, dict):
             raise r.fail(where, "an object", o)
         shape = r.get(o, "shape", where, list, "a list of dims")
-        outputs.append(OutputSpec(
-            name=r.get(o, "name", where, str, "a string"),
-            shape=tuple(_parse_dim(r, d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
-            dtype=r.choice(o, "dtype", where, OUTPUT_DTYPES, "float32"),
-        ))
+        outputs.append(
+            OutputSpec(
+                name=r.get(o, "name", where, str, "a string"),
+                shape=tuple(_parse_dim(r, d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
+                dtype=r.choice(o, "dtype", where, OUTPUT_DTYPES, "float32"),
+            )
+        )
     names = [o.name for o in outputs]
     if len(set(names)) != len(names):
         raise r.fail("outputs", "unique names", names)
@@ -382,13 +413,37 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if heatmap.output not in names:
             raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
 
-    known = {"schema_version", "name", "version", "model_file", "sha256", "precision", "format", "input",
-             "mpp", "outputs", "decoder", "classes", "heatmap"}
+    known = {
+        "schema_version",
+        "name",
+        "version",
+        "model_file",
+        "sha256",
+        "precision",
+        "format",
+        "input",
+        "mpp",
+        "outputs",
+        "decoder",
+        "classes",
+        "heatmap",
+    }
     extra = {k: v for k, v in doc.items() if k not in known}
     card = ModelCard(
-        name=name, version=version, model_path=(path.parent / model_file).resolve(), sha256=sha.lower(),
-        input=input_spec, outputs=tuple(outputs), decoder=decoder, classes=tuple(classes), mpp=mpp,
-        heatmap=heatmap, precision=precision, card_path=path, extra=extra, format=model_format,
+        name=name,
+        version=version,
+        model_path=(path.parent / model_file).resolve(),
+        sha256=sha.lower(),
+        input=input_spec,
+        outputs=tuple(outputs),
+        decoder=decoder,
+        classes=tuple(classes),
+        mpp=mpp,
+        heatmap=heatmap,
+        precision=precision,
+        card_path=path,
+        extra=extra,
+        format=model_format,
     )
     # Imported here: decoders import this module for the card types.
     from .decoders import validate_decoder_params
@@ -409,13 +464,15 @@ def read_card_json(path: Path) -> Any:
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
     if len(raw) > MAX_CARD_BYTES:
-        raise ModelError(f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, "
-                          "found a larger file")
+        raise ModelError(
+            f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, found a larger file"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ModelError(f"{path}: not valid JSON: expected UTF-8 text, found byte "
-                          f"0x{raw[exc.start]:02x} at offset {exc.start}") from None
+        raise ModelError(
+            f"{path}: not valid JSON: expected UTF-8 text, found byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        ) from None
     try:
         return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
@@ -424,8 +481,7 @@ def read_card_json(path: Path) -> Any:
         raise ModelError(f"{path}: not valid JSON: {exc}") from None
 
 
-def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
-              verify_model: bool = True) -> ModelCard:
+def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verify_model: bool = True) -> ModelCard:
     """Read and validate a model card.
 
     ``path`` is the card (``NAME.card.json``) or the model file beside it.
@@ -449,14 +505,17 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
     if verify_sha256:
         found = file_sha256(card.model_path)
         if found != card.sha256:
-            raise ModelError(f"{card.model_path}: SHA-256 does not match its card {p}: "
-                             f"expected {card.sha256}, found {found}")
+            raise ModelError(
+                f"{card.model_path}: SHA-256 does not match its card {p}: expected {card.sha256}, found {found}"
+            )
     if verify_model and card.format == "torch_export":
         import zipfile
 
         if not zipfile.is_zipfile(card.model_path):
-            raise ModelError(f"{card.model_path}: not a torch.export program: expected the zip archive "
-                             "torch.export.save writes, found another kind of file")
+            raise ModelError(
+                f"{card.model_path}: not a torch.export program: expected the zip archive "
+                "torch.export.save writes, found another kind of file"
+            )
     elif verify_model and card.model_path.suffix == ".onnx":
         check_onnx_matches_card(card)
     return card
@@ -464,8 +523,10 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True,
 
 # -- model <-> card consistency ----------------------------------------------------
 
-def _onnx_signature(model_path: Path) -> tuple[dict[str, tuple[str, tuple[Dim, ...]]],
-                                              dict[str, tuple[str, tuple[Dim, ...]]]]:
+
+def _onnx_signature(
+    model_path: Path,
+) -> tuple[dict[str, tuple[str, tuple[Dim, ...]]], dict[str, tuple[str, tuple[Dim, ...]]]]:
     """{name: (dtype, shape)} of the graph's real inputs and of its outputs."""
     try:
         import onnx
@@ -484,8 +545,7 @@ def _onnx_signature(model_path: Path) -> tuple[dict[str, tuple[str, tuple[Dim, .
                 if v.name in initializers:
                     continue
                 t = v.type.tensor_type
-                dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                             for d in t.shape.dim)
+                dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
                 out[v.name] = (_ONNX_ELEM_TYPES.get(t.elem_type, f"onnx-type-{t.elem_type}"), dims)
             return out
 
@@ -518,21 +578,25 @@ def check_onnx_matches_card(card: ModelCard) -> None:
     check_signature_matches_card(card, *_onnx_signature(card.model_path))
 
 
-def check_signature_matches_card(card: ModelCard, inputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
-                                  outputs: Mapping[str, tuple[str, tuple[Dim, ...]]]) -> None:
+def check_signature_matches_card(
+    card: ModelCard,
+    inputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
+    outputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
+) -> None:
     """Raise ModelError unless a model's ``{name: (dtype, shape)}`` input and outputs agree with the card."""
     where = f"{card.model_path} (card {card.card_path})"
     if len(inputs) != 1 or card.input.name not in inputs:
-        raise ModelError(f"{where}: input: expected one input named {card.input.name!r}, "
-                         f"found {sorted(inputs)}")
+        raise ModelError(f"{where}: input: expected one input named {card.input.name!r}, found {sorted(inputs)}")
     dtype, shape = inputs[card.input.name]
     if dtype != card.input.dtype:
         raise ModelError(f"{where}: input {card.input.name!r} dtype: expected {card.input.dtype}, found {dtype}")
     h, w = card.input.size_hw
     expected_shape: tuple[Dim, ...] = (None, h, w, 3) if card.input.layout == "NHWC" else (None, 3, h, w)
     if len(shape) != 4 or any(_dims_conflict(e, f) for e, f in zip(expected_shape, shape, strict=True)):
-        raise ModelError(f"{where}: input {card.input.name!r} shape: expected {card.input.layout} "
-                         f"{list(expected_shape)}, found {list(shape)}")
+        raise ModelError(
+            f"{where}: input {card.input.name!r} shape: expected {card.input.layout} "
+            f"{list(expected_shape)}, found {list(shape)}"
+        )
     expected_names = [o.name for o in card.outputs]
     if sorted(expected_names) != sorted(outputs):
         raise ModelError(f"{where}: outputs: expected {sorted(expected_names)}, found {sorted(outputs)}")
@@ -540,7 +604,5 @@ def check_signature_matches_card(card: ModelCard, inputs: Mapping[str, tuple[str
         dtype, shape = outputs[spec.name]
         if dtype != spec.dtype:
             raise ModelError(f"{where}: output {spec.name!r} dtype: expected {spec.dtype}, found {dtype}")
-        if len(shape) != len(spec.shape) or any(
-                _dims_conflict(e, f) for e, f in zip(spec.shape, shape, strict=True)):
-            raise ModelError(f"{where}: output {spec.name!r} shape: expected {list(spec.shape)}, "
-                             f"found {list(shape)}")
+        if len(shape) != len(spec.shape) or any(_dims_conflict(e, f) for e, f in zip(spec.shape, shape, strict=True)):
+            raise ModelError(f"{where}: output {spec.name!r} shape: expected {list(spec.shape)}, found {list(shape)}")

@@ -48,8 +48,9 @@ CARD_INIT_KEY = "card_init"
 def guess_layout(shape: tuple[Dim, ...], where: str) -> tuple[str, tuple[Dim, Dim]]:
     """(``NHWC`` or ``NCHW``, (height, width)) of a 4-d image input, from its axis of 3 channels."""
     if len(shape) != 4:
-        raise ModelError(f"{where}: expected a 4-d image input (N x H x W x 3 or N x 3 x H x W), "
-                         f"found shape {list(shape)}")
+        raise ModelError(
+            f"{where}: expected a 4-d image input (N x H x W x 3 or N x 3 x H x W), found shape {list(shape)}"
+        )
     if shape[3] == 3 and shape[1] != 3:
         return "NHWC", (shape[1], shape[2])
     if shape[1] == 3:
@@ -57,14 +58,17 @@ def guess_layout(shape: tuple[Dim, ...], where: str) -> tuple[str, tuple[Dim, Di
     raise ModelError(f"{where}: expected 3 colour channels in axis 1 (NCHW) or 3 (NHWC), found shape {list(shape)}")
 
 
-def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[str] | None = None,
-               name: str | None = None) -> dict[str, Any]:
+def draft_card(
+    model_path: str | os.PathLike[str], card_path: str | os.PathLike[str] | None = None, name: str | None = None
+) -> dict[str, Any]:
     """The JSON document of a first card for ``model_path`` (see the module docstring)."""
     model = Path(model_path)
     if format_for(model) != "onnx":
-        raise ModelError(f"{model}: expected an ONNX model, found a torch.export program; card init reads "
-                         "ONNX graphs only: write a .pt2's card by hand (docs/model_card.md, format "
-                         "torch_export) and check it with card check")
+        raise ModelError(
+            f"{model}: expected an ONNX model, found a torch.export program; card init reads "
+            "ONNX graphs only: write a .pt2's card by hand (docs/model_card.md, format "
+            "torch_export) and check it with card check"
+        )
     if not model.is_file():
         raise ModelError(f"{model}: ONNX model not found")
     card_file = Path(card_path) if card_path is not None else card_path_for(model)
@@ -72,9 +76,8 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
     inputs = ort_signature(sess.get_inputs())
     outputs = ort_signature(sess.get_outputs())
     if len(inputs) != 1:
-        raise ModelError(f"{model}: the pipeline feeds one image input; the graph has {len(inputs)}: "
-                         f"{sorted(inputs)}")
-    (in_name, (in_dtype, in_shape)), = inputs.items()
+        raise ModelError(f"{model}: the pipeline feeds one image input; the graph has {len(inputs)}: {sorted(inputs)}")
+    ((in_name, (in_dtype, in_shape)),) = inputs.items()
     if in_dtype not in INPUT_DTYPES:
         raise ModelError(f"{model}: input {in_name!r}: expected one of {list(INPUT_DTYPES)}, found {in_dtype}")
     layout, (h, w) = guess_layout(in_shape, f"{model}: input {in_name!r}")
@@ -86,10 +89,12 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
         norm: dict[str, Any] = {"mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0], "normalize_in_graph": True}
         guessed.append("input.normalize_in_graph")
     else:
-        norm = {"mean": f"{TODO}: per-channel mean in 0..255 units, e.g. [0, 0, 0] (with std [255, 255, 255] "
-                        "for a model that takes 0..1)",
-                "std": f"{TODO}: per-channel std in 0..255 units, e.g. [255, 255, 255]",
-                "normalize_in_graph": False}
+        norm = {
+            "mean": f"{TODO}: per-channel mean in 0..255 units, e.g. [0, 0, 0] (with std [255, 255, 255] "
+            "for a model that takes 0..1)",
+            "std": f"{TODO}: per-channel std in 0..255 units, e.g. [255, 255, 255]",
+            "normalize_in_graph": False,
+        }
         guessed.append("input.normalize_in_graph")
     meta = sess.get_modelmeta()
     doc: dict[str, Any] = {
@@ -100,28 +105,33 @@ def draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[
         "model_file": os.path.relpath(model.resolve(), card_file.resolve().parent).replace(os.sep, "/"),
         "sha256": file_sha256(model),
         "precision": "fp16" if in_dtype == "float16" else "fp32",
-        "input": {"name": in_name, "size": size, "layout": layout, "dtype": in_dtype, "channel_order": "RGB",
-                  **norm},
+        "input": {"name": in_name, "size": size, "layout": layout, "dtype": in_dtype, "channel_order": "RGB", **norm},
         "mpp": f"{TODO}: micrometres per pixel the model was trained at, or null (images without a scale: "
-               "level 0 is read as it is)",
+        "level 0 is read as it is)",
         "outputs": [{"name": n, "shape": list(s), "dtype": d} for n, (d, s) in outputs.items()],
-        "decoder": {"type": f"{TODO}: one of {', '.join(DECODER_TYPES)} (docs/model_card.md, Decoders)",
-                    "params": {}},
-        "classes": f"{TODO}: the object classes in label order, e.g. [{{\"name\": \"nucleus\", "
-                   "\"color\": \"#7b2cbf\"}]",
+        "decoder": {"type": f"{TODO}: one of {', '.join(DECODER_TYPES)} (docs/model_card.md, Decoders)", "params": {}},
+        "classes": f'{TODO}: the object classes in label order, e.g. [{{"name": "nucleus", "color": "#7b2cbf"}}]',
         "heatmap": None,
         CARD_INIT_KEY: {
             "guessed": guessed,
             "note": "heatmap is null: set it if an output is a region map [B, C, H/stride, W/stride]",
-            "onnx": {"producer": meta.producer_name, "graph": meta.graph_name,
-                     "description": meta.description, "metadata": dict(meta.custom_metadata_map)},
+            "onnx": {
+                "producer": meta.producer_name,
+                "graph": meta.graph_name,
+                "description": meta.description,
+                "metadata": dict(meta.custom_metadata_map),
+            },
         },
     }
     return doc
 
 
-def write_draft_card(model_path: str | os.PathLike[str], card_path: str | os.PathLike[str] | None = None,
-                     name: str | None = None, force: bool = False) -> tuple[Path, list[str]]:
+def write_draft_card(
+    model_path: str | os.PathLike[str],
+    card_path: str | os.PathLike[str] | None = None,
+    name: str | None = None,
+    force: bool = False,
+) -> tuple[Path, list[str]]:
     """Write :func:`draft_card` (beside the model by default); return its path and the fields to fill in.
 
     Refuses (UsageError) to replace an existing card unless ``force``.
@@ -168,8 +178,11 @@ def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard
         from .decoders import decode
 
         # A torch.export program runs with torch only: on the CPU here, like ORT for an ONNX model.
-        backend = create_backend(card, "ort") if card.format == "onnx" else \
-            create_backend(card, "torch", device="cpu", precision="fp32")
+        backend = (
+            create_backend(card, "ort")
+            if card.format == "onnx"
+            else create_backend(card, "torch", device="cpu", precision="fp32")
+        )
         try:
             h, w = card.input.size_hw
             decode(backend.infer(np.zeros((1, h, w, 3), np.uint8)), card)

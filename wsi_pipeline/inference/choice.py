@@ -30,6 +30,7 @@ MAX_GPU_BATCH = 64
 # memory is budgeted with it, so an underestimate still fits.
 GPU_BYTES_PER_TILE_PIXEL = 96
 
+
 def default_batch_size(card: ModelCard, on_cuda: bool) -> int:
     """Tiles per batch: from free device memory on CUDA (at most 64), 8 on the CPU.
 
@@ -54,17 +55,16 @@ def default_reader_workers(cores: int) -> int:
     return max(2, min(4, cores - 2))
 
 
-
-def make_executor(card: ModelCard, requested: str = "auto", streams: int | None = None,
-                  batch_size: int | None = None) -> tuple[Executor, str]:
+def make_executor(
+    card: ModelCard, requested: str = "auto", streams: int | None = None, batch_size: int | None = None
+) -> tuple[Executor, str]:
     """An executor for ``card`` on the backend ``requested`` (``auto``: the best that starts) and its name.
 
     ``batch_size`` caps a GPU backend's batch (None: its default).
     """
     name = resolve_backend(requested, card)
     # auto falls back only for ONNX models: a .pt2 runs with torch alone.
-    candidates = AUTO_ORDER[AUTO_ORDER.index(name):] if requested == "auto" and card.format == "onnx" \
-        else (name,)
+    candidates = AUTO_ORDER[AUTO_ORDER.index(name) :] if requested == "auto" and card.format == "onnx" else (name,)
     last: Exception | None = None
     for cand in candidates:
         opts: dict[str, Any] = {}

@@ -76,19 +76,30 @@ Decoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], list[TileDetections]
 
 _PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "centernet": {
-        "boxes": (str, "boxes"), "scores": (str, "scores"), "labels": (str, "labels"),
-        "score_threshold": ((int, float), 0.3), "max_detections": ((int, type(None)), None),
+        "boxes": (str, "boxes"),
+        "scores": (str, "scores"),
+        "labels": (str, "labels"),
+        "score_threshold": ((int, float), 0.3),
+        "max_detections": ((int, type(None)), None),
         "iou_threshold": ((int, float, type(None)), None),
     },
     "boxes_scores_labels": {
-        "boxes": (str, "boxes"), "scores": (str, "scores"), "labels": (str, "labels"),
-        "num_detections": ((str, type(None)), None), "score_threshold": ((int, float), 0.0),
-        "box_format": (str, "xyxy"), "normalized": (bool, False), "label_offset": (int, 0),
+        "boxes": (str, "boxes"),
+        "scores": (str, "scores"),
+        "labels": (str, "labels"),
+        "num_detections": ((str, type(None)), None),
+        "score_threshold": ((int, float), 0.0),
+        "box_format": (str, "xyxy"),
+        "normalized": (bool, False),
+        "label_offset": (int, 0),
     },
     "yolo": {
-        "output": (str, "output0"), "score_threshold": ((int, float), 0.25),
-        "iou_threshold": ((int, float), 0.45), "max_detections": (int, 300),
-        "channels_last": (bool, False), "objectness": (bool, False),
+        "output": (str, "output0"),
+        "score_threshold": ((int, float), 0.25),
+        "iou_threshold": ((int, float), 0.45),
+        "max_detections": (int, 300),
+        "channels_last": (bool, False),
+        "objectness": (bool, False),
     },
 }
 BOX_FORMATS = ("xyxy", "xywh", "cxcywh")
@@ -109,26 +120,33 @@ def validate_decoder_params(card: ModelCard) -> None:
     where = card.card_path
     for key, value in card.decoder.params.items():
         if key not in spec:
-            raise ModelError(f"{where}: field 'decoder.params.{key}': expected one of "
-                              f"{sorted(spec)} for decoder {kind!r}, found unknown key")
+            raise ModelError(
+                f"{where}: field 'decoder.params.{key}': expected one of "
+                f"{sorted(spec)} for decoder {kind!r}, found unknown key"
+            )
         kinds = spec[key][0]
-        if (isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))) \
-                or not isinstance(value, kinds):
-            raise ModelError(f"{where}: field 'decoder.params.{key}': expected "
-                              f"{_kind_name(kinds)}, found {value!r}")
+        if (
+            isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
+        ) or not isinstance(value, kinds):
+            raise ModelError(f"{where}: field 'decoder.params.{key}': expected {_kind_name(kinds)}, found {value!r}")
     params = decoder_params(card)
     names = {o.name for o in card.outputs}
     for key in ("boxes", "scores", "labels", "num_detections", "output"):
         if key in spec and params[key] is not None and params[key] not in names:
-            raise ModelError(f"{where}: field 'decoder.params.{key}': expected one of the outputs "
-                              f"{sorted(names)}, found {params[key]!r}")
+            raise ModelError(
+                f"{where}: field 'decoder.params.{key}': expected one of the outputs "
+                f"{sorted(names)}, found {params[key]!r}"
+            )
     if kind == "boxes_scores_labels" and params["box_format"] not in BOX_FORMATS:
-        raise ModelError(f"{where}: field 'decoder.params.box_format': expected one of "
-                          f"{list(BOX_FORMATS)}, found {params['box_format']!r}")
+        raise ModelError(
+            f"{where}: field 'decoder.params.box_format': expected one of "
+            f"{list(BOX_FORMATS)}, found {params['box_format']!r}"
+        )
     for key in ("score_threshold", "iou_threshold"):
         if params.get(key) is not None and not 0.0 <= float(params[key]) <= 1.0:
-            raise ModelError(f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], "
-                              f"found {params[key]!r}")
+            raise ModelError(
+                f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], found {params[key]!r}"
+            )
 
 
 def _kind_name(kinds: type | tuple[type, ...]) -> str:
@@ -140,8 +158,9 @@ def _get(outputs: Mapping[str, np.ndarray], name: str, card: ModelCard) -> np.nd
     try:
         return np.asarray(outputs[name])
     except KeyError:
-        raise ModelError(f"{card.model_path}: output {name!r} missing from the model's results "
-                         f"(found {sorted(outputs)})") from None
+        raise ModelError(
+            f"{card.model_path}: output {name!r} missing from the model's results (found {sorted(outputs)})"
+        ) from None
 
 
 def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> list[np.ndarray | None]:
@@ -149,8 +168,10 @@ def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) ->
         return [None] * batch
     raw = _get(outputs, card.heatmap.output, card).astype(np.float32, copy=False)
     if raw.ndim != 4 or raw.shape[0] != batch or raw.shape[1] != len(card.heatmap.classes):
-        raise ModelError(f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
-                         f"[{batch}, {len(card.heatmap.classes)}, H, W], found {list(raw.shape)}")
+        raise ModelError(
+            f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
+            f"[{batch}, {len(card.heatmap.classes)}, H, W], found {list(raw.shape)}"
+        )
     if card.heatmap.activation == "sigmoid":
         raw = 1.0 / (1.0 + np.exp(-raw))
     elif card.heatmap.activation == "softmax":
@@ -165,12 +186,13 @@ def _as_batched(a: np.ndarray, rank: int) -> np.ndarray:
 
 def _check_rows(card: ModelCard, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
     if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.shape != boxes.shape[:2] or labels.shape != boxes.shape[:2]:
-        raise ModelError(f"{card.model_path}: detection outputs: expected boxes [B,N,4], scores [B,N], "
-                         f"labels [B,N], found {list(boxes.shape)}, {list(scores.shape)}, {list(labels.shape)}")
+        raise ModelError(
+            f"{card.model_path}: detection outputs: expected boxes [B,N,4], scores [B,N], "
+            f"labels [B,N], found {list(boxes.shape)}, {list(scores.shape)}, {list(labels.shape)}"
+        )
 
 
-def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
-                  iou_threshold: float) -> np.ndarray:
+def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, iou_threshold: float) -> np.ndarray:
     """Indices kept by class-aware NMS (OpenCV's ``NMSBoxesBatched``), by descending score.
 
     ``boxes``: ``Nx4`` xyxy; ``scores``: ``N``; ``labels``: ``N`` ints.
@@ -178,18 +200,27 @@ def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray,
     if len(boxes) == 0:
         return np.zeros(0, np.int64)
     rects = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)  # x, y, w, h
-    keep = np.asarray(cv2.dnn.NMSBoxesBatched(
-        rects.astype(np.float64).tolist(), np.asarray(scores, np.float64).tolist(),
-        np.asarray(labels, np.int64).tolist(), -1.0, float(iou_threshold)), np.int64).reshape(-1)
+    keep = np.asarray(
+        cv2.dnn.NMSBoxesBatched(
+            rects.astype(np.float64).tolist(),
+            np.asarray(scores, np.float64).tolist(),
+            np.asarray(labels, np.int64).tolist(),
+            -1.0,
+            float(iou_threshold),
+        ),
+        np.int64,
+    ).reshape(-1)
     return keep[np.argsort(-np.asarray(scores)[keep], kind="stable")]
 
 
 def _check_labels(card: ModelCard, labels: np.ndarray) -> None:
     """A label past the card's classes means the card lists fewer classes than the model has."""
     if labels.size and int(labels.max()) >= len(card.classes):
-        raise ModelError(f"{card.card_path}: the model gave label {int(labels.max())}, but the card names "
-                         f"{len(card.classes)} classes (labels 0 to {len(card.classes) - 1}): expected a class "
-                         "for every label the model emits")
+        raise ModelError(
+            f"{card.card_path}: the model gave label {int(labels.max())}, but the card names "
+            f"{len(card.classes)} classes (labels 0 to {len(card.classes) - 1}): expected a class "
+            "for every label the model emits"
+        )
 
 
 def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
@@ -209,9 +240,14 @@ def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list
         if p["max_detections"] is not None:
             keep = keep[: p["max_detections"]]
         _check_labels(card, labels[i][keep])
-        results.append(TileDetections(
-            boxes[i][keep].astype(np.float32), scores[i][keep].astype(np.float32),
-            labels[i][keep].astype(np.int64), heatmaps[i]))
+        results.append(
+            TileDetections(
+                boxes[i][keep].astype(np.float32),
+                scores[i][keep].astype(np.float32),
+                labels[i][keep].astype(np.int64),
+                heatmaps[i],
+            )
+        )
     return results
 
 
@@ -244,14 +280,16 @@ def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCar
     if p["num_detections"] is not None:
         counts = _get(outputs, p["num_detections"], card).reshape(-1).astype(np.int64)
         if counts.shape[0] != boxes.shape[0]:
-            raise ModelError(f"{card.model_path}: output {p['num_detections']!r}: expected "
-                             f"[{boxes.shape[0]}], found {list(counts.shape)}")
+            raise ModelError(
+                f"{card.model_path}: output {p['num_detections']!r}: expected "
+                f"[{boxes.shape[0]}], found {list(counts.shape)}"
+            )
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
     results = []
     for i in range(boxes.shape[0]):
         valid = (scores[i] >= p["score_threshold"]) & (labels[i] >= 0) & np.isfinite(boxes[i]).all(axis=1)
         if counts is not None:
-            valid[counts[i]:] = False
+            valid[counts[i] :] = False
         keep = np.flatnonzero(valid)
         keep = keep[np.argsort(-scores[i][keep], kind="stable")]
         _check_labels(card, labels[i][keep])
@@ -269,14 +307,16 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
     width = 4 + int(p["objectness"]) + n_cls
     if raw.ndim != 3 or raw.shape[2] != width:
         layout = "[B, N, {}]" if p["channels_last"] else "[B, {}, N]"
-        raise ModelError(f"{card.model_path}: yolo output {p['output']!r}: expected "
-                         f"{layout.format(width)} for {n_cls} classes, found "
-                         f"{list(_get(outputs, p['output'], card).shape)}")
+        raise ModelError(
+            f"{card.model_path}: yolo output {p['output']!r}: expected "
+            f"{layout.format(width)} for {n_cls} classes, found "
+            f"{list(_get(outputs, p['output'], card).shape)}"
+        )
     heatmaps = _heatmaps(outputs, card, raw.shape[0])
     results = []
     for i in range(raw.shape[0]):
         rows = raw[i]
-        cls_scores = rows[:, width - n_cls:]
+        cls_scores = rows[:, width - n_cls :]
         if p["objectness"]:
             cls_scores = cls_scores * rows[:, 4:5]
         labels = cls_scores.argmax(axis=1)
@@ -287,8 +327,14 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
             continue
         boxes = _to_xyxy(rows[cand, :4], "cxcywh")
         keep = nms_per_class(boxes, scores[cand], labels[cand], p["iou_threshold"])[: p["max_detections"]]
-        results.append(TileDetections(boxes[keep].astype(np.float32), scores[cand][keep].astype(np.float32),
-                                      labels[cand][keep].astype(np.int64), heatmaps[i]))
+        results.append(
+            TileDetections(
+                boxes[keep].astype(np.float32),
+                scores[cand][keep].astype(np.float32),
+                labels[cand][keep].astype(np.int64),
+                heatmaps[i],
+            )
+        )
     return results
 
 

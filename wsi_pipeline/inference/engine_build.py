@@ -61,15 +61,21 @@ def default_cache_dir(model_path: str | os.PathLike[str]) -> Path:
     return Path(model_path).resolve().parent / "cache"
 
 
-def plan_path_for(model_path: str | os.PathLike[str], *, max_batch: int, opt_batch: int,
-                  gpu: str, trt_version: str, cache_dir: str | os.PathLike[str] | None = None,
-                  sha256: str | None = None) -> Path:
+def plan_path_for(
+    model_path: str | os.PathLike[str],
+    *,
+    max_batch: int,
+    opt_batch: int,
+    gpu: str,
+    trt_version: str,
+    cache_dir: str | os.PathLike[str] | None = None,
+    sha256: str | None = None,
+) -> Path:
     """Where the plan of this model/GPU/TensorRT/profile lives in the cache."""
     model_path = Path(model_path)
     sha = sha256 or file_sha256(model_path)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(model_path)
-    name = (f"{model_path.stem}-{sha[:16]}-{_slug(gpu)}-trt{_slug(trt_version)}"
-            f"-b{opt_batch}-{max_batch}.plan")
+    name = f"{model_path.stem}-{sha[:16]}-{_slug(gpu)}-trt{_slug(trt_version)}-b{opt_batch}-{max_batch}.plan"
     return cache / name
 
 
@@ -92,11 +98,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def build_engine(model_path: str | os.PathLike[str], max_batch: int = DEFAULT_MAX_BATCH,
-                 opt_batch: int | None = None, workspace_gb: float | None = None,
-                 out: str | os.PathLike[str] | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None, force: bool = False,
-                 log: Callable[[str], None] | None = None) -> Path:
+def build_engine(
+    model_path: str | os.PathLike[str],
+    max_batch: int = DEFAULT_MAX_BATCH,
+    opt_batch: int | None = None,
+    workspace_gb: float | None = None,
+    out: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """Build (or find in the cache) the TensorRT plan of an ONNX model; return its path.
 
     The input's batch axis gets the profile ``1 / opt_batch (default
@@ -108,24 +119,29 @@ def build_engine(model_path: str | os.PathLike[str], max_batch: int = DEFAULT_MA
     """
     model_path = Path(model_path)
     if format_for(model_path) != "onnx":
-        raise ModelError(f"{model_path}: expected an ONNX model, found a torch.export program; TensorRT "
-                         "builds engines from ONNX only (the torch backend runs a .pt2: --backend torch)")
+        raise ModelError(
+            f"{model_path}: expected an ONNX model, found a torch.export program; TensorRT "
+            "builds engines from ONNX only (the torch backend runs a .pt2: --backend torch)"
+        )
     trt = import_tensorrt()
     if not model_path.is_file():
         raise ModelError(f"{model_path}: ONNX model not found")
     opt = _check_batches(int(max_batch), opt_batch)
     gpu = gpu_name()
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir(model_path)
-    cached = plan_path_for(model_path, max_batch=int(max_batch), opt_batch=opt, gpu=gpu,
-                           trt_version=trt.__version__, cache_dir=cache)
+    cached = plan_path_for(
+        model_path, max_batch=int(max_batch), opt_batch=opt, gpu=gpu, trt_version=trt.__version__, cache_dir=cache
+    )
     target = Path(out) if out is not None else cached
     if cached.is_file() and not force:
         if target != cached:
             _write_atomic(target, cached.read_bytes())
         return target
     say = log or (lambda msg: None)
-    say(f"building TensorRT {trt.__version__} engine for {model_path.name} on {gpu} "
-        f"(batch 1/{opt}/{max_batch}); this takes a while the first time")
+    say(
+        f"building TensorRT {trt.__version__} engine for {model_path.name} on {gpu} "
+        f"(batch 1/{opt}/{max_batch}); this takes a while the first time"
+    )
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -144,11 +160,13 @@ def build_engine(model_path: str | os.PathLike[str], max_batch: int = DEFAULT_MA
     inp = network.get_input(0)
     dims = tuple(inp.shape)
     if len(dims) != 4 or any(d < 1 for d in dims[1:]):
-        raise ModelError(f"{model_path}: input {inp.name!r}: expected [batch, H, W, C] with fixed H, W, C, "
-                         f"found {list(dims)}")
+        raise ModelError(
+            f"{model_path}: input {inp.name!r}: expected [batch, H, W, C] with fixed H, W, C, found {list(dims)}"
+        )
     if dims[0] > 0 and dims[0] != max_batch:
-        raise ModelError(f"{model_path}: input {inp.name!r} has a fixed batch of {dims[0]}; export it "
-                         "with a dynamic batch axis")
+        raise ModelError(
+            f"{model_path}: input {inp.name!r} has a fixed batch of {dims[0]}; export it with a dynamic batch axis"
+        )
     rest = dims[1:]
 
     config = builder.create_builder_config()

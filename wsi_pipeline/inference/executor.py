@@ -9,7 +9,8 @@ from the loader's buffer, page-locked once per pooled buffer (or, where that
 is not possible, a host copy into the worker's pinned buffer first); the
 loader's buffer is released as soon as the copy has finished -> model ->
 output reduction on the device (score threshold, sort, counts, heatmap
-activation) -> asynchronous D2H copy of the small results -> event. Different workers' batches overlap copies and compute on the GPU.
+activation) -> asynchronous D2H copy of the small results -> event.
+Different workers' batches overlap copies and compute on the GPU.
 
 On the CPU (ONNX Runtime, or the torch backend on ``cpu``) workers are
 threads calling ``backend.infer``; ONNX Runtime runs concurrent calls and
@@ -57,6 +58,7 @@ class TileBatch(Protocol):
 
     def release(self) -> None: ...
 
+
 DEFAULT_CUDA_STREAMS = 4
 DEFAULT_CPU_WORKERS = 2
 _POLL_S = 0.1
@@ -78,6 +80,7 @@ def _is_cuda_backend(backend: Any) -> bool:
 
 
 # -- device-side output reduction -------------------------------------------------
+
 
 class _DeviceDecoder:
     """Shrinks a batch's device outputs before the copy back; the CPU decoder does the rest.
@@ -161,6 +164,7 @@ def _card_without_activation(card: ModelCard) -> ModelCard:
 
 # -- page-locking the loader's buffers ---------------------------------------------
 
+
 class _HostRegistry:
     """Page-locks (cudaHostRegister) the host arrays batches come in, once per buffer.
 
@@ -222,6 +226,7 @@ _HOST_REGISTRY = _HostRegistry()
 
 # -- workers ----------------------------------------------------------------------
 
+
 class _CudaWorker:
     """One CUDA stream with its pinned buffers and runner. Not thread-safe (``lock``)."""
 
@@ -235,8 +240,8 @@ class _CudaWorker:
         self.max_batch = int(self.runner.max_batch)
         h, w = backend.card.input.size_hw
         self.pinned_in = torch.empty((self.max_batch, h, w, 3), dtype=torch.uint8, pin_memory=True)
-        self.copied = torch.cuda.Event()   # H2D done: pinned_in may be overwritten
-        self.done = torch.cuda.Event()     # D2H done: pinned_out may be read
+        self.copied = torch.cuda.Event()  # H2D done: pinned_in may be overwritten
+        self.done = torch.cuda.Event()  # D2H done: pinned_out may be read
         self.pinned_out: dict[str, Any] = {}
         self.decoder = decoder
         self.lock = threading.Lock()
@@ -270,7 +275,7 @@ class _CudaWorker:
         released = False
         try:
             for start in range(0, n_total, self.max_batch):
-                chunk = images[start:start + self.max_batch]
+                chunk = images[start : start + self.max_batch]
                 n = int(chunk.shape[0])
                 if on_device:
                     if ready is not None:
@@ -375,8 +380,9 @@ class Executor:
         self.card: ModelCard = self.backend.card
         self.is_cuda = _is_cuda_backend(self.backend)
         if streams is None:
-            streams = len(backends) if len(backends) > 1 else (
-                DEFAULT_CUDA_STREAMS if self.is_cuda else DEFAULT_CPU_WORKERS)
+            streams = (
+                len(backends) if len(backends) > 1 else (DEFAULT_CUDA_STREAMS if self.is_cuda else DEFAULT_CPU_WORKERS)
+            )
         if streams < 1:
             raise ConfigError(f"streams: expected >= 1, found {streams}")
         self.streams = int(streams)
@@ -384,8 +390,7 @@ class Executor:
             if len(backends) > 1:
                 raise ConfigError("Executor: a CUDA backend makes its own per-stream runners; pass one")
             decoder = _DeviceDecoder(self.card)
-            self._workers: list[Any] = [_CudaWorker(self.backend, decoder, register_host)
-                                        for _ in range(self.streams)]
+            self._workers: list[Any] = [_CudaWorker(self.backend, decoder, register_host) for _ in range(self.streams)]
         else:
             self._workers = [_CpuWorker(backends[i % len(backends)]) for i in range(self.streams)]
         self.max_batch = int(getattr(self._workers[0], "max_batch", getattr(self.backend, "max_batch", 16)))
@@ -394,8 +399,9 @@ class Executor:
         self._rr_lock = threading.Lock()
 
     @classmethod
-    def from_card(cls, card: ModelCard | str | os.PathLike[str], backend: str = "ort",
-                  streams: int | None = None, **opts: Any) -> Executor:
+    def from_card(
+        cls, card: ModelCard | str | os.PathLike[str], backend: str = "ort", streams: int | None = None, **opts: Any
+    ) -> Executor:
         """An executor with a backend made from ``card``.
 
         For ``ort`` each of the ``streams`` workers (default 2) gets its own
@@ -534,8 +540,10 @@ class Executor:
                 out_q.put(_DONE)
 
         feeder = threading.Thread(target=feed, name="executor-feed", daemon=True)
-        threads = [threading.Thread(target=work, args=(w,), name=f"executor-{i}", daemon=True)
-                   for i, w in enumerate(self._workers)]
+        threads = [
+            threading.Thread(target=work, args=(w,), name=f"executor-{i}", daemon=True)
+            for i, w in enumerate(self._workers)
+        ]
         feeder.start()
         for t in threads:
             t.start()
@@ -580,8 +588,9 @@ class Executor:
             raise failure
 
     @staticmethod
-    def _drain_and_join(in_q: queue.Queue, out_q: queue.Queue, feeder: threading.Thread,
-                        threads: list[threading.Thread]) -> BaseException | None:
+    def _drain_and_join(
+        in_q: queue.Queue, out_q: queue.Queue, feeder: threading.Thread, threads: list[threading.Thread]
+    ) -> BaseException | None:
         """Release queued batches until every thread has ended; return the first failure seen."""
         failure = None
 

@@ -14,11 +14,9 @@ from .card import ModelCard, load_card, require_onnx
 def check_tile_batch(batch: np.ndarray, card: ModelCard) -> np.ndarray:
     """Return ``batch`` as a C-contiguous ``N x H x W x 3 uint8`` array or raise ConfigError."""
     h, w = card.input.size_hw
-    if not isinstance(batch, np.ndarray) or batch.dtype != np.uint8 or batch.ndim != 4 \
-            or batch.shape[1:] != (h, w, 3):
-        found = (f"{getattr(batch, 'dtype', type(batch).__name__)} {list(getattr(batch, 'shape', []))}")
-        raise ConfigError(f"tiles for {card.model_path}: expected a N x {h} x {w} x 3 uint8 array, "
-                          f"found {found}")
+    if not isinstance(batch, np.ndarray) or batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != (h, w, 3):
+        found = f"{getattr(batch, 'dtype', type(batch).__name__)} {list(getattr(batch, 'shape', []))}"
+        raise ConfigError(f"tiles for {card.model_path}: expected a N x {h} x {w} x 3 uint8 array, found {found}")
     return np.ascontiguousarray(batch)
 
 
@@ -53,9 +51,14 @@ class OrtBackend:
     ``providers`` defaults to CPU only.
     """
 
-    def __init__(self, card: ModelCard | str | os.PathLike[str], max_batch: int = 8,
-                 intra_op_threads: int | None = None, inter_op_threads: int = 1,
-                 providers: Sequence[str | tuple[str, dict]] | None = None):
+    def __init__(
+        self,
+        card: ModelCard | str | os.PathLike[str],
+        max_batch: int = 8,
+        intra_op_threads: int | None = None,
+        inter_op_threads: int = 1,
+        providers: Sequence[str | tuple[str, dict]] | None = None,
+    ):
         import onnxruntime as ort
 
         self.card = card if isinstance(card, ModelCard) else load_card(card)
@@ -75,7 +78,8 @@ class OrtBackend:
             opts.add_session_config_entry("session.x64quantprecision", "1")
         try:
             self.session = ort.InferenceSession(
-                str(self.card.model_path), opts, providers=list(providers or ["CPUExecutionProvider"]))
+                str(self.card.model_path), opts, providers=list(providers or ["CPUExecutionProvider"])
+            )
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise ModelError(f"{self.card.model_path}: onnxruntime cannot load it: {exc}") from exc
         batch_dim = self.session.get_inputs()[0].shape[0]
@@ -97,7 +101,7 @@ class OrtBackend:
             return {k: v[:0] for k, v in self.infer(np.zeros((1, *batch.shape[1:]), np.uint8)).items()}
         parts: list[list[np.ndarray]] = [[] for _ in self.output_names]
         for start in range(0, n, self.max_batch):
-            chunk = batch[start:start + self.max_batch]
+            chunk = batch[start : start + self.max_batch]
             real = chunk.shape[0]
             if self.fixed_batch is not None and real < self.fixed_batch:
                 pad = np.zeros((self.fixed_batch - real, *chunk.shape[1:]), chunk.dtype)
@@ -105,8 +109,9 @@ class OrtBackend:
             results = self.session.run(self.output_names, {self.input_name: prepare_input(chunk, self.card)})
             for i, r in enumerate(results):
                 parts[i].append(r[:real])
-        return {name: (p[0] if len(p) == 1 else np.concatenate(p)) for name, p in zip(self.output_names, parts,
-                                                                                       strict=True)}
+        return {
+            name: (p[0] if len(p) == 1 else np.concatenate(p)) for name, p in zip(self.output_names, parts, strict=True)
+        }
 
     def close(self) -> None:
         self.session = None  # type: ignore[assignment]

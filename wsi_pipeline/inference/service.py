@@ -115,8 +115,11 @@ class TileService:
             parts = self._take_batch()
             if parts is None:
                 return
-            batch = parts[0][0].tiles[parts[0][1]:parts[0][2]] if len(parts) == 1 else \
-                np.concatenate([r.tiles[a:b] for r, a, b in parts])
+            batch = (
+                parts[0][0].tiles[parts[0][1] : parts[0][2]]
+                if len(parts) == 1
+                else np.concatenate([r.tiles[a:b] for r, a, b in parts])
+            )
             with self._cv:
                 self.batches_run += 1
                 self.mixed_batches += len({id(r) for r, _, _ in parts}) > 1
@@ -134,7 +137,7 @@ class TileService:
                 continue
             k = 0
             for req, a, b in parts:
-                req.results[a:b] = results[k:k + (b - a)]
+                req.results[a:b] = results[k : k + (b - a)]
                 k += b - a
                 with self._cv:
                     req.done += b - a

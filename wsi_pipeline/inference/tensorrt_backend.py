@@ -30,10 +30,14 @@ def _torch_dtypes(trt: Any) -> dict[Any, Any]:
     import torch
 
     return {
-        trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
-        trt.DataType.BF16: torch.bfloat16, trt.DataType.INT8: torch.int8,
-        trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64,
-        trt.DataType.UINT8: torch.uint8, trt.DataType.BOOL: torch.bool,
+        trt.DataType.FLOAT: torch.float32,
+        trt.DataType.HALF: torch.float16,
+        trt.DataType.BF16: torch.bfloat16,
+        trt.DataType.INT8: torch.int8,
+        trt.DataType.INT32: torch.int32,
+        trt.DataType.INT64: torch.int64,
+        trt.DataType.UINT8: torch.uint8,
+        trt.DataType.BOOL: torch.bool,
     }
 
 
@@ -56,8 +60,9 @@ class TensorRTRunner:
         engine = backend.engine
         context = engine.create_execution_context()
         if context is None:
-            raise ModelError(f"{backend.plan_path}: TensorRT could not create an execution context "
-                             "(out of device memory?)")
+            raise ModelError(
+                f"{backend.plan_path}: TensorRT could not create an execution context (out of device memory?)"
+            )
         self.context = context
         h, w = backend.card.input.size_hw
         self.input = torch.empty((self.max_batch, h, w, 3), dtype=torch.uint8, device=backend.device)
@@ -68,8 +73,10 @@ class TensorRTRunner:
         for out_name in backend.output_names:
             shape = tuple(context.get_tensor_shape(out_name))
             if any(d < 0 for d in shape):
-                raise ModelError(f"{backend.plan_path}: output {out_name!r} has a data-dependent shape "
-                                 f"{list(shape)}; fixed-size outputs are expected")
+                raise ModelError(
+                    f"{backend.plan_path}: output {out_name!r} has a data-dependent shape "
+                    f"{list(shape)}; fixed-size outputs are expected"
+                )
             buf = torch.empty(shape, dtype=backend.dtypes[out_name], device=backend.device)
             context.set_tensor_address(out_name, buf.data_ptr())
             self.outputs[out_name] = buf
@@ -96,9 +103,15 @@ class TensorRTBackend:
     and returns numpy outputs; the executor uses :meth:`create_runner`.
     """
 
-    def __init__(self, card: ModelCard | str | os.PathLike[str], max_batch: int = DEFAULT_MAX_BATCH,
-                 opt_batch: int | None = None, engine_path: str | os.PathLike[str] | None = None,
-                 device: str = "cuda", workspace_gb: float | None = None):
+    def __init__(
+        self,
+        card: ModelCard | str | os.PathLike[str],
+        max_batch: int = DEFAULT_MAX_BATCH,
+        opt_batch: int | None = None,
+        engine_path: str | os.PathLike[str] | None = None,
+        device: str = "cuda",
+        workspace_gb: float | None = None,
+    ):
         if not isinstance(card, ModelCard):
             card = load_card(card)
         require_onnx(card, "the tensorrt backend")
@@ -109,12 +122,15 @@ class TensorRTBackend:
             raise BackendUnavailableError("TensorRT needs a CUDA GPU; none is available here")
         self.card = card if isinstance(card, ModelCard) else load_card(card)
         if self.card.input.layout != "NHWC" or self.card.input.dtype != "uint8":
-            raise ModelError(f"{self.card.model_path}: the TensorRT backend feeds uint8 NHWC tiles; the "
-                             f"card wants {self.card.input.dtype} {self.card.input.layout}")
+            raise ModelError(
+                f"{self.card.model_path}: the TensorRT backend feeds uint8 NHWC tiles; the "
+                f"card wants {self.card.input.dtype} {self.card.input.layout}"
+            )
         self.device = torch.device(device)
         if engine_path is None:
-            engine_path = build_engine(self.card.model_path, max_batch=max_batch, opt_batch=opt_batch,
-                                       workspace_gb=workspace_gb)
+            engine_path = build_engine(
+                self.card.model_path, max_batch=max_batch, opt_batch=opt_batch, workspace_gb=workspace_gb
+            )
         self.plan_path = Path(engine_path)
         if not self.plan_path.is_file():
             raise ModelError(f"{self.plan_path}: TensorRT plan not found")
@@ -123,8 +139,10 @@ class TensorRTBackend:
         with torch.cuda.device(self.device):
             engine = self.runtime.deserialize_cuda_engine(self.plan_path.read_bytes())
         if engine is None:
-            raise ModelError(f"{self.plan_path}: TensorRT cannot load this plan (built for another "
-                             f"GPU or TensorRT version?); rebuild it with wsi-pipeline build-engine")
+            raise ModelError(
+                f"{self.plan_path}: TensorRT cannot load this plan (built for another "
+                f"GPU or TensorRT version?); rebuild it with wsi-pipeline build-engine"
+            )
         self.engine = engine
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -133,8 +151,10 @@ class TensorRTBackend:
         self.input_name = inputs[0]
         self.output_names = [n for n in names if n not in inputs]
         if sorted(self.output_names) != sorted(o.name for o in self.card.outputs):
-            raise ModelError(f"{self.plan_path}: engine outputs {sorted(self.output_names)} differ from "
-                             f"the card's {sorted(o.name for o in self.card.outputs)}")
+            raise ModelError(
+                f"{self.plan_path}: engine outputs {sorted(self.output_names)} differ from "
+                f"the card's {sorted(o.name for o in self.card.outputs)}"
+            )
         dtypes = _torch_dtypes(trt)
         self.dtypes = {n: dtypes[engine.get_tensor_dtype(n)] for n in self.output_names}
         _, _, max_shape = engine.get_tensor_profile_shape(self.input_name, 0)
@@ -157,12 +177,12 @@ class TensorRTBackend:
                 self._runner = TensorRTRunner(self, torch.cuda.Stream(self.device))
             r = self._runner
             for start in range(0, max(batch.shape[0], 1), self.max_batch):
-                chunk = torch.from_numpy(batch[start:start + self.max_batch])
+                chunk = torch.from_numpy(batch[start : start + self.max_batch])
                 n = max(int(chunk.shape[0]), 1)
                 with torch.cuda.stream(r.stream):
-                    r.input[:chunk.shape[0]].copy_(chunk)
+                    r.input[: chunk.shape[0]].copy_(chunk)
                     outs = r.run(n)
-                    host = {k: v[:chunk.shape[0]].cpu() for k, v in outs.items()}
+                    host = {k: v[: chunk.shape[0]].cpu() for k, v in outs.items()}
                 for k, v in host.items():
                     parts[k].append(v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy())
         return {k: (p[0] if len(p) == 1 else np.concatenate(p)) for k, p in parts.items()}

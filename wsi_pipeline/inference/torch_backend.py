@@ -53,8 +53,16 @@ _INPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 # ONNX TensorProto element type -> torch dtype.
 _ONNX_DTYPES: dict[int, torch.dtype] = {
-    1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
-    9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16,
+    1: torch.float32,
+    2: torch.uint8,
+    3: torch.int8,
+    5: torch.int16,
+    6: torch.int32,
+    7: torch.int64,
+    9: torch.bool,
+    10: torch.float16,
+    11: torch.float64,
+    16: torch.bfloat16,
 }
 
 
@@ -81,8 +89,10 @@ def _host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     i = _host_copies.index
     _host_copies.index += 1
     if i >= len(copies) or copies[i][0].shape != t.shape or not torch.equal(copies[i][0], t):
-        raise ModelError("a host value of the model's graph differs between two passes of one batch size; "
-                         "it cannot run in a CUDA graph (cuda_graphs=False runs it)")
+        raise ModelError(
+            "a host value of the model's graph differs between two passes of one batch size; "
+            "it cannot run in a CUDA graph (cuda_graphs=False runs it)"
+        )
     return copies[i][1]
 
 
@@ -122,6 +132,7 @@ def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callabl
     def op(node, a, b):
         a, b = _to_device_of(a, b)
         return fn(a, b)
+
     return op
 
 
@@ -138,8 +149,10 @@ def _attr(node, name: str, default: Any = None) -> Any:
 def _pads_2d(node, x: torch.Tensor, fill: float) -> tuple[torch.Tensor, list[int]]:
     """ONNX pads [t, l, b, r] -> symmetric padding for torch, padding explicitly when asymmetric."""
     if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        raise ModelError(f"node {node.name!r} ({node.op_type}): auto_pad={_attr(node, 'auto_pad')!r} "
-                         "is not supported (export with explicit pads)")
+        raise ModelError(
+            f"node {node.name!r} ({node.op_type}): auto_pad={_attr(node, 'auto_pad')!r} "
+            "is not supported (export with explicit pads)"
+        )
     pads = list(_attr(node, "pads", [0, 0, 0, 0]))
     nd = len(pads) // 2
     begin, end = pads[:nd], pads[nd:]
@@ -165,17 +178,27 @@ def _op_maxpool(node, x):
         raise ModelError(f"node {node.name!r}: MaxPool with an Indices output is not supported")
     x, padding = _pads_2d(node, x, -math.inf)
     k = _attr(node, "kernel_shape")
-    return F.max_pool2d(x, k, stride=_attr(node, "strides", [1] * len(k)), padding=padding,
-                        dilation=_attr(node, "dilations", [1] * len(k)),
-                        ceil_mode=bool(_attr(node, "ceil_mode", 0)))
+    return F.max_pool2d(
+        x,
+        k,
+        stride=_attr(node, "strides", [1] * len(k)),
+        padding=padding,
+        dilation=_attr(node, "dilations", [1] * len(k)),
+        ceil_mode=bool(_attr(node, "ceil_mode", 0)),
+    )
 
 
 def _op_avgpool(node, x):
     x, padding = _pads_2d(node, x, 0.0)
     k = _attr(node, "kernel_shape")
-    return F.avg_pool2d(x, k, stride=_attr(node, "strides", [1] * len(k)), padding=padding,
-                        ceil_mode=bool(_attr(node, "ceil_mode", 0)),
-                        count_include_pad=bool(_attr(node, "count_include_pad", 0)))
+    return F.avg_pool2d(
+        x,
+        k,
+        stride=_attr(node, "strides", [1] * len(k)),
+        padding=padding,
+        ceil_mode=bool(_attr(node, "ceil_mode", 0)),
+        count_include_pad=bool(_attr(node, "count_include_pad", 0)),
+    )
 
 
 def _op_resize(node, x, roi=None, scales=None, sizes=None):
@@ -192,13 +215,14 @@ def _op_resize(node, x, roi=None, scales=None, sizes=None):
         scale = s[2:]
     if mode == "nearest":
         if ctm != "asymmetric" or _attr(node, "nearest_mode", "round_prefer_floor") != "floor":
-            raise ModelError(f"node {node.name!r}: nearest Resize needs coordinate_transformation_mode="
-                             f"asymmetric and nearest_mode=floor (found {ctm})")
+            raise ModelError(
+                f"node {node.name!r}: nearest Resize needs coordinate_transformation_mode="
+                f"asymmetric and nearest_mode=floor (found {ctm})"
+            )
         return F.interpolate(x, size=size, scale_factor=scale, mode="nearest")
     if mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
         torch_mode = {3: "linear", 4: "bilinear", 5: "trilinear"}[x.dim()]
-        return F.interpolate(x, size=size, scale_factor=scale, mode=torch_mode,
-                             align_corners=ctm == "align_corners")
+        return F.interpolate(x, size=size, scale_factor=scale, mode=torch_mode, align_corners=ctm == "align_corners")
     raise ModelError(f"node {node.name!r}: Resize mode={mode!r} with {ctm!r} is not supported")
 
 
@@ -259,7 +283,7 @@ def _op_gather(node, x, idx):
     idx = _on_device(idx, x.device)
     idx = torch.where(idx < 0, idx + x.shape[axis], idx)
     out = torch.index_select(x, axis, idx.reshape(-1))
-    return out.reshape(list(x.shape[:axis]) + list(idx.shape) + list(x.shape[axis + 1:]))
+    return out.reshape(list(x.shape[:axis]) + list(idx.shape) + list(x.shape[axis + 1 :]))
 
 
 def _op_gather_elements(node, x, idx):
@@ -269,8 +293,13 @@ def _op_gather_elements(node, x, idx):
 
 
 def _op_topk(node, x, k):
-    values, indices = torch.topk(x, int(k.reshape(-1)[0]), dim=_attr(node, "axis", -1),
-                                 largest=bool(_attr(node, "largest", 1)), sorted=bool(_attr(node, "sorted", 1)))
+    values, indices = torch.topk(
+        x,
+        int(k.reshape(-1)[0]),
+        dim=_attr(node, "axis", -1),
+        largest=bool(_attr(node, "largest", 1)),
+        sorted=bool(_attr(node, "sorted", 1)),
+    )
     return values, indices
 
 
@@ -332,6 +361,7 @@ def _op_reduce(fn):
         if axes is None:
             return fn(x, dim=tuple(range(x.dim())), keepdim=keep)
         return fn(x, dim=tuple(axes), keepdim=keep)
+
     return op
 
 
@@ -343,26 +373,36 @@ def _op_conv_transpose(node, x, w, b=None):
     """ConvTranspose: explicit (possibly asymmetric) pads cropped from the full output."""
     nd = w.dim() - 2
     if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID") or _attr(node, "output_shape") is not None:
-        raise ModelError(f"node {node.name!r} (ConvTranspose): auto_pad / output_shape are not supported "
-                         "(export with explicit pads)")
+        raise ModelError(
+            f"node {node.name!r} (ConvTranspose): auto_pad / output_shape are not supported (export with explicit pads)"
+        )
     pads = list(_attr(node, "pads", [0] * (2 * nd)))
     begin, end = pads[:nd], pads[nd:]
     conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
     sym = begin == end
-    y = conv(x, w, b, stride=_attr(node, "strides", [1] * nd), padding=begin if sym else 0,
-             output_padding=_attr(node, "output_padding", [0] * nd), groups=_attr(node, "group", 1),
-             dilation=_attr(node, "dilations", [1] * nd))
+    y = conv(
+        x,
+        w,
+        b,
+        stride=_attr(node, "strides", [1] * nd),
+        padding=begin if sym else 0,
+        output_padding=_attr(node, "output_padding", [0] * nd),
+        groups=_attr(node, "group", 1),
+        dilation=_attr(node, "dilations", [1] * nd),
+    )
     if sym:
         return y
-    index = [slice(None), slice(None)] + [slice(bg, y.shape[2 + i] - e) for i, (bg, e) in enumerate(zip(begin, end,
-                                                                                                       strict=True))]
+    index = [slice(None), slice(None)] + [
+        slice(bg, y.shape[2 + i] - e) for i, (bg, e) in enumerate(zip(begin, end, strict=True))
+    ]
     return y[tuple(index)]
 
 
 def _op_batch_norm(node, x, scale, bias, mean, var):
     if _attr(node, "training_mode", 0) or (len(node.output) > 1 and any(node.output[1:])):
-        raise ModelError(f"node {node.name!r}: BatchNormalization in training mode is not supported "
-                         "(export the model in eval mode)")
+        raise ModelError(
+            f"node {node.name!r}: BatchNormalization in training mode is not supported (export the model in eval mode)"
+        )
     x, scale = _to_device_of(x, scale)
     bias, mean, var = (_on_device(t, x.device) for t in (bias, mean, var))
     return F.batch_norm(x, mean, var, scale, bias, False, 0.0, _attr(node, "epsilon", 1e-5))
@@ -372,8 +412,10 @@ def _op_layer_norm(node, x, scale, bias=None):
     if len(node.output) > 1 and any(node.output[1:]):
         raise ModelError(f"node {node.name!r}: LayerNormalization's Mean / InvStdDev outputs are not supported")
     if _attr(node, "stash_type", 1) != 1:
-        raise ModelError(f"node {node.name!r}: LayerNormalization stash_type {_attr(node, 'stash_type')} "
-                         "is not supported (expected 1: float32)")
+        raise ModelError(
+            f"node {node.name!r}: LayerNormalization stash_type {_attr(node, 'stash_type')} "
+            "is not supported (expected 1: float32)"
+        )
     axis = _attr(node, "axis", -1) % x.dim()
     y = F.layer_norm(x, x.shape[axis:], eps=_attr(node, "epsilon", 1e-5))
     y, scale = _to_device_of(y, scale)
@@ -436,50 +478,100 @@ def _op_pad(node, x, pads=None, value=None, axes=None):
     if mode == "constant":
         return F.pad(x, torch_pad, value=fill)
     if len(torch_pad) // 2 > min(3, rank - 2) or min(torch_pad) < 0:
-        raise ModelError(f"node {node.name!r}: Pad mode {mode!r} pads {torch_pad} (torch order): only the "
-                         "spatial axes of a 3- to 5-D tensor, by non-negative amounts, are supported")
+        raise ModelError(
+            f"node {node.name!r}: Pad mode {mode!r} pads {torch_pad} (torch order): only the "
+            "spatial axes of a 3- to 5-D tensor, by non-negative amounts, are supported"
+        )
     return F.pad(x, torch_pad, mode=_PAD_MODES[mode])
 
 
 # Inputs read as Python numbers (shapes, axes, scales, k): always passed as host tensors.
 _HOST_INPUTS: dict[str, tuple[int, ...]] = {
-    "Resize": (1, 2, 3), "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "TopK": (1,),
-    "Unsqueeze": (1,), "Squeeze": (1,), "ConstantOfShape": (0,), "Clip": (1, 2),
-    "ReduceMax": (1,), "ReduceMean": (1,), "ReduceSum": (1,), "Split": (1,), "Pad": (1, 2, 3),
+    "Resize": (1, 2, 3),
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Slice": (1, 2, 3, 4),
+    "TopK": (1,),
+    "Unsqueeze": (1,),
+    "Squeeze": (1,),
+    "ConstantOfShape": (0,),
+    "Clip": (1, 2),
+    "ReduceMax": (1,),
+    "ReduceMean": (1,),
+    "ReduceSum": (1,),
+    "Split": (1,),
+    "Pad": (1, 2, 3),
     "Range": (0, 1, 2),
 }
 
 _OPS: dict[str, Callable[..., Any]] = {
-    "Conv": _op_conv, "MaxPool": _op_maxpool, "AveragePool": _op_avgpool, "Resize": _op_resize,
-    "Relu": lambda n, x: torch.relu(x), "Sigmoid": lambda n, x: torch.sigmoid(x),
-    "Exp": lambda n, x: torch.exp(x), "Floor": lambda n, x: torch.floor(x),
-    "Tanh": lambda n, x: torch.tanh(x), "Sqrt": lambda n, x: torch.sqrt(x),
-    "Neg": lambda n, x: -x, "Abs": lambda n, x: torch.abs(x), "Log": lambda n, x: torch.log(x),
+    "Conv": _op_conv,
+    "MaxPool": _op_maxpool,
+    "AveragePool": _op_avgpool,
+    "Resize": _op_resize,
+    "Relu": lambda n, x: torch.relu(x),
+    "Sigmoid": lambda n, x: torch.sigmoid(x),
+    "Exp": lambda n, x: torch.exp(x),
+    "Floor": lambda n, x: torch.floor(x),
+    "Tanh": lambda n, x: torch.tanh(x),
+    "Sqrt": lambda n, x: torch.sqrt(x),
+    "Neg": lambda n, x: -x,
+    "Abs": lambda n, x: torch.abs(x),
+    "Log": lambda n, x: torch.log(x),
     "Not": lambda n, x: torch.logical_not(x),
     "LeakyRelu": lambda n, x: F.leaky_relu(x, _attr(n, "alpha", 0.01)),
     "HardSigmoid": lambda n, x: torch.clamp(x * _attr(n, "alpha", 0.2) + _attr(n, "beta", 0.5), 0, 1),
-    "Add": _binary(torch.add), "Sub": _binary(torch.sub), "Mul": _binary(torch.mul),
-    "Div": _binary(lambda a, b: torch.div(a, b, rounding_mode="trunc")
-                   if not a.is_floating_point() and not b.is_floating_point() else torch.div(a, b)),
-    "Pow": _binary(torch.pow), "Equal": _binary(torch.eq), "Greater": _binary(torch.gt),
-    "Less": _binary(torch.lt), "And": _binary(torch.logical_and), "Or": _binary(torch.logical_or),
+    "Add": _binary(torch.add),
+    "Sub": _binary(torch.sub),
+    "Mul": _binary(torch.mul),
+    "Div": _binary(
+        lambda a, b: (
+            torch.div(a, b, rounding_mode="trunc")
+            if not a.is_floating_point() and not b.is_floating_point()
+            else torch.div(a, b)
+        )
+    ),
+    "Pow": _binary(torch.pow),
+    "Equal": _binary(torch.eq),
+    "Greater": _binary(torch.gt),
+    "Less": _binary(torch.lt),
+    "And": _binary(torch.logical_and),
+    "Or": _binary(torch.logical_or),
     "Xor": _binary(torch.logical_xor),
     # fmod=0: the remainder takes the divisor's sign (integers only); fmod=1: the dividend's (C fmod).
     "Mod": lambda n, a, b: _binary(torch.fmod if _attr(n, "fmod", 0) else torch.remainder)(n, a, b),
-    "Max": _binary(torch.maximum), "Min": _binary(torch.minimum),
-    "Cast": _op_cast, "Transpose": _op_transpose, "Reshape": _op_reshape, "Expand": _op_expand,
-    "Unsqueeze": _op_unsqueeze, "Squeeze": _op_squeeze, "Slice": _op_slice, "Gather": _op_gather,
-    "GatherElements": _op_gather_elements, "TopK": _op_topk, "Clip": _op_clip, "Concat": _op_concat,
-    "Where": _op_where, "ConstantOfShape": _op_constant_of_shape, "Softmax": _op_softmax,
-    "Flatten": _op_flatten, "ArgMax": _op_argmax,
-    "ReduceMax": _op_reduce(torch.amax), "ReduceMean": _op_reduce(torch.mean),
+    "Max": _binary(torch.maximum),
+    "Min": _binary(torch.minimum),
+    "Cast": _op_cast,
+    "Transpose": _op_transpose,
+    "Reshape": _op_reshape,
+    "Expand": _op_expand,
+    "Unsqueeze": _op_unsqueeze,
+    "Squeeze": _op_squeeze,
+    "Slice": _op_slice,
+    "Gather": _op_gather,
+    "GatherElements": _op_gather_elements,
+    "TopK": _op_topk,
+    "Clip": _op_clip,
+    "Concat": _op_concat,
+    "Where": _op_where,
+    "ConstantOfShape": _op_constant_of_shape,
+    "Softmax": _op_softmax,
+    "Flatten": _op_flatten,
+    "ArgMax": _op_argmax,
+    "ReduceMax": _op_reduce(torch.amax),
+    "ReduceMean": _op_reduce(torch.mean),
     "ReduceSum": _op_reduce(torch.sum),
     "Identity": lambda n, x: x,
-    "ConvTranspose": _op_conv_transpose, "BatchNormalization": _op_batch_norm,
-    "LayerNormalization": _op_layer_norm, "Gemm": _op_gemm, "MatMul": _binary(torch.matmul),
-    "Split": _op_split, "Pad": _op_pad, "Erf": lambda n, x: torch.erf(x),
-    "Range": lambda n, start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(),
-                                                         dtype=start.dtype),
+    "ConvTranspose": _op_conv_transpose,
+    "BatchNormalization": _op_batch_norm,
+    "LayerNormalization": _op_layer_norm,
+    "Gemm": _op_gemm,
+    "MatMul": _binary(torch.matmul),
+    "Split": _op_split,
+    "Pad": _op_pad,
+    "Erf": lambda n, x: torch.erf(x),
+    "Range": lambda n, start, limit, delta: torch.arange(start.item(), limit.item(), delta.item(), dtype=start.dtype),
     "GlobalAveragePool": lambda n, x: x.mean(dim=tuple(range(2, x.dim())), keepdim=True),
     "GlobalMaxPool": lambda n, x: x.amax(dim=tuple(range(2, x.dim())), keepdim=True),
     "Shape": lambda n, x: torch.tensor(list(x.shape), dtype=torch.int64),
@@ -513,13 +605,16 @@ class OnnxModule(torch.nn.Module):
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         # Ops whose meaning changed with the opset: the version this graph was written for.
         self._ops = {**_OPS, "Softmax": _op_softmax if opset >= 13 else _op_softmax_before_13}
-        unsupported = sorted({n.op_type for n in graph.node if n.op_type not in self.SUPPORTED_OPS
-                              or n.domain not in ("", "ai.onnx")})
+        unsupported = sorted(
+            {n.op_type for n in graph.node if n.op_type not in self.SUPPORTED_OPS or n.domain not in ("", "ai.onnx")}
+        )
         if unsupported:
-            raise ModelError(f"{model_path}: the torch backend's ONNX interpreter cannot run op(s) "
-                             f"{unsupported}; run the model with --backend ort (or tensorrt), or give "
-                             "the torch backend the model as a torch.export program (.pt2, "
-                             "docs/model_card.md)")
+            raise ModelError(
+                f"{model_path}: the torch backend's ONNX interpreter cannot run op(s) "
+                f"{unsupported}; run the model with --backend ort (or tensorrt), or give "
+                "the torch backend the model as a torch.export program (.pt2, "
+                "docs/model_card.md)"
+            )
         consts: dict[str, torch.Tensor] = {}
         for init in graph.initializer:
             consts[init.name] = torch.from_numpy(numpy_helper.to_array(init).copy())
@@ -533,8 +628,7 @@ class OnnxModule(torch.nn.Module):
             if node.op_type == "Constant":
                 value = _attr(node, "value")
                 if value is None:
-                    raise ModelError(f"{model_path}: node {node.name!r}: Constant without 'value' "
-                                     "is not supported")
+                    raise ModelError(f"{model_path}: node {node.name!r}: Constant without 'value' is not supported")
                 consts[node.output[0]] = torch.from_numpy(numpy_helper.to_array(value).copy())
                 continue
             ins = [i for i in node.input]
@@ -578,8 +672,12 @@ class OnnxModule(torch.nn.Module):
                     args.append(None)
                 elif name in env:
                     args.append(env[name])
-                elif on_device and pos not in host_pos and name in dev and not (
-                        node.op_type == "Gather" and host[name].dim() == 0):  # a scalar index: select()
+                elif (
+                    on_device
+                    and pos not in host_pos
+                    and name in dev
+                    and not (node.op_type == "Gather" and host[name].dim() == 0)
+                ):  # a scalar index: select()
                     args.append(dev[name])
                 else:
                     args.append(host[name])
@@ -595,8 +693,14 @@ class OnnxModule(torch.nn.Module):
         return tuple(env[name] for name in self.output_names)
 
 
-_CARD_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.int32: "int32",
-                torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}
+_CARD_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
 
 
 def _meta_signature(node: Any) -> tuple[str, tuple[Any, ...]]:
@@ -604,8 +708,7 @@ def _meta_signature(node: Any) -> tuple[str, tuple[Any, ...]]:
     val = node.meta.get("val") if node is not None else None
     if not isinstance(val, torch.Tensor):
         return "not-a-tensor", ()
-    return (_CARD_DTYPES.get(val.dtype, str(val.dtype)),
-            tuple(d if isinstance(d, int) else None for d in val.shape))
+    return (_CARD_DTYPES.get(val.dtype, str(val.dtype)), tuple(d if isinstance(d, int) else None for d in val.shape))
 
 
 def _training_nodes(program: Any) -> list[str]:
@@ -657,43 +760,55 @@ class ExportedModule(torch.nn.Module):
         sig = program.graph_signature
         nodes = {n.name: n for n in program.graph.nodes}
         if len(sig.user_inputs) != 1:
-            raise ModelError(f"{path}: expected a program of one input (the tile batch), found "
-                             f"{len(sig.user_inputs)}: {list(sig.user_inputs)}")
+            raise ModelError(
+                f"{path}: expected a program of one input (the tile batch), found "
+                f"{len(sig.user_inputs)}: {list(sig.user_inputs)}"
+            )
         training = sorted(sig.buffers_to_mutate.values()) + _training_nodes(program)
         if training:
-            raise ModelError(f"{path}: the program runs in training mode ({', '.join(training)}: batch "
-                             "statistics, dropout or buffer updates); expected a program exported after "
-                             "model.eval()")
+            raise ModelError(
+                f"{path}: the program runs in training mode ({', '.join(training)}: batch "
+                "statistics, dropout or buffer updates); expected a program exported after "
+                "model.eval()"
+            )
         in_dtype, in_shape = _meta_signature(nodes.get(sig.user_inputs[0]))
         if in_shape and in_shape[0] is not None:
-            raise ModelError(f"{path}: the input's batch axis is fixed at {in_shape[0]}; expected a dynamic "
-                             "one: export with dynamic_shapes=({0: torch.export.Dim('batch', min=1)},)")
+            raise ModelError(
+                f"{path}: the input's batch axis is fixed at {in_shape[0]}; expected a dynamic "
+                "one: export with dynamic_shapes=({0: torch.export.Dim('batch', min=1)},)"
+            )
         names = [o.name for o in card.outputs]
         spec = program.call_spec.out_spec
         flat = spec.num_children == spec.num_leaves  # no nesting
         if spec.is_leaf():
             self._kind, self._pick, leaf_names = "leaf", [0], names
             if len(names) != 1:
-                raise ModelError(f"{path}: the program returns one tensor; the card names {len(names)} "
-                                 f"outputs {names}")
+                raise ModelError(f"{path}: the program returns one tensor; the card names {len(names)} outputs {names}")
         elif spec.type is dict and flat:
             keys = list(spec.context)
             leaf_names = [str(k) for k in keys]
             if sorted(leaf_names) != sorted(names):
-                raise ModelError(f"{path}: outputs: expected a dict with the card's names {sorted(names)}, "
-                                 f"found keys {sorted(leaf_names)}")
+                raise ModelError(
+                    f"{path}: outputs: expected a dict with the card's names {sorted(names)}, "
+                    f"found keys {sorted(leaf_names)}"
+                )
             self._kind, self._pick = "dict", [keys[leaf_names.index(n)] for n in names]
         elif spec.type in (tuple, list) and flat:
             leaf_names = names
             if spec.num_leaves != len(names):
-                raise ModelError(f"{path}: outputs: expected a tuple of {len(names)} tensors (the card's "
-                                 f"{names}, in that order), found {spec.num_leaves}")
+                raise ModelError(
+                    f"{path}: outputs: expected a tuple of {len(names)} tensors (the card's "
+                    f"{names}, in that order), found {spec.num_leaves}"
+                )
             self._kind, self._pick = "sequence", list(range(len(names)))
         else:
-            raise ModelError(f"{path}: outputs: expected a tensor, a tuple/list of tensors or a dict of them, "
-                             f"found {spec}")
-        outputs = {name: _meta_signature(nodes.get(node_name))
-                   for name, node_name in zip(leaf_names, sig.user_outputs, strict=True)}
+            raise ModelError(
+                f"{path}: outputs: expected a tensor, a tuple/list of tensors or a dict of them, found {spec}"
+            )
+        outputs = {
+            name: _meta_signature(nodes.get(node_name))
+            for name, node_name in zip(leaf_names, sig.user_outputs, strict=True)
+        }
         check_signature_matches_card(card, {card.input.name: (in_dtype, in_shape)}, outputs)
         from torch.export.passes import move_to_device_pass
 
@@ -701,8 +816,11 @@ class ExportedModule(torch.nn.Module):
         # The graph asserts that tensors keep the dtypes they had when exported (before each
         # ``.to(dtype)``); under autocast they are half precision, which is what autocast means.
         # The input's dtype and shape were checked against the card above.
-        asserts = [n for n in module.graph.nodes
-                   if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default]
+        asserts = [
+            n
+            for n in module.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default
+        ]
         for node in asserts:
             module.graph.erase_node(node)
         if asserts:
@@ -756,8 +874,10 @@ class TorchRunner:
             self._pool = torch.cuda.graph_pool_handle()
         # Serialised: captures of different streams must not interleave.
         with self._capture_lock:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
-                                  capture_error_mode="thread_local"), _HostCopies("replay", copies):
+            with (
+                torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"),
+                _HostCopies("replay", copies),
+            ):
                 outs = self.backend._forward(x)
         self.stream.synchronize()
         return graph, outs, copies
@@ -799,9 +919,15 @@ class TorchBackend:
     channel order, dtype, mean/std, layout), as ONNX Runtime's are on the host.
     """
 
-    def __init__(self, card: ModelCard | str | os.PathLike[str], device: str = "cuda",
-                 precision: str = "fp16", channels_last: bool = True, cuda_graphs: bool = True,
-                 max_batch: int = 64):
+    def __init__(
+        self,
+        card: ModelCard | str | os.PathLike[str],
+        device: str = "cuda",
+        precision: str = "fp16",
+        channels_last: bool = True,
+        cuda_graphs: bool = True,
+        max_batch: int = 64,
+    ):
         self.card = card if isinstance(card, ModelCard) else load_card(card)
         if precision not in PRECISIONS:
             raise ConfigError(f"precision: expected one of {list(PRECISIONS)}, found {precision!r}")
@@ -821,8 +947,9 @@ class TorchBackend:
         else:
             module = OnnxModule(self.card.model_path)
             if sorted(module.output_names) != sorted(o.name for o in self.card.outputs):
-                raise ModelError(f"{self.card.model_path}: outputs {sorted(module.output_names)} "
-                                 "differ from the card's")
+                raise ModelError(
+                    f"{self.card.model_path}: outputs {sorted(module.output_names)} differ from the card's"
+                )
         module = module.eval().to(self.device)
         if channels_last:
             for t in itertools.chain(module.parameters(), module.buffers()):
@@ -868,8 +995,7 @@ class TorchBackend:
             if self.precision == "fp32":
                 outs = self.module(x)
             else:
-                with torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.precision],
-                                    cache_enabled=False):
+                with torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.precision], cache_enabled=False):
                     outs = self.module(x)
         return dict(zip(self.output_names, outs, strict=True))
 
@@ -888,15 +1014,14 @@ class TorchBackend:
         parts: dict[str, list[np.ndarray]] = {k: [] for k in self.output_names}
         with self._infer_lock:
             for start in range(0, n, self.max_batch):
-                chunk = torch.from_numpy(batch[start:start + self.max_batch])
+                chunk = torch.from_numpy(batch[start : start + self.max_batch])
                 if self.is_cuda:
                     if self._runner is None:
                         self._runner = TorchRunner(self, torch.cuda.Stream(self.device))
                     r = self._runner
                     with torch.cuda.stream(r.stream):
-                        r.input[:len(chunk)].copy_(chunk)
-                        outs = {k: v.float() if v.is_floating_point() else v
-                                for k, v in r.run(len(chunk)).items()}
+                        r.input[: len(chunk)].copy_(chunk)
+                        outs = {k: v.float() if v.is_floating_point() else v for k, v in r.run(len(chunk)).items()}
                         host = {k: v.cpu() for k, v in outs.items()}
                 else:
                     host = self._forward(chunk)
@@ -918,8 +1043,14 @@ class TorchBackend:
         self.close()
 
 
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64,
-              "uint8": np.uint8, "bool": np.bool_}
+_NP_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
 
 
 def _cast_to_card(outputs: dict[str, np.ndarray], card: ModelCard) -> dict[str, np.ndarray]:

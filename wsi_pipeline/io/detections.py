@@ -94,9 +94,11 @@ def to_geojson(dets: np.ndarray, classes: Sequence[dict]) -> dict:
     return json.loads("".join(_geojson_chunks(dets, classes)))
 
 
-_FEATURE = ('{"type":"Feature","id":"%s%012x","geometry":{"type":"Polygon","coordinates":[[[%s,%s],[%s,%s],'
-            '[%s,%s],[%s,%s],[%s,%s]]]},"properties":{"objectType":"detection","classification":%s,'
-            '"measurements":{"score":%s}}}')
+_FEATURE = (
+    '{"type":"Feature","id":"%s%012x","geometry":{"type":"Polygon","coordinates":[[[%s,%s],[%s,%s],'
+    '[%s,%s],[%s,%s],[%s,%s]]]},"properties":{"objectType":"detection","classification":%s,'
+    '"measurements":{"score":%s}}}'
+)
 
 
 def _num(v: np.ndarray, decimals: int) -> list[str]:
@@ -116,13 +118,13 @@ def labels_present(dets: np.ndarray) -> list[int]:
     """The labels found in ``dets``, ascending (a chunk at a time: no copy of the label column)."""
     found: set[int] = set()
     for start in range(0, len(dets), CHUNK):
-        found.update(np.unique(dets["label"][start:start + CHUNK]).tolist())
+        found.update(np.unique(dets["label"][start : start + CHUNK]).tolist())
     return sorted(found)
 
 
 def count_polygons(dets: np.ndarray) -> int:
     """How many rows of ``dets`` are polygons in GeoJSON (:func:`polygon_rows`), a chunk at a time."""
-    return sum(int(polygon_rows(dets[start:start + CHUNK]).sum()) for start in range(0, len(dets), CHUNK))
+    return sum(int(polygon_rows(dets[start : start + CHUNK]).sum()) for start in range(0, len(dets), CHUNK))
 
 
 def feature_ids(dets: np.ndarray) -> str:
@@ -140,7 +142,7 @@ def feature_ids(dets: np.ndarray) -> str:
     """
     digest = hashlib.sha1()
     for start in range(0, len(dets), CHUNK):
-        digest.update(np.ascontiguousarray(dets[start:start + CHUNK]).tobytes())
+        digest.update(np.ascontiguousarray(dets[start : start + CHUNK]).tobytes())
     h = digest.hexdigest()
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-"
 
@@ -149,23 +151,32 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
     chunk = chunk or CHUNK
-    cls_json = {lab: json.dumps({"name": detection_class(classes, lab)["name"],
-                                 "color": list(parse_color(detection_class(classes, lab).get("color", [255, 0, 0])))},
-                                separators=(",", ":"))
-                for lab in labels_present(dets)}
+    cls_json = {
+        lab: json.dumps(
+            {
+                "name": detection_class(classes, lab)["name"],
+                "color": list(parse_color(detection_class(classes, lab).get("color", [255, 0, 0]))),
+            },
+            separators=(",", ":"),
+        )
+        for lab in labels_present(dets)
+    }
     prefix = feature_ids(dets)
     yield '{"type":"FeatureCollection","features":['
     sep = ""
     for start in range(0, len(dets), chunk):
-        d = dets[start:start + chunk]
+        d = dets[start : start + chunk]
         rows_kept = np.flatnonzero(polygon_rows(d))
         if len(rows_kept) < len(d):
             d = d[rows_kept]
         x0, y0, x1, y1 = (_num(d[k], 2) for k in ("x0", "y0", "x1", "y1"))
         sc = _num(d["score"], 6)
-        rows = [_FEATURE % (prefix, i, a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
-                for i, a, b, c, e, s_, lab in zip((rows_kept + start).tolist(), x0, y0, x1, y1, sc,
-                                                   d["label"].tolist(), strict=True)]
+        rows = [
+            _FEATURE % (prefix, i, a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
+            for i, a, b, c, e, s_, lab in zip(
+                (rows_kept + start).tolist(), x0, y0, x1, y1, sc, d["label"].tolist(), strict=True
+            )
+        ]
         if rows:
             yield sep + ",".join(rows)
             sep = ","
@@ -199,8 +210,10 @@ def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
         with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=GZIP_LEVEL, mtime=0) as gz:
             yield gz
         return
-    with zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=GZIP_LEVEL) as zf, \
-            zf.open(name.removesuffix(".zip"), "w", force_zip64=True) as entry:
+    with (
+        zipfile.ZipFile(raw, "w", zipfile.ZIP_DEFLATED, compresslevel=GZIP_LEVEL) as zf,
+        zf.open(name.removesuffix(".zip"), "w", force_zip64=True) as entry,
+    ):
         yield entry
 
 
@@ -214,10 +227,12 @@ def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[
     with atomic_write(path, newline="") as f:
         f.write(",".join(CSV_COLUMNS) + "\r\n")
         for start in range(0, len(dets), CHUNK):
-            d = dets[start:start + CHUNK]
+            d = dets[start : start + CHUNK]
             cols = [d[k].astype(np.float64).tolist() for k in ("x0", "y0", "x1", "y1", "score")]
-            rows = [f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
-                    for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)]
+            rows = [
+                f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
+                for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)
+            ]
             f.write("".join(rows))
 
 

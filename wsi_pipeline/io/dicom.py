@@ -62,8 +62,17 @@ MAX_PARAMETRIC_MAP_BYTES = 1024**3
 SCORE = codes.SCT.Score  # SCT 246262008 "Score (attribute)"
 NO_UNITS = Code("1", "UCUM", "no units")
 # Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
-PLACEHOLDER_ATTRIBUTES = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber",
-                          "StudyID", "StudyDate", "StudyTime", "ReferringPhysicianName")
+PLACEHOLDER_ATTRIBUTES = (
+    "PatientName",
+    "PatientID",
+    "PatientBirthDate",
+    "PatientSex",
+    "AccessionNumber",
+    "StudyID",
+    "StudyDate",
+    "StudyTime",
+    "ReferringPhysicianName",
+)
 _PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
 # Parametric Map stored values: uint16, value = stored / 65535 (an 8-bit heatmap's values map exactly: 257 x).
 _STORED = np.dtype(np.uint16)
@@ -88,8 +97,14 @@ def dicom_source_image(slide_path: str | os.PathLike[str]) -> Dataset | None:
     """
     p = Path(slide_path)
     candidates = sorted(p.glob("*.dcm")) if p.is_dir() else [p]
-    first = next((ds for ds in map(_read_header, candidates)
-                  if ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage), None)
+    first = next(
+        (
+            ds
+            for ds in map(_read_header, candidates)
+            if ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage
+        ),
+        None,
+    )
     if first is None:
         return None
     folder = p if p.is_dir() else p.parent
@@ -107,8 +122,12 @@ def dicom_source_image(slide_path: str | os.PathLike[str]) -> Dataset | None:
     return best
 
 
-def placeholder_source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int],
-                             mpp: tuple[float, float] | None, tile: int = 256) -> Dataset:
+def placeholder_source_image(
+    slide_path: str | os.PathLike[str] | None,
+    dimensions: tuple[int, int],
+    mpp: tuple[float, float] | None,
+    tile: int = 256,
+) -> Dataset:
     """A VL Whole Slide Microscopy image header standing for a slide that is not DICOM.
 
     It has level 0's size (``dimensions``: width, height in pixels), its pixel
@@ -162,8 +181,9 @@ def placeholder_source_image(slide_path: str | os.PathLike[str] | None, dimensio
     return ds
 
 
-def source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int],
-                 mpp: tuple[float, float] | None) -> tuple[Dataset, bool]:
+def source_image(
+    slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int], mpp: tuple[float, float] | None
+) -> tuple[Dataset, bool]:
     """The slide's level-0 source image header and whether it is a placeholder.
 
     A DICOM slide must have the level-0 size the pipeline read (``dimensions``).
@@ -173,8 +193,10 @@ def source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[in
         return placeholder_source_image(slide_path, dimensions, mpp), True
     found = (int(ds.get("TotalPixelMatrixColumns", 0)), int(ds.get("TotalPixelMatrixRows", 0)))
     if found != tuple(int(v) for v in dimensions):
-        raise WSIPipelineError(f"{slide_path}: expected a DICOM level 0 of {dimensions[0]} x {dimensions[1]} pixels, "
-                               f"found {found[0]} x {found[1]}")
+        raise WSIPipelineError(
+            f"{slide_path}: expected a DICOM level 0 of {dimensions[0]} x {dimensions[1]} pixels, "
+            f"found {found[0]} x {found[1]}"
+        )
     # Attributes some scanners leave out: empty patient/study attributes, the usual orientation, origin 0, 0.
     for keyword in PLACEHOLDER_ATTRIBUTES:
         if keyword not in ds:
@@ -189,8 +211,12 @@ def source_image(slide_path: str | os.PathLike[str] | None, dimensions: tuple[in
 
 
 def _equipment() -> dict[str, Any]:
-    return {"manufacturer": MANUFACTURER, "manufacturer_model_name": "wsi-pipeline",
-            "software_versions": __version__, "device_serial_number": "none"}
+    return {
+        "manufacturer": MANUFACTURER,
+        "manufacturer_model_name": "wsi-pipeline",
+        "software_versions": __version__,
+        "device_serial_number": "none",
+    }
 
 
 def _save(path: Path, ds: Dataset) -> Path:
@@ -204,8 +230,11 @@ def _class_codes(label: int, classes: Sequence[dict]) -> tuple[str, Code, Code]:
     cls = detection_class(classes, label)
     name = str(cls["name"])
     code = cls.get("code")
-    prop_type = Code(str(code["value"]), str(code["scheme"]), str(code["meaning"])) if code else \
-        Code(f"class-{label}", _PRIVATE_SCHEME, name[:64])
+    prop_type = (
+        Code(str(code["value"]), str(code["scheme"]), str(code["meaning"]))
+        if code
+        else Code(f"class-{label}", _PRIVATE_SCHEME, name[:64])
+    )
     return name, codes.SCT.MorphologicallyAbnormalStructure, prop_type
 
 
@@ -241,30 +270,44 @@ def write_dicom_annotations(
     if dets.dtype.names is None or not {"x0", "y0", "x1", "y1", "score", "label"} <= set(dets.dtype.names):
         raise TypeError(f"dets: expected a detection record array, found dtype {dets.dtype}")
     src, _ = source_image(slide_path, dimensions, mpp)
-    algorithm = hd.AlgorithmIdentificationSequence(name=algorithm_name, family=codes.DCM.ArtificialIntelligence,
-                                                   version=str(algorithm_version))
+    algorithm = hd.AlgorithmIdentificationSequence(
+        name=algorithm_name, family=codes.DCM.ArtificialIntelligence, version=str(algorithm_version)
+    )
     groups = []
     for number, label in enumerate(np.unique(dets["label"]).tolist() if len(dets) else [], start=1):
         d = dets[dets["label"] == label]
         x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
-        corners = np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1),
-                            np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1)  # N x 4 x (column, row)
+        corners = np.stack(
+            [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1
+        )  # N x 4 x (column, row)
         name, category, prop_type = _class_codes(label, classes)
         color = detection_class(classes, label).get("color")
-        groups.append(hd.ann.AnnotationGroup(
-            number=number, uid=hd.UID(), label=name[:64],
-            annotated_property_category=category, annotated_property_type=prop_type,
-            graphic_type=hd.ann.GraphicTypeValues.POLYGON, graphic_data=list(corners),
-            algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
-            algorithm_identification=algorithm,
-            measurements=[hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)],
-            display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
-        ))
+        groups.append(
+            hd.ann.AnnotationGroup(
+                number=number,
+                uid=hd.UID(),
+                label=name[:64],
+                annotated_property_category=category,
+                annotated_property_type=prop_type,
+                graphic_type=hd.ann.GraphicTypeValues.POLYGON,
+                graphic_data=list(corners),
+                algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
+                algorithm_identification=algorithm,
+                measurements=[hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)],
+                display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
+            )
+        )
     ann = hd.ann.MicroscopyBulkSimpleAnnotations(
-        source_images=[src], annotation_coordinate_type=hd.ann.AnnotationCoordinateTypeValues.SCOORD,
-        annotation_groups=groups, series_instance_uid=hd.UID(), series_number=series_number,
-        sop_instance_uid=hd.UID(), instance_number=1, content_label="DETECTIONS",
-        content_description="Detections of the wsi-pipeline detector, level-0 pixel boxes", **_equipment(),
+        source_images=[src],
+        annotation_coordinate_type=hd.ann.AnnotationCoordinateTypeValues.SCOORD,
+        annotation_groups=groups,
+        series_instance_uid=hd.UID(),
+        series_number=series_number,
+        sop_instance_uid=hd.UID(),
+        instance_number=1,
+        content_label="DETECTIONS",
+        content_description="Detections of the wsi-pipeline detector, level-0 pixel boxes",
+        **_equipment(),
     )
     return _save(path, ann)
 
@@ -287,12 +330,12 @@ def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: P
             stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=page.dtype, shape=(h, w))
             page.asarray(out=stored)
             for y in range(0, h, 256):
-                out[0, y:y + 256] = quantise(stored[y:y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
+                out[0, y : y + 256] = quantise(stored[y : y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
         return out
     _, h, w = heatmap.shape
     out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
     for y in range(0, h, 256):
-        out[0, y:y + 256] = quantise(heatmap[k, y:y + 256], _STORED, _SCALE)
+        out[0, y : y + 256] = quantise(heatmap[k, y : y + 256], _STORED, _SCALE)
     return out
 
 
@@ -359,16 +402,20 @@ def write_dicom_parametric_map(
             raise ValueError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
         names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
     if len(names) != shape[0]:
-        raise ValueError(f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, "
-                          f"found {len(names)}")
+        raise ValueError(
+            f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, found {len(names)}"
+        )
     if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
-        raise ValueError(f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', "
-                          f"found {dimension_organization!r}")
+        raise ValueError(
+            f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', found {dimension_organization!r}"
+        )
     plane_bytes = shape[1] * shape[2] * 2
     if plane_bytes > max_bytes:
-        raise WSIPipelineError(f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
-                               f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
-                               f"write a reduced level (level={level + 1})")
+        raise WSIPipelineError(
+            f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
+            f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
+            f"write a reduced level (level={level + 1})"
+        )
     src, _ = source_image(slide_path, dimensions, mpp)
     scale = float(scale_level0) * 2**level
     (row_mm, col_mm) = (float(v) for v in src.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing)
@@ -378,12 +425,13 @@ def write_dicom_parametric_map(
     p00, p10, p01 = to_slide(np.array([[0, 0], [1, 0], [0, 1]]))  # (column, row) indices; the map is affine
     position = p00 + offset * (p10 - p00) + offset * (p01 - p00)
     geometry = {
-        "pixel_measures": hd.PixelMeasuresSequence(pixel_spacing=(row_mm * scale, col_mm * scale),
-                                                   slice_thickness=1.0),
-        "plane_orientation": hd.PlaneOrientationSequence(coordinate_system="SLIDE",
-                                                         image_orientation=src.ImageOrientationSlide),
-        "plane_positions": [hd.PlanePositionSequence(coordinate_system="SLIDE", image_position=position,
-                                                     pixel_matrix_position=(1, 1))],
+        "pixel_measures": hd.PixelMeasuresSequence(pixel_spacing=(row_mm * scale, col_mm * scale), slice_thickness=1.0),
+        "plane_orientation": hd.PlaneOrientationSequence(
+            coordinate_system="SLIDE", image_orientation=src.ImageOrientationSlide
+        ),
+        "plane_positions": [
+            hd.PlanePositionSequence(coordinate_system="SLIDE", image_position=position, pixel_matrix_position=(1, 1))
+        ],
     }
     series_uid = hd.UID()
     tmp = partial_name(path)
@@ -393,18 +441,31 @@ def write_dicom_parametric_map(
         for k, (name, file_name) in enumerate(zip(names, parametric_map_file_names(names), strict=True)):
             stored = _spool_class(heatmap, level, k, tmp)
             mapping = hd.pm.RealWorldValueMapping(
-                lut_label=name[:16], lut_explanation=f"probability of {name}"[:64], unit=NO_UNITS,
-                value_range=(0, 65535), slope=1 / 65535, intercept=0)
+                lut_label=name[:16],
+                lut_explanation=f"probability of {name}"[:64],
+                unit=NO_UNITS,
+                value_range=(0, 65535),
+                slope=1 / 65535,
+                intercept=0,
+            )
             pm = hd.pm.ParametricMap(
-                source_images=[src], pixel_array=stored,  # 1 x H x W: one total pixel matrix
-                series_instance_uid=series_uid, series_number=series_number, sop_instance_uid=hd.UID(),
-                instance_number=k + 1, contains_recognizable_visual_features=False,
+                source_images=[src],
+                pixel_array=stored,  # 1 x H x W: one total pixel matrix
+                series_instance_uid=series_uid,
+                series_number=series_number,
+                sop_instance_uid=hd.UID(),
+                instance_number=k + 1,
+                contains_recognizable_visual_features=False,
                 real_world_value_mappings=[mapping],
                 voi_lut_transformations=[hd.VOILUTTransformation(window_center=32767.5, window_width=65536.0)],
-                transfer_syntax_uid=JPEGLSLossless, content_label=f"HEATMAP{k}",
+                transfer_syntax_uid=JPEGLSLossless,
+                content_label=f"HEATMAP{k}",
                 content_description=f"Probability of {name}"[:64],
-                tile_pixel_array=True, tile_size=(tile, tile), dimension_organization_type=dimension_organization,
-                **geometry, **_equipment(),
+                tile_pixel_array=True,
+                tile_size=(tile, tile),
+                dimension_organization_type=dimension_organization,
+                **geometry,
+                **_equipment(),
             )
             pm.save_as(tmp / file_name, enforce_file_format=True)
             del pm, stored
@@ -417,17 +478,31 @@ def write_dicom_parametric_map(
     return path
 
 
-def write_heatmap_parametric_maps(path: str | os.PathLike[str], heatmap_path: str | os.PathLike[str],
-                                  channel_names: Sequence[str], *, scale_level0: float,
-                                  dimensions: tuple[int, int], slide_path: str | os.PathLike[str] | None = None,
-                                  mpp: tuple[float, float] | None = None,
-                                  max_bytes: int = MAX_PARAMETRIC_MAP_BYTES) -> Path:
+def write_heatmap_parametric_maps(
+    path: str | os.PathLike[str],
+    heatmap_path: str | os.PathLike[str],
+    channel_names: Sequence[str],
+    *,
+    scale_level0: float,
+    dimensions: tuple[int, int],
+    slide_path: str | os.PathLike[str] | None = None,
+    mpp: tuple[float, float] | None = None,
+    max_bytes: int = MAX_PARAMETRIC_MAP_BYTES,
+) -> Path:
     """:func:`write_dicom_parametric_map` of the OME-TIFF heatmap file ``heatmap_path``, at its
     finest pyramid level whose class plane fits in ``max_bytes`` (a writer-pool job: plain arguments)."""
     heatmap = HeatmapFile(heatmap_path)
-    level = next((k for k, (_, h, w) in enumerate(heatmap.level_shapes) if h * w * 2 <= max_bytes),
-                 heatmap.level_count - 1)
-    return write_dicom_parametric_map(path, heatmap, channel_names, scale_level0=scale_level0,
-                                      dimensions=dimensions, slide_path=slide_path, mpp=mpp, level=level,
-                                      max_bytes=max_bytes)
-
+    level = next(
+        (k for k, (_, h, w) in enumerate(heatmap.level_shapes) if h * w * 2 <= max_bytes), heatmap.level_count - 1
+    )
+    return write_dicom_parametric_map(
+        path,
+        heatmap,
+        channel_names,
+        scale_level0=scale_level0,
+        dimensions=dimensions,
+        slide_path=slide_path,
+        mpp=mpp,
+        level=level,
+        max_bytes=max_bytes,
+    )

@@ -76,31 +76,88 @@ class OutputFormat:
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
 
 
-FORMATS: dict[str, OutputFormat] = {f.name: f for f in (
-    OutputFormat("geojson", "detections.geojson", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
-                 about="QuPath GeoJSON"),
-    OutputFormat("geojson.gz", "detections.geojson.gz", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
-                 about="the same, gzip-compressed, for pandas, geopandas, GDAL"),
-    OutputFormat("geojson.zip", "detections.geojson.zip", DETECTIONS, "wsi_pipeline.io.detections:write_geojson",
-                 about="the same in a zip archive, which QuPath imports as it is"),
-    OutputFormat("csv", "detections.csv", DETECTIONS, "wsi_pipeline.io.detections:write_csv", about="CSV table"),
-    OutputFormat("parquet", "detections.parquet", DETECTIONS, "wsi_pipeline.io.parquet:write_parquet",
-                 requires=("pyarrow",), extra="parquet", about="Parquet table for pandas, polars, DuckDB"),
-    OutputFormat("geoparquet", "detections.geoparquet", DETECTIONS, "wsi_pipeline.io.parquet:write_geoparquet",
-                 requires=("pyarrow", "shapely"), extra="geoparquet",
-                 about="GeoParquet with box polygons for geopandas"),
-    OutputFormat("dicom", "detections.dcm", DETECTIONS, "wsi_pipeline.io.dicom:write_dicom_annotations",
-                 requires=("highdicom",), extra="dicom", slide_args=True,
-                 about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers"),
-    OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
-    OutputFormat("ome-zarr", "heatmap.ome.zarr", HEATMAP, requires=("zarr", "ome_zarr"), extra="zarr",
-                 about="heatmap as OME-Zarr (NGFF 0.4), for QuPath 0.6+ and napari"),
-    OutputFormat("dicom-heatmap", "heatmap_dicom", HEATMAP_FILE, "wsi_pipeline.io.dicom:write_heatmap_parametric_maps",
-                 requires=("highdicom",), extra="dicom", made_from=("ome-tiff",), slide_args=True,
-                 about="heatmap as DICOM Parametric Maps, one file per class (with ome-tiff)"),
-    OutputFormat("overlay", "overlay.png", OVERLAY, "wsi_pipeline.io.overlay:write_overlay",
-                 about="thumbnail with heatmap and boxes"),
-)}
+FORMATS: dict[str, OutputFormat] = {
+    f.name: f
+    for f in (
+        OutputFormat(
+            "geojson",
+            "detections.geojson",
+            DETECTIONS,
+            "wsi_pipeline.io.detections:write_geojson",
+            about="QuPath GeoJSON",
+        ),
+        OutputFormat(
+            "geojson.gz",
+            "detections.geojson.gz",
+            DETECTIONS,
+            "wsi_pipeline.io.detections:write_geojson",
+            about="the same, gzip-compressed, for pandas, geopandas, GDAL",
+        ),
+        OutputFormat(
+            "geojson.zip",
+            "detections.geojson.zip",
+            DETECTIONS,
+            "wsi_pipeline.io.detections:write_geojson",
+            about="the same in a zip archive, which QuPath imports as it is",
+        ),
+        OutputFormat("csv", "detections.csv", DETECTIONS, "wsi_pipeline.io.detections:write_csv", about="CSV table"),
+        OutputFormat(
+            "parquet",
+            "detections.parquet",
+            DETECTIONS,
+            "wsi_pipeline.io.parquet:write_parquet",
+            requires=("pyarrow",),
+            extra="parquet",
+            about="Parquet table for pandas, polars, DuckDB",
+        ),
+        OutputFormat(
+            "geoparquet",
+            "detections.geoparquet",
+            DETECTIONS,
+            "wsi_pipeline.io.parquet:write_geoparquet",
+            requires=("pyarrow", "shapely"),
+            extra="geoparquet",
+            about="GeoParquet with box polygons for geopandas",
+        ),
+        OutputFormat(
+            "dicom",
+            "detections.dcm",
+            DETECTIONS,
+            "wsi_pipeline.io.dicom:write_dicom_annotations",
+            requires=("highdicom",),
+            extra="dicom",
+            slide_args=True,
+            about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers",
+        ),
+        OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
+        OutputFormat(
+            "ome-zarr",
+            "heatmap.ome.zarr",
+            HEATMAP,
+            requires=("zarr", "ome_zarr"),
+            extra="zarr",
+            about="heatmap as OME-Zarr (NGFF 0.4), for QuPath 0.6+ and napari",
+        ),
+        OutputFormat(
+            "dicom-heatmap",
+            "heatmap_dicom",
+            HEATMAP_FILE,
+            "wsi_pipeline.io.dicom:write_heatmap_parametric_maps",
+            requires=("highdicom",),
+            extra="dicom",
+            made_from=("ome-tiff",),
+            slide_args=True,
+            about="heatmap as DICOM Parametric Maps, one file per class (with ome-tiff)",
+        ),
+        OutputFormat(
+            "overlay",
+            "overlay.png",
+            OVERLAY,
+            "wsi_pipeline.io.overlay:write_overlay",
+            about="thumbnail with heatmap and boxes",
+        ),
+    )
+}
 
 # What a run writes unless told otherwise (what every reader of a slide folder expects).
 DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")
@@ -123,13 +180,17 @@ def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[s
         fmt = FORMATS[name]
         missing = fmt.missing()
         if missing:
-            raise ConfigError(f"{source}: formats: {name} needs {' and '.join(missing)}, which is not installed: "
-                              f"pip install 'wsi-pipeline[{fmt.extra}]'")
+            raise ConfigError(
+                f"{source}: formats: {name} needs {' and '.join(missing)}, which is not installed: "
+                f"pip install 'wsi-pipeline[{fmt.extra}]'"
+            )
     for name in names:
         lacking = [m for m in FORMATS[name].made_from if m not in names]
         if lacking:
-            raise ConfigError(f"{source}: formats: {name} is made from {' and '.join(lacking)}; "
-                              f"add {', '.join(lacking)} to the formats")
+            raise ConfigError(
+                f"{source}: formats: {name} is made from {' and '.join(lacking)}; "
+                f"add {', '.join(lacking)} to the formats"
+            )
     return tuple(n for n in FORMATS if n in names)
 
 

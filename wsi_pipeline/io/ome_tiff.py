@@ -106,9 +106,18 @@ class HeatmapRowWriter:
     _next_row: int
     _finished: bool
 
-    def _init_heatmap(self, path: str | os.PathLike[str], width: int, height: int, channels: int,
-                      channel_names: Sequence[str] | None, physical_size_um: tuple[float, float] | None,
-                      tile: int, dtype: str | np.dtype, value_scale: float | None) -> None:
+    def _init_heatmap(
+        self,
+        path: str | os.PathLike[str],
+        width: int,
+        height: int,
+        channels: int,
+        channel_names: Sequence[str] | None,
+        physical_size_um: tuple[float, float] | None,
+        tile: int,
+        dtype: str | np.dtype,
+        value_scale: float | None,
+    ) -> None:
         self.path = Path(path)
         dtype_name = np.dtype(dtype).name
         if dtype_name not in _DTYPES:
@@ -444,8 +453,11 @@ class HeatmapFile:
             if channels is None:
                 data = level_series.asarray().reshape(c, h, w)
             else:  # one page per channel: read only the pages asked for
-                data = np.stack([level_series.pages[i].asarray().reshape(h, w) for i in wanted]) \
-                    if len(wanted) else np.zeros((0, h, w), level_series.dtype)
+                data = (
+                    np.stack([level_series.pages[i].asarray().reshape(h, w) for i in wanted])
+                    if len(wanted)
+                    else np.zeros((0, h, w), level_series.dtype)
+                )
         return data.astype(np.float32) * np.float32(self.value_scale)
 
     def __getitem__(self, key: Any) -> np.ndarray:

@@ -90,7 +90,7 @@ class _Level:
         i, n, band_rows = 0, rows.shape[1], self.buf.shape[1]
         while i < n:
             take = min(band_rows - self.fill, n - i)
-            self.buf[:, self.fill:self.fill + take] = rows[:, i:i + take]
+            self.buf[:, self.fill : self.fill + take] = rows[:, i : i + take]
             self.fill += take
             i += take
             if self.fill == band_rows:
@@ -99,8 +99,8 @@ class _Level:
     def _flush(self) -> None:
         if not self.fill:
             return
-        band = self.buf[:, :self.fill]
-        self.array[:, self.y:self.y + self.fill, :] = band
+        band = self.buf[:, : self.fill]
+        self.array[:, self.y : self.y + self.fill, :] = band
         self.y += self.fill
         if self.child is not None:
             self.child.add(halve(band))
@@ -156,8 +156,11 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
         self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
         if ngff_version not in NGFF_VERSIONS:
             raise ValueError(f"{self.path}: ngff_version expected one of {NGFF_VERSIONS}, found {ngff_version!r}")
-        colors = [_PALETTE[k % len(_PALETTE)] for k in range(channels)] if channel_colors is None else \
-            ["{:02X}{:02X}{:02X}".format(*parse_color(c)) for c in channel_colors]
+        colors = (
+            [_PALETTE[k % len(_PALETTE)] for k in range(channels)]
+            if channel_colors is None
+            else ["{:02X}{:02X}{:02X}".format(*parse_color(c)) for c in channel_colors]
+        )
         if len(colors) != channels:
             raise ValueError(f"{self.path}: expected {channels} channel colours, found {len(colors)}")
         self.channel_colors = colors
@@ -225,24 +228,37 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
     def _write_metadata(self) -> None:
         px, py = self.physical_size_um if self.physical_size_um is not None else (1.0, 1.0)
         unit = {"unit": "micrometer"} if self.physical_size_um is not None else {}
-        axes = [{"name": "c", "type": "channel"},
-                {"name": "y", "type": "space", **unit},
-                {"name": "x", "type": "space", **unit}]
-        datasets = [{"path": str(k), "coordinateTransformations": [
-            {"type": "scale", "scale": [1.0, py * 2 ** k, px * 2 ** k]}]} for k in range(len(self.shapes))]
+        axes = [
+            {"name": "c", "type": "channel"},
+            {"name": "y", "type": "space", **unit},
+            {"name": "x", "type": "space", **unit},
+        ]
+        datasets = [
+            {"path": str(k), "coordinateTransformations": [{"type": "scale", "scale": [1.0, py * 2**k, px * 2**k]}]}
+            for k in range(len(self.shapes))
+        ]
         # The display window spans the stored range of probabilities 0..1 (the whole range of an integer type).
         stored_max = float(np.iinfo(self.dtype).max if self.dtype.kind == "u" else 1.0 / self.value_scale)
         window = {"min": 0.0, "max": stored_max, "start": 0.0, "end": stored_max}
         omero = {
             "name": self.path.name.split(".")[0],
-            "channels": [{"label": n, "color": c, "window": dict(window), "active": True}
-                         for n, c in zip(self.channel_names, self.channel_colors, strict=True)],
+            "channels": [
+                {"label": n, "color": c, "window": dict(window), "active": True}
+                for n, c in zip(self.channel_names, self.channel_colors, strict=True)
+            ],
             "rdefs": {"model": "color"},
         }
         write_multiscales_metadata(
-            self._group, datasets, fmt=self._fmt, axes=axes, name=omero["name"],
-            metadata={"omero": omero, "method": "2x2 mean of the stored values, rounded to nearest",
-                      "description": "each level halves the one before (sizes rounded up, last row/column repeated)"},
+            self._group,
+            datasets,
+            fmt=self._fmt,
+            axes=axes,
+            name=omero["name"],
+            metadata={
+                "omero": omero,
+                "method": "2x2 mean of the stored values, rounded to nearest",
+                "description": "each level halves the one before (sizes rounded up, last row/column repeated)",
+            },
         )
         self._group.attrs["wsi_pipeline"] = {
             "value_scale": self.value_scale,

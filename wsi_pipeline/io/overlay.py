@@ -83,8 +83,12 @@ def render_overlay(
         s = thumb_downsample / heatmap_scale_level0
         m = np.array([[s, 0, 0.5 * s - 0.5], [0, s, 0.5 * s - 0.5]], dtype=np.float64)
         value = cv2.warpAffine(
-            value, m, (tw, th), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-            borderMode=cv2.BORDER_CONSTANT, borderValue=0.0,
+            value,
+            m,
+            (tw, th),
+            flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+            borderMode=cv2.BORDER_CONSTANT,
+            borderValue=0.0,
         )
         colored = cv2.applyColorMap(np.rint(value * 255).astype(np.uint8), colormap)
         colored = cv2.cvtColor(colored, cv2.COLOR_BGR2RGB)
@@ -100,8 +104,10 @@ def render_overlay(
             raise ValueError(msg)
         corners = np.rint(boxes / thumb_downsample).astype(np.int64)
         label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
-        colors = np.array([_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
-                          + [_DEFAULT_COLOR], np.uint8)
+        colors = np.array(
+            [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)] + [_DEFAULT_COLOR],
+            np.uint8,
+        )
         box_colors = colors[np.where(label_ids >= 0, label_ids, len(colors) - 1)]
         if line_thickness == 1:
             draw_box_outlines(out, corners, box_colors)
@@ -134,10 +140,11 @@ def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray
     order = np.arange(n)
     parts_y, parts_x, parts_box = [], [], []
     for fixed, lo, hi, vertical, visible in (
-            (y0, cx0, cx1, False, (y0 >= 0) & (y0 < h) & (x1 >= 0) & (x0 < w)),
-            (y1, cx0, cx1, False, (y1 >= 0) & (y1 < h) & (x1 >= 0) & (x0 < w)),
-            (x0, cy0, cy1, True, (x0 >= 0) & (x0 < w) & (y1 >= 0) & (y0 < h)),
-            (x1, cy0, cy1, True, (x1 >= 0) & (x1 < w) & (y1 >= 0) & (y0 < h))):
+        (y0, cx0, cx1, False, (y0 >= 0) & (y0 < h) & (x1 >= 0) & (x0 < w)),
+        (y1, cx0, cx1, False, (y1 >= 0) & (y1 < h) & (x1 >= 0) & (x0 < w)),
+        (x0, cy0, cy1, True, (x0 >= 0) & (x0 < w) & (y1 >= 0) & (y0 < h)),
+        (x1, cy0, cy1, True, (x1 >= 0) & (x1 < w) & (y1 >= 0) & (y0 < h)),
+    ):
         lengths = np.where(visible, hi - lo + 1, 0)
         total = int(lengths.sum())
         if not total:
@@ -157,9 +164,16 @@ def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray
     image[ys, xs] = colors[box[last_first]]
 
 
-def write_overlay(path: str | os.PathLike[str], thumbnail: np.ndarray, thumb_downsample: float,
-                  heatmap: np.ndarray | None, heatmap_scale_level0: float, boxes: np.ndarray | None,
-                  labels: np.ndarray | None, class_colors: Sequence[Color] | None) -> Path:
+def write_overlay(
+    path: str | os.PathLike[str],
+    thumbnail: np.ndarray,
+    thumb_downsample: float,
+    heatmap: np.ndarray | None,
+    heatmap_scale_level0: float,
+    boxes: np.ndarray | None,
+    labels: np.ndarray | None,
+    class_colors: Sequence[Color] | None,
+) -> Path:
     """:func:`render_overlay` with its defaults, written as PNG (:func:`write_png`)."""
     img = render_overlay(thumbnail, thumb_downsample, heatmap, heatmap_scale_level0, boxes, labels, class_colors)
     return write_png(path, img)

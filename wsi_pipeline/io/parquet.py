@@ -36,15 +36,15 @@ def _schema(geometry: bool, classes_doc: list[dict], bbox: list[float] | None):
 
     fields = [pa.field(k, pa.float32()) for k in (*BOX_COLUMNS, "score")]
     fields += [pa.field("label", pa.int32()), pa.field("class", pa.dictionary(pa.int32(), pa.string()))]
-    meta = {"wsi_pipeline": json.dumps({"coordinates": "level-0 pixels, origin top-left",
-                                        "classes": classes_doc})}
+    meta = {"wsi_pipeline": json.dumps({"coordinates": "level-0 pixels, origin top-left", "classes": classes_doc})}
     if geometry:
         fields.append(pa.field("geometry", pa.binary()))
         column: dict = {"encoding": "WKB", "geometry_types": ["Polygon"], "crs": None}
         if bbox is not None:
             column["bbox"] = bbox
-        meta["geo"] = json.dumps({"version": GEOPARQUET_VERSION, "primary_column": "geometry",
-                                  "columns": {"geometry": column}})
+        meta["geo"] = json.dumps(
+            {"version": GEOPARQUET_VERSION, "primary_column": "geometry", "columns": {"geometry": column}}
+        )
     return pa.schema(fields, metadata=meta)
 
 
@@ -70,7 +70,7 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
     schema = _schema(geometry, classes_doc, _bbox(dets) if geometry else None)
     with atomic_write(path, "wb") as f, pq.ParquetWriter(f, schema, compression=COMPRESSION) as writer:
         for start in range(0, len(dets), ROW_GROUP):
-            d = dets[start:start + ROW_GROUP]
+            d = dets[start : start + ROW_GROUP]
             cols = [pa.array(d[k]) for k in (*BOX_COLUMNS, "score", "label")]
             codes = np.searchsorted(labels, d["label"]).astype(np.int32)
             cols.append(pa.DictionaryArray.from_arrays(pa.array(codes), names))

@@ -41,10 +41,18 @@ def _candidate_origins(slide, tile_extent_level0: float, tissue: str, min_tissue
     return np.stack([xs * tile_extent_level0, ys * tile_extent_level0], axis=1).round().astype(np.int64)
 
 
-def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
-                             n: int = 300, tile_px: int = 512, mpp: float | None = None,
-                             tissue: str = "otsu", min_tissue: float = 0.5, seed: int = 0,
-                             quality: int = 92, prefix: str = "") -> list[dict]:
+def sample_calibration_tiles(
+    slides: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    n: int = 300,
+    tile_px: int = 512,
+    mpp: float | None = None,
+    tissue: str = "otsu",
+    min_tissue: float = 0.5,
+    seed: int = 0,
+    quality: int = 92,
+    prefix: str = "",
+) -> list[dict]:
     """Write ``n`` tiles of ``tile_px`` square from ``slides`` into ``out_dir``; return the manifest rows.
 
     ``mpp``: the model's micrometres per pixel (tiles are resampled to it
@@ -74,8 +82,10 @@ def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: 
             extent = geometry.tile_extent_level0
             origins = _candidate_origins(slide, extent, tissue, min_tissue)
             if len(origins) == 0:
-                raise ConfigError(f"{path}: no {tile_px} px tile with {min_tissue:.0%} tissue "
-                                  f"(tissue method {tissue!r}); try --tissue all or --min-tissue lower")
+                raise ConfigError(
+                    f"{path}: no {tile_px} px tile with {min_tissue:.0%} tissue "
+                    f"(tissue method {tissue!r}); try --tissue all or --min-tissue lower"
+                )
             picks = rng.choice(len(origins), min(share, len(origins)), replace=False)
             level, read_px = geometry.level, geometry.read_size
             stem = Path(path).stem.split(".")[0]
@@ -88,8 +98,16 @@ def sample_calibration_tiles(slides: Sequence[str | os.PathLike[str]], out_dir: 
                 ok = cv2.imwrite(str(out / name), region[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
                 if not ok:
                     raise ConfigError(f"{out / name}: cannot write the tile")
-                rows.append({"file": name, "slide": os.path.basename(os.fspath(path)), "x0_level0": x0,
-                             "y0_level0": y0, "downsample": downsample, "tile_px": tile_px})
+                rows.append(
+                    {
+                        "file": name,
+                        "slide": os.path.basename(os.fspath(path)),
+                        "x0_level0": x0,
+                        "y0_level0": y0,
+                        "downsample": downsample,
+                        "tile_px": tile_px,
+                    }
+                )
     manifest_path = out / MANIFEST
     previous = json.loads(manifest_path.read_text())["tiles"] if manifest_path.is_file() else []
     keep = [r for r in previous if r["file"] not in {row["file"] for row in rows} and (out / r["file"]).is_file()]

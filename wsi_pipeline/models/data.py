@@ -58,8 +58,7 @@ def jpeg_roundtrip(image_rgb: np.ndarray, quality: int) -> np.ndarray:
     return np.ascontiguousarray(cv2.imdecode(buf, cv2.IMREAD_COLOR)[..., ::-1])
 
 
-def render_tile(scene, x0: int, y0: int, tile_px: int, region_stride: int,
-                jpeg_quality: int | None = 90) -> TileSample:
+def render_tile(scene, x0: int, y0: int, tile_px: int, region_stride: int, jpeg_quality: int | None = 90) -> TileSample:
     """Render the ``tile_px`` square at level-0 (x0, y0) of ``scene`` with its truth."""
     image = scene.render(x0, y0, tile_px, tile_px, downsample=1.0)
     if jpeg_quality is not None:
@@ -76,8 +75,9 @@ def render_tile(scene, x0: int, y0: int, tile_px: int, region_stride: int,
     return TileSample(image, clipped[keep], labels[keep], visible[keep], regions)
 
 
-def tile_origins(scene, seed: int, count: int, scene_px: int, tile_px: int,
-                 object_centred: float = 0.0) -> list[tuple[int, int]]:
+def tile_origins(
+    scene, seed: int, count: int, scene_px: int, tile_px: int, object_centred: float = 0.0
+) -> list[tuple[int, int]]:
     """``count`` deterministic tile origins (level-0 px) inside a ``scene_px`` square scene.
 
     A fraction ``object_centred`` of them is placed so that an object of the
@@ -105,9 +105,16 @@ def tile_origins(scene, seed: int, count: int, scene_px: int, tile_px: int,
     return origins
 
 
-def render_tiles(kind: str, seeds: Iterable[int], tiles_per_scene: int, tile_px: int = 512,
-                 region_stride: int = 8, jpeg_quality: Sequence[int] | None = (70, 95),
-                 scene_px: int = SCENE_SIZE_PX, object_centred: float = 0.0) -> list[TileSample]:
+def render_tiles(
+    kind: str,
+    seeds: Iterable[int],
+    tiles_per_scene: int,
+    tile_px: int = 512,
+    region_stride: int = 8,
+    jpeg_quality: Sequence[int] | None = (70, 95),
+    scene_px: int = SCENE_SIZE_PX,
+    object_centred: float = 0.0,
+) -> list[TileSample]:
     """Render ``tiles_per_scene`` tiles from each scene seed (see :func:`tile_origins`);
     JPEG quality drawn per tile from the ``jpeg_quality`` range (None: no JPEG)."""
     samples = []
@@ -122,15 +129,16 @@ def render_tiles(kind: str, seeds: Iterable[int], tiles_per_scene: int, tile_px:
 
 # -- augmentation and targets --------------------------------------------------
 
+
 def augment(sample: TileSample, rng: np.random.Generator, crop_px: int, region_stride: int) -> TileSample:
     """A random ``crop_px`` crop (origin on the region grid), flip and 90-degree rotation."""
     size = sample.image.shape[0]
     cells = (size - crop_px) // region_stride
     ox = int(rng.integers(0, cells + 1)) * region_stride
     oy = int(rng.integers(0, cells + 1)) * region_stride
-    image = sample.image[oy:oy + crop_px, ox:ox + crop_px]
+    image = sample.image[oy : oy + crop_px, ox : ox + crop_px]
     rs = region_stride
-    regions = sample.regions[oy // rs:(oy + crop_px) // rs, ox // rs:(ox + crop_px) // rs]
+    regions = sample.regions[oy // rs : (oy + crop_px) // rs, ox // rs : (ox + crop_px) // rs]
     b = sample.boxes - np.array([ox, oy, ox, oy], np.float32)
     full_area = np.maximum((b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]), 1e-6)
     clipped = np.clip(b, 0, crop_px)
@@ -145,12 +153,18 @@ def augment(sample: TileSample, rng: np.random.Generator, crop_px: int, region_s
     for _ in range(k):  # rotate 90 degrees counter-clockwise: (x, y) -> (y, W - x)
         image, regions = np.rot90(image), np.rot90(regions)
         boxes = np.stack([boxes[:, 1], crop_px - boxes[:, 2], boxes[:, 3], crop_px - boxes[:, 0]], axis=1)
-    return TileSample(np.ascontiguousarray(image), boxes.astype(np.float32).reshape(-1, 4), labels,
-                      visible.astype(np.float32), np.ascontiguousarray(regions))
+    return TileSample(
+        np.ascontiguousarray(image),
+        boxes.astype(np.float32).reshape(-1, 4),
+        labels,
+        visible.astype(np.float32),
+        np.ascontiguousarray(regions),
+    )
 
 
-def center_targets(boxes: np.ndarray, labels: np.ndarray, num_classes: int, size_px: int,
-                   stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def center_targets(
+    boxes: np.ndarray, labels: np.ndarray, num_classes: int, size_px: int, stride: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """CenterNet targets for one tile at ``stride``.
 
     Returns ``heat [C, S, S] float32`` (a Gaussian per object, 1 at its centre
@@ -179,7 +193,7 @@ def center_targets(boxes: np.ndarray, labels: np.ndarray, num_classes: int, size
         ys = np.arange(max(iy - ry, 0), min(iy + ry + 1, s))
         g = np.exp(-((xs[None, :] - ix) ** 2) / (2 * sx * sx) - ((ys[:, None] - iy) ** 2) / (2 * sy * sy))
         c = int(labels[i])
-        window = heat[c, ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1]
+        window = heat[c, ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
         np.maximum(window, g.astype(np.float32), out=window)
         heat[c, iy, ix] = 1.0
         size[:, iy, ix] = (w, h)
@@ -189,14 +203,22 @@ def center_targets(boxes: np.ndarray, labels: np.ndarray, num_classes: int, size
 
 
 def region_targets(regions: np.ndarray, region_labels: Sequence[Sequence[int]]) -> np.ndarray:
-    """Label map ``HxW`` -> ``[C, H, W] float32`` binary maps; channel c is 1 where the label is in ``region_labels[c]``."""
+    """Label map ``HxW`` -> ``[C, H, W] float32`` binary maps.
+
+    Channel c is 1 where the label is in ``region_labels[c]``."""
     return np.stack([np.isin(regions, list(v)).astype(np.float32) for v in region_labels])
 
 
-def heldout_tiles(kind: str, scenes: int = 8, tiles_per_scene: int = 8, jpeg_quality: int = 85,
-                  first_seed: int = EVAL_SEEDS[0]) -> list[TileSample]:
+def heldout_tiles(
+    kind: str, scenes: int = 8, tiles_per_scene: int = 8, jpeg_quality: int = 85, first_seed: int = EVAL_SEEDS[0]
+) -> list[TileSample]:
     """Held-out evaluation tiles: scenes with seeds from ``EVAL_SEEDS`` (never trained on)."""
     if first_seed < EVAL_SEEDS[0] or first_seed + scenes > EVAL_SEEDS[-1] + 1:
         raise ValueError(f"held-out seeds must lie in {EVAL_SEEDS}")
-    return render_tiles(kind, range(first_seed, first_seed + scenes), tiles_per_scene,
-                        jpeg_quality=(jpeg_quality, jpeg_quality), **SCENE_SAMPLING[kind])
+    return render_tiles(
+        kind,
+        range(first_seed, first_seed + scenes),
+        tiles_per_scene,
+        jpeg_quality=(jpeg_quality, jpeg_quality),
+        **SCENE_SAMPLING[kind],
+    )

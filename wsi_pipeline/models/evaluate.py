@@ -36,9 +36,13 @@ class DetectionCounts:
 
 
 def detection_counts(
-    pred_boxes: Sequence[np.ndarray], pred_scores: Sequence[np.ndarray], pred_labels: Sequence[np.ndarray],
-    true_boxes: Sequence[np.ndarray], true_labels: Sequence[np.ndarray],
-    true_ignore: Sequence[np.ndarray] | None = None, iou_threshold: float = 0.5,
+    pred_boxes: Sequence[np.ndarray],
+    pred_scores: Sequence[np.ndarray],
+    pred_labels: Sequence[np.ndarray],
+    true_boxes: Sequence[np.ndarray],
+    true_labels: Sequence[np.ndarray],
+    true_ignore: Sequence[np.ndarray] | None = None,
+    iou_threshold: float = 0.5,
     per_class: bool = False,
 ) -> DetectionCounts | dict[int, DetectionCounts]:
     """TP/FP/FN over a set of tiles, each given as xyxy boxes in the same pixel frame.
@@ -55,18 +59,34 @@ def detection_counts(
     for i in range(len(true_boxes)):
         images.append({"id": i + 1, "width": 0, "height": 0})
         tb = np.asarray(true_boxes[i], np.float64).reshape(-1, 4)
-        ign = (np.zeros(len(tb), bool) if true_ignore is None
-               else np.asarray(true_ignore[i], bool).reshape(-1))
+        ign = np.zeros(len(tb), bool) if true_ignore is None else np.asarray(true_ignore[i], bool).reshape(-1)
         for b, lab, crowd in zip(tb, np.asarray(true_labels[i]).reshape(-1), ign, strict=True):
             w, h = b[2] - b[0], b[3] - b[1]
-            gts.append({"id": len(gts) + 1, "image_id": i + 1, "category_id": int(lab) + 1,
-                        "bbox": [b[0], b[1], w, h], "area": w * h, "iscrowd": int(crowd)})
+            gts.append(
+                {
+                    "id": len(gts) + 1,
+                    "image_id": i + 1,
+                    "category_id": int(lab) + 1,
+                    "bbox": [b[0], b[1], w, h],
+                    "area": w * h,
+                    "iscrowd": int(crowd),
+                }
+            )
         pb = np.asarray(pred_boxes[i], np.float64).reshape(-1, 4)
-        for b, s, lab in zip(pb, np.asarray(pred_scores[i]).reshape(-1), np.asarray(pred_labels[i]).reshape(-1),
-                             strict=True):
+        for b, s, lab in zip(
+            pb, np.asarray(pred_scores[i]).reshape(-1), np.asarray(pred_labels[i]).reshape(-1), strict=True
+        ):
             w, h = b[2] - b[0], b[3] - b[1]
-            dts.append({"id": len(dts) + 1, "image_id": i + 1, "category_id": int(lab) + 1,
-                        "bbox": [b[0], b[1], w, h], "area": w * h, "score": float(s)})
+            dts.append(
+                {
+                    "id": len(dts) + 1,
+                    "image_id": i + 1,
+                    "category_id": int(lab) + 1,
+                    "bbox": [b[0], b[1], w, h],
+                    "area": w * h,
+                    "score": float(s),
+                }
+            )
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
         coco_gt = COCO()
         coco_gt.dataset = {"images": images, "annotations": gts, "categories": cats}
@@ -115,10 +135,15 @@ class QualityReport:
     tiles: int
 
     def summary(self) -> str:
-        parts = [f"tiles {self.tiles}", f"precision {self.counts.precision:.4f}",
-                 f"recall {self.counts.recall:.4f}", f"(tp {self.counts.tp} fp {self.counts.fp} fn {self.counts.fn})"]
-        parts += [f"class {c}: P {v.precision:.4f} R {v.recall:.4f} (n={v.tp + v.fn})"
-                  for c, v in self.per_class.items()]
+        parts = [
+            f"tiles {self.tiles}",
+            f"precision {self.counts.precision:.4f}",
+            f"recall {self.counts.recall:.4f}",
+            f"(tp {self.counts.tp} fp {self.counts.fp} fn {self.counts.fn})",
+        ]
+        parts += [
+            f"class {c}: P {v.precision:.4f} R {v.recall:.4f} (n={v.tp + v.fn})" for c, v in self.per_class.items()
+        ]
         parts += [f"dice {k} {v:.4f}" for k, v in self.dice.items()]
         return ", ".join(parts)
 
@@ -127,8 +152,7 @@ class QualityReport:
 REGION_CHANNEL_LABELS = {"tissue": (1, 2), "tumour": (2,)}
 
 
-def evaluate_card(card, samples, *, backend=None, min_visible: float = 0.5,
-                  batch: int = 8) -> QualityReport:
+def evaluate_card(card, samples, *, backend=None, min_visible: float = 0.5, batch: int = 8) -> QualityReport:
     """Run ``card``'s model (ORT unless ``backend`` is given) on rendered ``samples`` and score it.
 
     ``samples`` are :class:`~.data.TileSample` tiles of the card's input
@@ -145,11 +169,16 @@ def evaluate_card(card, samples, *, backend=None, min_visible: float = 0.5,
         backend = OrtBackend(card, max_batch=batch)
     dets = []
     for i in range(0, len(samples), batch):
-        chunk = samples[i:i + batch]
+        chunk = samples[i : i + batch]
         dets += decode(backend.infer(np.stack([s.image for s in chunk])), card)
-    args = ([d.boxes for d in dets], [d.scores for d in dets], [d.labels for d in dets],
-            [s.boxes for s in samples], [s.labels for s in samples],
-            [s.visible < min_visible for s in samples])
+    args = (
+        [d.boxes for d in dets],
+        [d.scores for d in dets],
+        [d.labels for d in dets],
+        [s.boxes for s in samples],
+        [s.labels for s in samples],
+        [s.visible < min_visible for s in samples],
+    )
     total = detection_counts(*args)
     per_class = detection_counts(*args, per_class=True)
     dice_scores = {}
@@ -180,13 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iou", type=float, default=None, help="override the card's NMS IoU threshold")
     args = parser.parse_args(argv)
     card = load_card(args.card)
-    overrides = {k: v for k, v in (("score_threshold", args.threshold), ("iou_threshold", args.iou))
-                 if v is not None}
+    overrides = {k: v for k, v in (("score_threshold", args.threshold), ("iou_threshold", args.iou)) if v is not None}
     if overrides:
         import dataclasses
 
-        card = dataclasses.replace(card, decoder=dataclasses.replace(
-            card.decoder, params={**card.decoder.params, **overrides}))
+        card = dataclasses.replace(
+            card, decoder=dataclasses.replace(card.decoder, params={**card.decoder.params, **overrides})
+        )
     samples = heldout_tiles(args.kind, args.scenes, args.tiles_per_scene, first_seed=args.first_seed)
     print(evaluate_card(card, samples).summary())
     return 0

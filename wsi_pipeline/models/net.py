@@ -52,15 +52,14 @@ class CenterNetSmall(nn.Module):
     ``region_logits [B, C_reg, H/8, W/8]`` (None without region classes).
     """
 
-    def __init__(self, num_object_classes: int, num_region_classes: int,
-                 widths: Sequence[int] = (16, 32, 64, 96)):
+    def __init__(self, num_object_classes: int, num_region_classes: int, widths: Sequence[int] = (16, 32, 64, 96)):
         super().__init__()
         w1, w2, w3, w4 = widths
         self.num_object_classes = num_object_classes
         self.num_region_classes = num_region_classes
-        self.stem = nn.Sequential(_conv_bn_relu(3, w1, 2))                            # /2
-        self.stage4 = nn.Sequential(_conv_bn_relu(w1, w2, 2), _conv_bn_relu(w2, w2))   # /4
-        self.stage8 = nn.Sequential(_conv_bn_relu(w2, w3, 2), _conv_bn_relu(w3, w3))   # /8
+        self.stem = nn.Sequential(_conv_bn_relu(3, w1, 2))  # /2
+        self.stage4 = nn.Sequential(_conv_bn_relu(w1, w2, 2), _conv_bn_relu(w2, w2))  # /4
+        self.stage8 = nn.Sequential(_conv_bn_relu(w2, w3, 2), _conv_bn_relu(w3, w3))  # /8
         self.stage16 = nn.Sequential(_conv_bn_relu(w3, w4, 2), _conv_bn_relu(w4, w4))  # /16
         # Stride 32 context: the centre cell of a 200 px scratch must see its ends.
         self.stage32 = nn.Sequential(_conv_bn_relu(w4, w4, 2), _conv_bn_relu(w4, w4))  # /32
@@ -73,8 +72,9 @@ class CenterNetSmall(nn.Module):
         self.center_head = nn.Conv2d(w2, num_object_classes, 1)
         self.size_head = nn.Conv2d(w2, 2, 1)
         self.offset_head = nn.Conv2d(w2, 2, 1)
-        self.region_head = (nn.Sequential(_conv_bn_relu(w3, w3), nn.Conv2d(w3, num_region_classes, 1))
-                            if num_region_classes else None)
+        self.region_head = (
+            nn.Sequential(_conv_bn_relu(w3, w3), nn.Conv2d(w3, num_region_classes, 1)) if num_region_classes else None
+        )
         # CenterNet's prior: start with a low centre probability everywhere.
         nn.init.constant_(self.center_head.bias, -2.19)
 
@@ -105,10 +105,14 @@ class DetectorWithDecode(nn.Module):
     Floor, GatherElements, Clip, Concat).
     """
 
-    def __init__(self, net: CenterNetSmall, top_k: int = 256,
-                 mean_rgb: Sequence[float] = IMAGENET_MEAN_RGB,
-                 std_rgb: Sequence[float] = IMAGENET_STD_RGB,
-                 tile_size_px: int = 512):
+    def __init__(
+        self,
+        net: CenterNetSmall,
+        top_k: int = 256,
+        mean_rgb: Sequence[float] = IMAGENET_MEAN_RGB,
+        std_rgb: Sequence[float] = IMAGENET_STD_RGB,
+        tile_size_px: int = 512,
+    ):
         super().__init__()
         self.net = net
         self.top_k = top_k
@@ -139,9 +143,9 @@ class DetectorWithDecode(nn.Module):
         bw, bh, ox, oy = picked[:, 0], picked[:, 1], picked[:, 2], picked[:, 3]
         center_x = (cx + ox) * OBJECT_STRIDE
         center_y = (cy + oy) * OBJECT_STRIDE
-        boxes = torch.stack(
-            [center_x - bw / 2, center_y - bh / 2, center_x + bw / 2, center_y + bh / 2], dim=2
-        ).clamp(0.0, float(self.tile_size_px))
+        boxes = torch.stack([center_x - bw / 2, center_y - bh / 2, center_x + bw / 2, center_y + bh / 2], dim=2).clamp(
+            0.0, float(self.tile_size_px)
+        )
         labels = label_f.to(torch.int32)
         if region_logits is None:
             return boxes, scores, labels

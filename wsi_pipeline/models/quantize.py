@@ -102,8 +102,11 @@ def convert_fp16(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pa
     trunk = convs | (upstream & _downstream_of_conv(model))
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
-    float_tensors = {v.name for v in (*graph.input, *graph.value_info, *graph.output)
-                     if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    float_tensors = {
+        v.name
+        for v in (*graph.input, *graph.value_info, *graph.output)
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT
+    }
     producers = {out: node for node in graph.node for out in node.output}
     new_nodes = []
     casts_in: dict[str, str] = {}
@@ -118,8 +121,11 @@ def convert_fp16(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pa
                 elif name not in inits and (producers.get(name) is None or producers[name].name not in trunk):
                     if name not in casts_in:
                         casts_in[name] = f"{name}_fp16"
-                        new_nodes.append(helper.make_node("Cast", [name], [casts_in[name]],
-                                                          name=f"{name}_to_fp16", to=TensorProto.FLOAT16))
+                        new_nodes.append(
+                            helper.make_node(
+                                "Cast", [name], [casts_in[name]], name=f"{name}_to_fp16", to=TensorProto.FLOAT16
+                            )
+                        )
                     node.input[k] = casts_in[name]
         new_nodes.append(node)
     # Trunk outputs read outside the trunk (or by the graph) go back to fp32.
@@ -135,8 +141,7 @@ def convert_fp16(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pa
                     node.output[k] = half
                     renamed[out] = half
                     final.append(node)
-                    final.append(helper.make_node("Cast", [half], [out], name=f"{out}_to_fp32",
-                                                  to=TensorProto.FLOAT))
+                    final.append(helper.make_node("Cast", [half], [out], name=f"{out}_to_fp32", to=TensorProto.FLOAT))
                     break
             else:
                 final.append(node)
@@ -172,7 +177,7 @@ class TileCalibrationReader:
 
     def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         for i in range(0, len(self.tiles), self.batch):
-            yield {self.card.input.name: prepare_input(self.tiles[i:i + self.batch], self.card)}
+            yield {self.card.input.name: prepare_input(self.tiles[i : i + self.batch], self.card)}
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._it is None:
@@ -183,8 +188,9 @@ class TileCalibrationReader:
         self._it = None
 
 
-def load_calibration_tiles(source: str | os.PathLike[str], size_hw: tuple[int, int],
-                           limit: int | None = None) -> np.ndarray:
+def load_calibration_tiles(
+    source: str | os.PathLike[str], size_hw: tuple[int, int], limit: int | None = None
+) -> np.ndarray:
     """Tiles for calibration: a folder of JPEG/PNG files (sorted by name, searched
     recursively) or a ``.npz`` holding an ``N x H x W x 3 uint8`` array ``tiles``.
 
@@ -222,8 +228,9 @@ def load_calibration_tiles(source: str | os.PathLike[str], size_hw: tuple[int, i
     return out
 
 
-def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], card: ModelCard,
-                  tiles: np.ndarray, method: str = "minmax") -> Path:
+def quantize_int8(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], card: ModelCard, tiles: np.ndarray, method: str = "minmax"
+) -> Path:
     """Write an explicit-Q/DQ int8 copy of ``src`` calibrated on ``tiles`` (``N x H x W x 3 uint8``)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -231,8 +238,11 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], card
 
     if method not in CALIBRATION_METHODS:
         raise ConfigError(f"calibration method: expected one of {list(CALIBRATION_METHODS)}, found {method!r}")
-    calib = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-             "percentile": CalibrationMethod.Percentile}[method]
+    calib = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[method]
     with tempfile.TemporaryDirectory(prefix="wsi-quant-") as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # Shape inference and graph cleanup, as onnxruntime recommends before quantizing.
@@ -247,20 +257,30 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], card
         quantized = convs & upstream
         exclude = [n.name for n in model.graph.node if n.name not in quantized]
         quantize_static(
-            str(prepared), str(dst), TileCalibrationReader(tiles, card),
-            quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-            per_channel=True, op_types_to_quantize=["Conv"], nodes_to_exclude=exclude,
+            str(prepared),
+            str(dst),
+            TileCalibrationReader(tiles, card),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+            op_types_to_quantize=["Conv"],
+            nodes_to_exclude=exclude,
             calibrate_method=calib,
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                           "CalibTensorRangeSymmetric": True},
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "CalibTensorRangeSymmetric": True},
         )
     return Path(dst)
 
 
-def make_variant(model: str | os.PathLike[str] | ModelCard, precision: str,
-                 calibration: str | os.PathLike[str] | np.ndarray | None = None,
-                 out: str | os.PathLike[str] | None = None, *, method: str = "minmax",
-                 limit: int | None = None) -> ModelCard:
+def make_variant(
+    model: str | os.PathLike[str] | ModelCard,
+    precision: str,
+    calibration: str | os.PathLike[str] | np.ndarray | None = None,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    method: str = "minmax",
+    limit: int | None = None,
+) -> ModelCard:
     """Make the ``precision`` variant of a model and write its card; return the new card.
 
     ``model``: a card, or a card/model path. ``calibration`` (int8 only): a
@@ -282,16 +302,24 @@ def make_variant(model: str | os.PathLike[str] | ModelCard, precision: str,
     else:
         if calibration is None:
             raise ConfigError("int8 needs calibration tiles (--calibration FOLDER or .npz)")
-        tiles = (calibration[:limit] if isinstance(calibration, np.ndarray)
-                 else load_calibration_tiles(calibration, card.input.size_hw, limit))
+        tiles = (
+            calibration[:limit]
+            if isinstance(calibration, np.ndarray)
+            else load_calibration_tiles(calibration, card.input.size_hw, limit)
+        )
         quantize_int8(card.model_path, dst, card, tiles, method)
     extra = dict(card.extra)
     extra["source_model"] = {"file": card.model_path.name, "sha256": card.sha256}
     if precision == "int8":
-        extra["calibration"] = {"method": method, "tiles": int(len(tiles)),
-                                "source": (None if isinstance(calibration, np.ndarray)
-                                           else os.path.basename(os.path.normpath(str(calibration))))}
-    new = dataclasses.replace(card, model_path=dst.resolve(), sha256=file_sha256(dst), precision=precision,
-                              card_path=None, extra=extra)
+        extra["calibration"] = {
+            "method": method,
+            "tiles": int(len(tiles)),
+            "source": (
+                None if isinstance(calibration, np.ndarray) else os.path.basename(os.path.normpath(str(calibration)))
+            ),
+        }
+    new = dataclasses.replace(
+        card, model_path=dst.resolve(), sha256=file_sha256(dst), precision=precision, card_path=None, extra=extra
+    )
     path = write_card(new)
     return load_card(path)

@@ -64,8 +64,13 @@ class Preset:
 
 PRESETS = {
     "pathology": Preset(
-        name="nuclei_pathology", class_colors=("#7b2cbf",), region_classes=("tissue", "tumour"),
-        region_labels=((1, 2), (2,)), mpp=0.25, top_k=512, steps=3000,
+        name="nuclei_pathology",
+        class_colors=("#7b2cbf",),
+        region_classes=("tissue", "tumour"),
+        region_labels=((1, 2), (2,)),
+        mpp=0.25,
+        top_k=512,
+        steps=3000,
         scope={
             "trained_on": (
                 "synthetic H&E-like scenes only (wsi_pipeline/synthetic/scene.py, seeds 1000-1119) "
@@ -90,8 +95,15 @@ PRESETS = {
     # Industrial scenes have no regions (one "surface" everywhere): no region head.
     # Defects are sparse, so most training tiles are placed on one.
     "industrial": Preset(
-        name="defects_industrial", class_colors=("#e6a000", "#00aae6"), region_classes=(),
-        region_labels=(), mpp=None, top_k=64, train_scenes=80, tiles_per_scene=6, nms_iou=0.3,
+        name="defects_industrial",
+        class_colors=("#e6a000", "#00aae6"),
+        region_classes=(),
+        region_labels=(),
+        mpp=None,
+        top_k=64,
+        train_scenes=80,
+        tiles_per_scene=6,
+        nms_iou=0.3,
         scope={
             "trained_on": (
                 "synthetic brushed-metal images only (seeds 1000-1079), no pixel size: spots (dark or "
@@ -149,8 +161,7 @@ def make_batch(samples: list[TileSample], rng: np.random.Generator, preset: Pres
     mean = torch.tensor(IMAGENET_MEAN_RGB).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD_RGB).view(1, 3, 1, 1)
     as_t = lambda a: torch.from_numpy(np.stack(a))  # noqa: E731
-    return ((x - mean) / std, as_t(heats), as_t(sizes), as_t(offsets), as_t(masks),
-            as_t(regions) if regions else None)
+    return ((x - mean) / std, as_t(heats), as_t(sizes), as_t(offsets), as_t(masks), as_t(regions) if regions else None)
 
 
 def refuse_to_replace(kind: str, out_dir: Path, force: bool) -> None:
@@ -158,13 +169,25 @@ def refuse_to_replace(kind: str, out_dir: Path, force: bool) -> None:
     model_path = Path(out_dir) / f"{PRESETS[kind].name}.onnx"
     existing = [str(p) for p in (model_path, card_path_for(model_path)) if p.exists()]
     if existing and not force:
-        raise UsageError(f"{' and '.join(existing)} already exist; training would replace them: "
-                         "choose another --out, or pass --force (force=True) to replace them")
+        raise UsageError(
+            f"{' and '.join(existing)} already exist; training would replace them: "
+            "choose another --out, or pass --force (force=True) to replace them"
+        )
 
 
-def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = None, train_scenes: int | None = None,
-          seed: int = 0, threads: int = 2, device: str = "cpu", widths: tuple[int, ...] | None = None,
-          force: bool = False, log=print) -> Path:
+def train(
+    kind: str,
+    out_dir: Path = DEFAULT_TRAIN_OUT,
+    *,
+    steps: int | None = None,
+    train_scenes: int | None = None,
+    seed: int = 0,
+    threads: int = 2,
+    device: str = "cpu",
+    widths: tuple[int, ...] | None = None,
+    force: bool = False,
+    log=print,
+) -> Path:
     """Train the ``kind`` preset, export ``out_dir/NAME.onnx`` + card; return the ONNX path.
 
     Refuses (UsageError, before training) to replace an existing model or card unless ``force``.
@@ -183,8 +206,7 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
     class_names = list(SyntheticScene(512, 512, 0, kind=kind).class_names)
     t0 = time.perf_counter()
     seeds = list(TRAIN_SEEDS)[:n_scenes]
-    samples = render_tiles(kind, seeds, preset.tiles_per_scene, region_stride=REGION_STRIDE,
-                           **SCENE_SAMPLING[kind])
+    samples = render_tiles(kind, seeds, preset.tiles_per_scene, region_stride=REGION_STRIDE, **SCENE_SAMPLING[kind])
     log(f"rendered {len(samples)} tiles from {len(seeds)} scenes in {time.perf_counter() - t0:.0f} s")
 
     net = CenterNetSmall(len(class_names), len(preset.region_classes), widths or preset.widths).to(device)
@@ -202,15 +224,19 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
     running = np.zeros(4)
     for step in range(steps):
         x, heat, size, offset, mask, regions = (
-            None if t is None else t.to(device) for t in make_batch(samples, rng, preset, len(class_names)))
+            None if t is None else t.to(device) for t in make_batch(samples, rng, preset, len(class_names))
+        )
         center_logits, size_px, off_pred, region_logits = net(x)
         n_pos = mask.sum().clamp(min=1)
         m = mask.unsqueeze(1)
         l_heat = focal_loss(center_logits, heat)
         l_size = (torch.abs(torch.log(size_px) - torch.log(size.clamp(min=1))) * m).sum() / n_pos
         l_off = (torch.abs(off_pred - offset) * m).sum() / n_pos
-        l_reg = (F.binary_cross_entropy_with_logits(region_logits, regions) + dice_loss(region_logits, regions)
-                 if regions is not None else torch.zeros((), device=device))
+        l_reg = (
+            F.binary_cross_entropy_with_logits(region_logits, regions) + dice_loss(region_logits, regions)
+            if regions is not None
+            else torch.zeros((), device=device)
+        )
         loss = l_heat + l_size + l_off + l_reg
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -220,18 +246,37 @@ def train(kind: str, out_dir: Path = DEFAULT_TRAIN_OUT, *, steps: int | None = N
         if (step + 1) % 100 == 0 or step + 1 == steps:
             r = running / 100
             running[:] = 0
-            log(f"step {step + 1}/{steps} heat {r[0]:.3f} size {r[1]:.3f} off {r[2]:.3f} "
-                f"region {r[3]:.3f} lr {sched.get_last_lr()[0]:.5f} {time.perf_counter() - t1:.0f} s")
+            log(
+                f"step {step + 1}/{steps} heat {r[0]:.3f} size {r[1]:.3f} off {r[2]:.3f} "
+                f"region {r[3]:.3f} lr {sched.get_last_lr()[0]:.5f} {time.perf_counter() - t1:.0f} s"
+            )
     net.eval().cpu()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / f"{preset.name}.onnx"
-    training = {"kind": kind, "seed": seed, "steps": steps, "train_scene_seeds": [seeds[0], seeds[-1]],
-                "tiles": len(samples), "crop_px": preset.crop_px, "batch": preset.batch,
-                "command": f"python -m wsi_pipeline.models.train --kind {kind}"}
-    export_with_card(net, model_path, name=preset.name, version="1.0.0", class_names=class_names,
-                     class_colors=preset.class_colors, region_classes=preset.region_classes,
-                     top_k=preset.top_k, mpp=preset.mpp, score_threshold=preset.score_threshold, nms_iou=preset.nms_iou,
-                     extra={"training": training, "scope": preset.scope})
+    training = {
+        "kind": kind,
+        "seed": seed,
+        "steps": steps,
+        "train_scene_seeds": [seeds[0], seeds[-1]],
+        "tiles": len(samples),
+        "crop_px": preset.crop_px,
+        "batch": preset.batch,
+        "command": f"python -m wsi_pipeline.models.train --kind {kind}",
+    }
+    export_with_card(
+        net,
+        model_path,
+        name=preset.name,
+        version="1.0.0",
+        class_names=class_names,
+        class_colors=preset.class_colors,
+        region_classes=preset.region_classes,
+        top_k=preset.top_k,
+        mpp=preset.mpp,
+        score_threshold=preset.score_threshold,
+        nms_iou=preset.nms_iou,
+        extra={"training": training, "scope": preset.scope},
+    )
     log(f"wrote {model_path} ({model_path.stat().st_size / 1e6:.2f} MB) in {time.perf_counter() - t0:.0f} s total")
     return model_path
 
@@ -248,10 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="torch device (the shipped models are trained on cpu)")
     parser.add_argument("--widths", default=None, help="trunk channel widths, e.g. 16,32,64,96")
     args = parser.parse_args(argv)
-    train(args.kind, args.out, steps=args.steps, train_scenes=args.train_scenes, seed=args.seed,
-          threads=args.threads, device=args.device, force=args.force,
-          widths=tuple(int(v) for v in args.widths.split(",")) if args.widths else None,
-          log=lambda msg: print(msg, flush=True))
+    train(
+        args.kind,
+        args.out,
+        steps=args.steps,
+        train_scenes=args.train_scenes,
+        seed=args.seed,
+        threads=args.threads,
+        device=args.device,
+        force=args.force,
+        widths=tuple(int(v) for v in args.widths.split(",")) if args.widths else None,
+        log=lambda msg: print(msg, flush=True),
+    )
     return 0
 
 

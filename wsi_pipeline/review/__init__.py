@@ -21,6 +21,20 @@ from .filters import busiest_region, count_by_class, export_geojson, filter_dete
 from .results import ReviewRun, load_run
 from .widgets import region_picker, score_slider, widgets_available
 
-__all__ = ["ReviewRun", "busiest_region", "count_by_class", "export_geojson", "filter_detections", "load_run",
-           "plot_counts", "plot_gallery", "plot_overview", "plot_region", "region_mask", "region_picker",
-           "save_figure", "score_slider", "widgets_available"]
+__all__ = [
+    "ReviewRun",
+    "busiest_region",
+    "count_by_class",
+    "export_geojson",
+    "filter_detections",
+    "load_run",
+    "plot_counts",
+    "plot_gallery",
+    "plot_overview",
+    "plot_region",
+    "region_mask",
+    "region_picker",
+    "save_figure",
+    "score_slider",
+    "widgets_available",
+]

@@ -59,8 +59,9 @@ def _label_axes(ax: Axes, mpp: tuple[float, float] | None) -> None:
 def _box_vertices(dets: np.ndarray) -> np.ndarray:
     """(N, 4, 2) float64 corners (level-0 px) of the detection boxes, clockwise from top-left."""
     x0, y0, x1, y1 = (dets[k].astype(np.float64) for k in ("x0", "y0", "x1", "y1"))
-    return np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1),
-                     np.stack([x0, y1], 1)], axis=1)
+    return np.stack(
+        [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1
+    )
 
 
 def _heatmap_channels(run: ReviewRun, channels: Sequence[str] | None, skip: Sequence[str]) -> list[int]:
@@ -68,8 +69,9 @@ def _heatmap_channels(run: ReviewRun, channels: Sequence[str] | None, skip: Sequ
     if channels is not None:
         missing = [c for c in channels if c not in names]
         if missing:
-            raise WSIPipelineError(f"heatmap channel(s) {', '.join(missing)} not in this run's "
-                                   f"heatmap ({', '.join(names) or 'none'})")
+            raise WSIPipelineError(
+                f"heatmap channel(s) {', '.join(missing)} not in this run's heatmap ({', '.join(names) or 'none'})"
+            )
         return [names.index(c) for c in channels]
     lowered = {s.lower() for s in skip}
     shown = [i for i, n in enumerate(names) if n.lower() not in lowered]
@@ -117,18 +119,31 @@ def draw_boxes(ax: Axes, run: ReviewRun, dets: np.ndarray, linewidth: float = 0.
     out = []
     for label in np.unique(dets["label"]):
         sel = dets[dets["label"] == label]
-        coll = PolyCollection(_box_vertices(sel), closed=True, facecolors="none",
-                              edgecolors=[run.color_of(int(label))], linewidths=linewidth,
-                              label=f"{run.name_of(int(label))} ({len(sel)})")
+        coll = PolyCollection(
+            _box_vertices(sel),
+            closed=True,
+            facecolors="none",
+            edgecolors=[run.color_of(int(label))],
+            linewidths=linewidth,
+            label=f"{run.name_of(int(label))} ({len(sel)})",
+        )
         coll.set_gid(DETECTION_GID)
         ax.add_collection(coll)
         out.append(coll)
     return out
 
 
-def plot_overview(run: ReviewRun, channels: Sequence[str] | None = None, skip: Sequence[str] = SKIP_CHANNELS,
-                  boxes: bool = True, max_boxes: int = 50_000, thumb_size: int = 1024, alpha: float = 0.55,
-                  ax: Axes | None = None, figsize: tuple[float, float] = (9, 8)) -> Figure:
+def plot_overview(
+    run: ReviewRun,
+    channels: Sequence[str] | None = None,
+    skip: Sequence[str] = SKIP_CHANNELS,
+    boxes: bool = True,
+    max_boxes: int = 50_000,
+    thumb_size: int = 1024,
+    alpha: float = 0.55,
+    ax: Axes | None = None,
+    figsize: tuple[float, float] = (9, 8),
+) -> Figure:
     """The slide thumbnail, the heatmap of the classes of interest over it, and the detection boxes.
 
     ``channels``: heatmap channels to show (default: all but those named in
@@ -147,8 +162,14 @@ def plot_overview(run: ReviewRun, channels: Sequence[str] | None = None, skip: S
     if run.heatmap is not None and run.heatmap_classes:
         data, extent = heatmap_for_display(run, thumb.shape[1])
         for k, ci in enumerate(_heatmap_channels(run, channels, skip)):
-            im = ax.imshow(data[ci], extent=extent, cmap=_channel_cmap(HEATMAP_COLORS[k % len(HEATMAP_COLORS)], alpha),
-                           vmin=0.0, vmax=1.0, interpolation="nearest")
+            im = ax.imshow(
+                data[ci],
+                extent=extent,
+                cmap=_channel_cmap(HEATMAP_COLORS[k % len(HEATMAP_COLORS)], alpha),
+                vmin=0.0,
+                vmax=1.0,
+                interpolation="nearest",
+            )
             im.set_label(run.heatmap_classes[ci])
             fig.colorbar(im, ax=ax, shrink=0.6, pad=0.01, label=f"{run.heatmap_classes[ci]} probability")
     title = f"{Path(str(run.slide_path or slide.path)).name}: {len(run.detections)} detections"
@@ -166,9 +187,18 @@ def plot_overview(run: ReviewRun, channels: Sequence[str] | None = None, skip: S
     return fig
 
 
-def plot_region(run: ReviewRun, x0: int, y0: int, width: int, height: int, show_scores: bool = False,
-                reference: np.ndarray | None = None, linewidth: float = 1.5, ax: Axes | None = None,
-                figsize: tuple[float, float] = (8, 8)) -> Figure:
+def plot_region(
+    run: ReviewRun,
+    x0: int,
+    y0: int,
+    width: int,
+    height: int,
+    show_scores: bool = False,
+    reference: np.ndarray | None = None,
+    linewidth: float = 1.5,
+    ax: Axes | None = None,
+    figsize: tuple[float, float] = (8, 8),
+) -> Figure:
     """A level-0 region at full resolution with the detections that overlap it.
 
     The region (``x0``, ``y0``, ``width``, ``height``; level-0 pixels) is
@@ -183,34 +213,58 @@ def plot_region(run: ReviewRun, x0: int, y0: int, width: int, height: int, show_
     if width <= 0 or height <= 0:
         raise WSIPipelineError(f"region size must be positive, got {width} x {height}")
     if width * height > MAX_REGION_PIXELS:
-        raise WSIPipelineError(f"region {width} x {height} px is too large to show at full resolution "
-                               f"(at most {MAX_REGION_PIXELS} pixels); use plot_overview or a smaller region")
+        raise WSIPipelineError(
+            f"region {width} x {height} px is too large to show at full resolution "
+            f"(at most {MAX_REGION_PIXELS} pixels); use plot_overview or a smaller region"
+        )
     slide = run.open_slide()
     fig, ax = _new_axes(ax, figsize)
     img = slide.read_region((x0, y0), 0, (width, height))
     ax.imshow(img, extent=(x0, x0 + width, y0 + height, y0), interpolation="nearest")
     if reference is not None:
         for b in np.asarray(reference, np.float64).reshape(-1, 4):
-            r = Rectangle((b[0], b[1]), b[2] - b[0], b[3] - b[1], fill=False, edgecolor="white",
-                          linestyle="--", linewidth=max(0.8, linewidth * 0.7))
+            r = Rectangle(
+                (b[0], b[1]),
+                b[2] - b[0],
+                b[3] - b[1],
+                fill=False,
+                edgecolor="white",
+                linestyle="--",
+                linewidth=max(0.8, linewidth * 0.7),
+            )
             r.set_gid(REFERENCE_GID)
             ax.add_patch(r)
     dets = filter_detections(run.detections, region=(x0, y0, width, height), region_mode="overlap")
     for d in dets:
         color = run.color_of(int(d["label"]))
-        r = Rectangle((float(d["x0"]), float(d["y0"])), float(d["x1"] - d["x0"]), float(d["y1"] - d["y0"]),
-                      fill=False, edgecolor=color, linewidth=linewidth)
+        r = Rectangle(
+            (float(d["x0"]), float(d["y0"])),
+            float(d["x1"] - d["x0"]),
+            float(d["y1"] - d["y0"]),
+            fill=False,
+            edgecolor=color,
+            linewidth=linewidth,
+        )
         r.set_gid(DETECTION_GID)
         ax.add_patch(r)
         if show_scores:
-            ax.text(float(d["x0"]), float(d["y0"]) - 1, f"{float(d['score']):.2f}", color=color,
-                    fontsize="x-small", va="bottom", clip_on=True)
+            ax.text(
+                float(d["x0"]),
+                float(d["y0"]) - 1,
+                f"{float(d['score']):.2f}",
+                color=color,
+                fontsize="x-small",
+                va="bottom",
+                clip_on=True,
+            )
     ax.set_xlim(x0, x0 + width)
     ax.set_ylim(y0 + height, y0)
     _label_axes(ax, run.mpp)
     counts = ", ".join(f"{run.name_of(int(k))} {int((dets['label'] == k).sum())}" for k in np.unique(dets["label"]))
-    ax.set_title(f"region x {x0}..{x0 + width}, y {y0}..{y0 + height}: {len(dets)} detections"
-                 + (f" ({counts})" if counts else ""))
+    ax.set_title(
+        f"region x {x0}..{x0 + width}, y {y0}..{y0 + height}: {len(dets)} detections"
+        + (f" ({counts})" if counts else "")
+    )
     return fig
 
 
@@ -240,8 +294,15 @@ def gallery_order(dets: np.ndarray, n: int, which: str) -> dict[str, np.ndarray]
     return out
 
 
-def plot_gallery(run: ReviewRun, n: int = 8, which: str = "both", margin: int = 8, cols: int = 8,
-                 classes: Sequence[str | int] | None = None, tile_inches: float = 1.4) -> Figure:
+def plot_gallery(
+    run: ReviewRun,
+    n: int = 8,
+    which: str = "both",
+    margin: int = 8,
+    cols: int = 8,
+    classes: Sequence[str | int] | None = None,
+    tile_inches: float = 1.4,
+) -> Figure:
     """Crops of the ``n`` highest- and/or lowest-scoring detections, each titled with its score.
 
     Each crop is a square level-0 window around the box (``margin`` px
@@ -261,8 +322,9 @@ def plot_gallery(run: ReviewRun, n: int = 8, which: str = "both", margin: int = 
     ncols = max(1, min(cols, max((len(v) for v in sets.values()), default=1)))
     rows_per = {k: max(1, math.ceil(len(v) / ncols)) for k, v in sets.items()}
     total_rows = sum(rows_per.values())
-    fig = plt.figure(figsize=(ncols * tile_inches, total_rows * (tile_inches + 0.35) + 0.4 * len(sets)),
-                     layout="constrained")
+    fig = plt.figure(
+        figsize=(ncols * tile_inches, total_rows * (tile_inches + 0.35) + 0.4 * len(sets)), layout="constrained"
+    )
     subfigs = fig.subfigures(len(sets), 1, height_ratios=[rows_per[k] for k in sets], squeeze=False)[:, 0]
     for sub, (name, order) in zip(subfigs, sets.items(), strict=True):
         sub.suptitle(f"{name} scores" + ("" if len(order) else ": no detections"), fontsize="medium")
@@ -273,10 +335,19 @@ def plot_gallery(run: ReviewRun, n: int = 8, which: str = "both", margin: int = 
             d = dets[i]
             a = axes.ravel()[k]
             cx0, cy0, side = crop_window(d, margin)
-            a.imshow(slide.read_region((cx0, cy0), 0, (side, side)),
-                     extent=(cx0, cx0 + side, cy0 + side, cy0), interpolation="nearest")
-            r = Rectangle((float(d["x0"]), float(d["y0"])), float(d["x1"] - d["x0"]), float(d["y1"] - d["y0"]),
-                          fill=False, edgecolor=run.color_of(int(d["label"])), linewidth=1.2)
+            a.imshow(
+                slide.read_region((cx0, cy0), 0, (side, side)),
+                extent=(cx0, cx0 + side, cy0 + side, cy0),
+                interpolation="nearest",
+            )
+            r = Rectangle(
+                (float(d["x0"]), float(d["y0"])),
+                float(d["x1"] - d["x0"]),
+                float(d["y1"] - d["y0"]),
+                fill=False,
+                edgecolor=run.color_of(int(d["label"])),
+                linewidth=1.2,
+            )
             r.set_gid(DETECTION_GID)
             a.add_patch(r)
             a.set_xlim(cx0, cx0 + side)
@@ -290,8 +361,9 @@ def plot_gallery(run: ReviewRun, n: int = 8, which: str = "both", margin: int = 
     return fig
 
 
-def plot_counts(run: ReviewRun, bins: int = 20, threshold: float | None = None,
-                figsize: tuple[float, float] = (10, 3.6)) -> Figure:
+def plot_counts(
+    run: ReviewRun, bins: int = 20, threshold: float | None = None, figsize: tuple[float, float] = (10, 3.6)
+) -> Figure:
     """Detections per class (bars, class colours) and the score histogram per class (stacked, 0..1).
 
     ``threshold``: a score drawn as a dashed line on the histogram.
@@ -324,6 +396,18 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], dpi: int = 110) -> Pa
     return path
 
 
-__all__ = ["DETECTION_GID", "HEATMAP_COLORS", "REFERENCE_GID", "SKIP_CHANNELS", "crop_window", "draw_boxes",
-           "gallery_order", "heatmap_for_display", "plot_counts", "plot_gallery", "plot_overview", "plot_region",
-           "save_figure"]
+__all__ = [
+    "DETECTION_GID",
+    "HEATMAP_COLORS",
+    "REFERENCE_GID",
+    "SKIP_CHANNELS",
+    "crop_window",
+    "draw_boxes",
+    "gallery_order",
+    "heatmap_for_display",
+    "plot_counts",
+    "plot_gallery",
+    "plot_overview",
+    "plot_region",
+    "save_figure",
+]

@@ -56,10 +56,15 @@ def region_mask(dets: np.ndarray, region: Region, mode: str = "centre") -> np.nd
     return (x1 > rx0) & (x0 < rx1) & (y1 > ry0) & (y0 < ry1)
 
 
-def filter_detections(dets: np.ndarray, classes: Iterable[str | int] | str | int | None = None,
-                      min_score: float | None = None, max_score: float | None = None,
-                      region: Region | None = None, region_mode: str = "centre",
-                      class_names: Sequence[str] | None = None) -> np.ndarray:
+def filter_detections(
+    dets: np.ndarray,
+    classes: Iterable[str | int] | str | int | None = None,
+    min_score: float | None = None,
+    max_score: float | None = None,
+    region: Region | None = None,
+    region_mode: str = "centre",
+    class_names: Sequence[str] | None = None,
+) -> np.ndarray:
     """The detections that pass every given criterion, in their original order.
 
     ``classes``: class names (looked up in ``class_names``) or label ints;
@@ -87,8 +92,9 @@ def count_by_class(dets: np.ndarray, class_names: Sequence[str]) -> dict[str, in
     return {n: int((labels == i).sum()) for i, n in enumerate(class_names)}
 
 
-def busiest_region(dets: np.ndarray, size: int | tuple[int, int],
-                   dimensions: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
+def busiest_region(
+    dets: np.ndarray, size: int | tuple[int, int], dimensions: tuple[int, int] | None = None
+) -> tuple[int, int, int, int]:
     """The ``size`` (width, height; level-0 px) window holding the most box centres.
 
     Windows are searched on a lattice of a quarter of ``size``; the result
@@ -112,7 +118,7 @@ def busiest_region(dets: np.ndarray, size: int | tuple[int, int],
     wy, wx = max(1, ny - k + 1), max(1, nx - k + 1)
     ys, xs = np.arange(wy), np.arange(wx)
     y1, x1 = np.minimum(ys + k, ny), np.minimum(xs + k, nx)
-    sums = (integ[y1][:, x1] - integ[ys][:, x1] - integ[y1][:, xs] + integ[ys][:, xs])
+    sums = integ[y1][:, x1] - integ[ys][:, x1] - integ[y1][:, xs] + integ[ys][:, xs]
     iy, ix = np.unravel_index(int(np.argmax(sums)), sums.shape)
     x0, y0 = int(ix * sx), int(iy * sy)
     if dimensions:

@@ -26,8 +26,18 @@ from ..summary import load_summary
 RGB = tuple[int, int, int]
 
 # Colours for classes a run names without one (matplotlib's tab10, as 0-255 RGB).
-PALETTE: tuple[RGB, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
-                            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
+PALETTE: tuple[RGB, ...] = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+)
 # Where a run folder may hold its detections as GeoJSON, in the order looked for.
 GEOJSON_FILES = ("detections.geojson", "detections.geojson.zip", "detections.geojson.gz")
 
@@ -113,11 +123,20 @@ class ReviewRun:
             path = Path(str(opened.path))
         mpp = summary.get("mpp")
         dims = summary.get("dimensions_level0") or (opened.dimensions if opened else (0, 0))
-        return cls(detections=result.detections, class_names=names, class_colors=list(colors),
-                   dimensions=(int(dims[0]), int(dims[1])), mpp=tuple(mpp) if mpp else None, summary=summary,
-                   slide_path=path, heatmap=result.heatmap, heatmap_classes=list(result.heatmap_classes),
-                   heatmap_scale_level0=float(result.heatmap_scale_level0),
-                   run_dir=Path(result.out_dir) if result.out_dir else None, slide=opened)
+        return cls(
+            detections=result.detections,
+            class_names=names,
+            class_colors=list(colors),
+            dimensions=(int(dims[0]), int(dims[1])),
+            mpp=tuple(mpp) if mpp else None,
+            summary=summary,
+            slide_path=path,
+            heatmap=result.heatmap,
+            heatmap_classes=list(result.heatmap_classes),
+            heatmap_scale_level0=float(result.heatmap_scale_level0),
+            run_dir=Path(result.out_dir) if result.out_dir else None,
+            slide=opened,
+        )
 
     # -- access --------------------------------------------------------------
     @property
@@ -137,8 +156,10 @@ class ReviewRun:
         where = self.run_dir or self.slide_path or "in memory"
         counts = ", ".join(f"{n} {int((self.detections['label'] == i).sum())}" for i, n in enumerate(self.class_names))
         heat = f", heatmap {'/'.join(self.heatmap_classes)}" if self.heatmap is not None else ""
-        return (f"ReviewRun({where}: {len(self.detections)} detections ({counts}), "
-                f"{self.dimensions[0]} x {self.dimensions[1]} px{heat})")
+        return (
+            f"ReviewRun({where}: {len(self.detections)} detections ({counts}), "
+            f"{self.dimensions[0]} x {self.dimensions[1]} px{heat})"
+        )
 
     def open_slide(self) -> Slide:
         """The slide, opened once (:func:`~wsi_pipeline.open_slide` on ``slide_path``)."""
@@ -146,8 +167,9 @@ class ReviewRun:
             if self.slide_path is None:
                 raise WSIPipelineError("this run has no slide file; pass slide=... to load_run or from_result")
             if not self.slide_path.is_file():
-                raise WSIPipelineError(f"{self.slide_path}: the run's slide is not there; "
-                                       "pass slide=... to load_run with its new place")
+                raise WSIPipelineError(
+                    f"{self.slide_path}: the run's slide is not there; pass slide=... to load_run with its new place"
+                )
             self.slide = open_slide(self.slide_path)
         return self.slide
 
@@ -170,8 +192,13 @@ class ReviewRun:
         self.close()
 
 
-def _heatmap_scale(summary: dict[str, Any], heat: HeatmapFile, stride: int | None,
-                   mpp: tuple[float, float] | None, dims: tuple[int, int]) -> float:
+def _heatmap_scale(
+    summary: dict[str, Any],
+    heat: HeatmapFile,
+    stride: int | None,
+    mpp: tuple[float, float] | None,
+    dims: tuple[int, int],
+) -> float:
     """Level-0 pixels per heatmap pixel: from the OME physical size and the slide mpp, else the
     model's stride times the grid downsample, else the width ratio."""
     recorded = (summary.get("heatmap") or {}).get("scale_level0")
@@ -204,8 +231,10 @@ def _slide_folder(run_dir: Path) -> Path:
     names = sorted(p.name for p in batch.iterdir() if p.is_dir() and not p.name.startswith("."))
     if len(names) == 1:
         return batch / names[0]
-    raise WSIPipelineError(f"{run_dir}: a batch folder of {len(names)} slides: expected one slide's folder, "
-                           f"{batch}{os.sep}<name> (names: {', '.join(names[:10]) or 'none'})")
+    raise WSIPipelineError(
+        f"{run_dir}: a batch folder of {len(names)} slides: expected one slide's folder, "
+        f"{batch}{os.sep}<name> (names: {', '.join(names[:10]) or 'none'})"
+    )
 
 
 def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Slide | None = None) -> ReviewRun:
@@ -248,8 +277,11 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
     mpp = tuple(summary["mpp"]) if summary.get("mpp") else None
     dims_raw = summary.get("dimensions_level0")
     opened = slide if isinstance(slide, Slide) else None
-    slide_path = Path(str(opened.path)) if opened else (Path(slide) if slide is not None
-                                                        else _resolve_slide(run_dir, summary.get("slide")))
+    slide_path = (
+        Path(str(opened.path))
+        if opened
+        else (Path(slide) if slide is not None else _resolve_slide(run_dir, summary.get("slide")))
+    )
     if dims_raw:
         dims = (int(dims_raw[0]), int(dims_raw[1]))
     elif opened is not None:
@@ -265,9 +297,20 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
         heat = HeatmapFile(hpath)
         classes = list(heat.channel_names) or [f"channel_{i}" for i in range(heat.shape[0])]
         scale = _heatmap_scale(summary, heat, card[2] if card else None, mpp, dims)
-    return ReviewRun(detections=dets, class_names=names, class_colors=colors, dimensions=dims, mpp=mpp,
-                     summary=summary, slide_path=slide_path, heatmap=heat, heatmap_classes=classes,
-                     heatmap_scale_level0=float(scale), run_dir=run_dir, slide=opened)
+    return ReviewRun(
+        detections=dets,
+        class_names=names,
+        class_colors=colors,
+        dimensions=dims,
+        mpp=mpp,
+        summary=summary,
+        slide_path=slide_path,
+        heatmap=heat,
+        heatmap_classes=classes,
+        heatmap_scale_level0=float(scale),
+        run_dir=run_dir,
+        slide=opened,
+    )
 
 
 __all__ = ["PALETTE", "ReviewRun", "load_run", "parse_color"]

@@ -24,8 +24,10 @@ def widgets_available() -> bool:
 
 
 def _unavailable(what: str) -> None:
-    print(f"{what}: needs ipywidgets in a running Jupyter kernel (pip install 'wsi-pipeline[notebooks]'); "
-          "use the figures of wsi_pipeline.review instead")
+    print(
+        f"{what}: needs ipywidgets in a running Jupyter kernel (pip install 'wsi-pipeline[notebooks]'); "
+        "use the figures of wsi_pipeline.review instead"
+    )
 
 
 def score_slider(run: ReviewRun, step: float = 0.01, **overview: Any) -> Any:
@@ -42,8 +44,15 @@ def score_slider(run: ReviewRun, step: float = 0.01, **overview: Any) -> Any:
 
     from .figures import plot_counts, plot_overview
 
-    slider = w.FloatRangeSlider(value=(0.0, 1.0), min=0.0, max=1.0, step=step, description="score",
-                                continuous_update=False, readout_format=".2f")
+    slider = w.FloatRangeSlider(
+        value=(0.0, 1.0),
+        min=0.0,
+        max=1.0,
+        step=step,
+        description="score",
+        continuous_update=False,
+        readout_format=".2f",
+    )
 
     def redraw(score: tuple[float, float]) -> None:
         sub = run.filter(min_score=score[0], max_score=score[1])
@@ -71,8 +80,14 @@ def region_picker(run: ReviewRun, size: int = 512, show_scores: bool = False) ->
     side0 = min(size, width, height)
     x = w.IntSlider(value=0, min=0, max=max(0, width - 16), step=16, description="x0 (px)", continuous_update=False)
     y = w.IntSlider(value=0, min=0, max=max(0, height - 16), step=16, description="y0 (px)", continuous_update=False)
-    s = w.IntSlider(value=side0, min=16, max=min(4096, max(width, height)), step=16, description="side (px)",
-                    continuous_update=False)
+    s = w.IntSlider(
+        value=side0,
+        min=16,
+        max=min(4096, max(width, height)),
+        step=16,
+        description="side (px)",
+        continuous_update=False,
+    )
 
     def redraw(x0: int, y0: int, side: int) -> None:
         plot_region(run, x0, y0, min(side, width - x0), min(side, height - y0), show_scores=show_scores)

@@ -118,9 +118,7 @@ class Slide(abc.ABC):
         return best
 
     # -- pixels -------------------------------------------------------------
-    def read_region(
-        self, location: tuple[int, int], level: int, size: tuple[int, int]
-    ) -> np.ndarray:
+    def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """Read a ``size`` = (width, height) region of ``level`` at level-0 ``location``.
 
         Returns an ``(height, width, 3)`` uint8 RGB array; pixels outside the
@@ -170,19 +168,19 @@ class Slide(abc.ABC):
         except SlideError:
             raise
         except MemoryError as exc:
-            raise TileReadError(self.path, "reading it needs more memory than is available",
-                                location_level0, level) from exc
+            raise TileReadError(
+                self.path, "reading it needs more memory than is available", location_level0, level
+            ) from exc
         except Exception as exc:
-            raise TileReadError(self.path, f"cannot read it ({type(exc).__name__}: {exc})",
-                                location_level0, level) from exc
+            raise TileReadError(
+                self.path, f"cannot read it ({type(exc).__name__}: {exc})", location_level0, level
+            ) from exc
 
     def _check_region(self, level: int, size: tuple[int, int]) -> tuple[int, int]:
         """(width, height) of a region request, after checking the slide is open and the level exists."""
         self._check_open()
         if not 0 <= level < self.level_count:
-            raise ValueError(
-                f"{self.path}: level {level} does not exist (slide has {self.level_count} levels)"
-            )
+            raise ValueError(f"{self.path}: level {level} does not exist (slide has {self.level_count} levels)")
         w, h = int(size[0]), int(size[1])
         if w <= 0 or h <= 0:
             raise ValueError(f"{self.path}: region size must be positive, got {size}")
@@ -271,9 +269,7 @@ def checked_mpp(path: str, mpp_x: float | None, mpp_y: float | None) -> tuple[fl
     return (mx, my)
 
 
-def paste_into_background(
-    out_h: int, out_w: int, background: tuple[int, int, int]
-) -> np.ndarray:
+def paste_into_background(out_h: int, out_w: int, background: tuple[int, int, int]) -> np.ndarray:
     """A new ``(out_h, out_w, 3)`` uint8 array filled with ``background``."""
     out = np.empty((out_h, out_w, 3), np.uint8)
     out[...] = np.asarray(background, np.uint8)

@@ -65,8 +65,7 @@ class DamageLog:
         with self._lock:
             if key in self._tiles:
                 return
-            self._tiles[key] = DamagedTile(level, col, row, int(location_level0[0]), int(location_level0[1]),
-                                           message)
+            self._tiles[key] = DamagedTile(level, col, row, int(location_level0[0]), int(location_level0[1]), message)
             n = len(self._tiles)
         if n <= LOGGED_TILES:
             log.warning("%s: %s, at level-0 (%d, %d)", self.path, what, *location_level0)

@@ -63,8 +63,10 @@ def _image_header(path: str) -> tuple[int, int, int]:
     size = os.path.getsize(path)
     if raw > _MAX_DEFLATE_RATIO * size:
         raise SlideOpenError(
-            path, f"image claims {width}x{height} pixels ({raw:,} bytes of PNG rows), more than a "
-            f"{size:,}-byte file can hold (deflate compresses at most {_MAX_DEFLATE_RATIO}:1)")
+            path,
+            f"image claims {width}x{height} pixels ({raw:,} bytes of PNG rows), more than a "
+            f"{size:,}-byte file can hold (deflate compresses at most {_MAX_DEFLATE_RATIO}:1)",
+        )
     decoded_channels = {0: 1, 2: 3}.get(colour, 4)  # as OpenCV decodes: grey, BGR, or BGRA
     return width, height, decoded_channels * (2 if depth == 16 else 1)
 
@@ -96,7 +98,7 @@ def _to_rgb(arr: np.ndarray, path: str) -> np.ndarray:
         raise SlideOpenError(path, f"expected a 2-D grey or RGB(A) image, found shape {arr.shape}")
     out = np.empty((arr.shape[0], arr.shape[1], 3), np.uint8)
     for y in range(0, arr.shape[0], _CONVERT_ROWS):
-        _convert_rows(arr[y:y + _CONVERT_ROWS], out[y:y + _CONVERT_ROWS], path)
+        _convert_rows(arr[y : y + _CONVERT_ROWS], out[y : y + _CONVERT_ROWS], path)
     return out
 
 
@@ -142,9 +144,7 @@ class ImageSlide(Slide):
         self._vendor = vendor
 
     @classmethod
-    def from_array(
-        cls, image: np.ndarray, mpp: tuple[float, float] | None = None, name: str = "<array>"
-    ) -> ImageSlide:
+    def from_array(cls, image: np.ndarray, mpp: tuple[float, float] | None = None, name: str = "<array>") -> ImageSlide:
         """Wrap an ``HxWx3`` (or HxW grey) uint8 array as a one-level slide (no copy if RGB)."""
         self = cls.__new__(cls)
         Slide.__init__(self, name)
@@ -164,9 +164,11 @@ class ImageSlide(Slide):
         w, h = self._level_dimensions[0]
         if self._decode_bytes > IMAGE_MEMORY_BUDGET_BYTES:
             raise SlideOpenError(
-                self.path, f"a {w}x{h} plain image needs about {self._decode_bytes / 2**30:.1f} GiB to decode "
+                self.path,
+                f"a {w}x{h} plain image needs about {self._decode_bytes / 2**30:.1f} GiB to decode "
                 f"whole, over the {IMAGE_MEMORY_BUDGET_BYTES / 2**30:g} GiB limit for plain images; "
-                "store it as a tiled TIFF (read tile by tile)")
+                "store it as a tiled TIFF (read tile by tile)",
+            )
         if self._is_tiff:
             from .tiff_file import open_tifffile
 
@@ -180,20 +182,23 @@ class ImageSlide(Slide):
                 code = cv2.COLOR_BGRA2RGBA if arr.shape[2] == 4 else cv2.COLOR_BGR2RGB
                 arr = cv2.cvtColor(arr, code, dst=arr)
         if arr.shape[:2] != (h, w):
-            raise SlideOpenError(self.path, f"header claims {w}x{h} pixels, the data decodes to "
-                                 f"{arr.shape[1] if arr.ndim > 1 else '?'}x{arr.shape[0]}")
+            raise SlideOpenError(
+                self.path,
+                f"header claims {w}x{h} pixels, the data decodes to "
+                f"{arr.shape[1] if arr.ndim > 1 else '?'}x{arr.shape[0]}",
+            )
         return _to_rgb(arr, self.path)
 
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         arr = self._pixels()
         ih, iw = arr.shape[:2]
         if x0_level0 >= 0 and y0_level0 >= 0 and x0_level0 + w <= iw and y0_level0 + h <= ih:
-            return arr[y0_level0:y0_level0 + h, x0_level0:x0_level0 + w].copy()
+            return arr[y0_level0 : y0_level0 + h, x0_level0 : x0_level0 + w].copy()
         out = paste_into_background(h, w, self.background_rgb)
         sx0, sy0 = max(x0_level0, 0), max(y0_level0, 0)
         sx1, sy1 = min(x0_level0 + w, iw), min(y0_level0 + h, ih)
         if sx0 < sx1 and sy0 < sy1:
-            out[sy0 - y0_level0:sy1 - y0_level0, sx0 - x0_level0:sx1 - x0_level0] = arr[sy0:sy1, sx0:sx1]
+            out[sy0 - y0_level0 : sy1 - y0_level0, sx0 - x0_level0 : sx1 - x0_level0] = arr[sy0:sy1, sx0:sx1]
         return out
 
     def close(self) -> None:

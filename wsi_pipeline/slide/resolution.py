@@ -30,8 +30,11 @@ def tiff_page_mpp(page) -> tuple[float, float] | None:
             return None
         rx, ry = _pixels_per_unit(xr.value), _pixels_per_unit(yr.value)
     except (TypeError, ValueError, OverflowError):
-        warnings.warn(f"{page.parent.filehandle.path}: malformed resolution tags ({unit.value!r}, "
-                      f"{xr.value!r}, {yr.value!r}); treating mpp as unknown", stacklevel=2)
+        warnings.warn(
+            f"{page.parent.filehandle.path}: malformed resolution tags ({unit.value!r}, "
+            f"{xr.value!r}, {yr.value!r}); treating mpp as unknown",
+            stacklevel=2,
+        )
         return None
     if not (rx > 0 and ry > 0 and math.isfinite(rx) and math.isfinite(ry)):
         return None

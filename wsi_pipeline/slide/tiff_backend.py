@@ -241,8 +241,10 @@ class TiffSlide(Slide):
         for i, lv in enumerate(levels[1:], 1):
             if lv.width > w0 or lv.height > h0:
                 raise SlideOpenError(
-                    self.path, f"pyramid level {i} is {lv.width}x{lv.height}, larger than level 0 "
-                    f"({w0}x{h0}); expected each level no larger than level 0")
+                    self.path,
+                    f"pyramid level {i} is {lv.width}x{lv.height}, larger than level 0 "
+                    f"({w0}x{h0}); expected each level no larger than level 0",
+                )
         self._levels = levels
         self._level_dimensions = [(lv.width, lv.height) for lv in levels]
         # OpenSlide's rule: the mean of the two axes' ratios.
@@ -257,6 +259,7 @@ class TiffSlide(Slide):
 
     def _level(self, page: tifffile.TiffPage, file_size: int) -> _Level:
         """A pyramid level from its TIFF page, once its geometry and tile table are checked."""
+
         def bad(reason: str) -> SlideOpenError:
             return SlideOpenError(self.path, f"page {page.index}: {reason}")
 
@@ -270,16 +273,17 @@ class TiffSlide(Slide):
         if page.imagedepth != 1 or page.tiledepth != 1:
             raise bad("volumetric (depth > 1) TIFF is not supported")
         if page.compression not in tifffile.TIFF.DECOMPRESSORS:
-            raise bad(f"compression {int(page.compression)} is not one this reader decodes (expected JPEG, "
-                      "deflate, LZW, JPEG 2000, or another codec tifffile knows)")
+            raise bad(
+                f"compression {int(page.compression)} is not one this reader decodes (expected JPEG, "
+                "deflate, LZW, JPEG 2000, or another codec tifffile knows)"
+            )
         check_page_data(self.path, page, file_size)
         width, height, tw, th = page.imagewidth, page.imagelength, page.tilewidth, page.tilelength
         across, down = math.ceil(width / tw), math.ceil(height / th)
         offsets, counts = page.dataoffsets, page.databytecounts
         # An empty tile's offset is never read (and may be any 64-bit value).
         offsets = np.array([o if c else 0 for o, c in zip(offsets, counts, strict=False)], np.int64)
-        return _Level(page, width, height, tw, th, across, down, offsets, np.asarray(counts, np.int64),
-                      page.jpegtables)
+        return _Level(page, width, height, tw, th, across, down, offsets, np.asarray(counts, np.int64), page.jpegtables)
 
     def _find_mpp(self, page: tifffile.TiffPage) -> tuple[float, float] | None:
         if self._tif.is_ome:
@@ -331,9 +335,13 @@ class TiffSlide(Slide):
     def stored_tile_format(self, level: int) -> dict[str, Any]:
         """How ``level``'s tiles are stored: compression, photometric, samples per pixel, planar config."""
         page = self._levels[level].page
-        return {"compression": page.compression.name, "photometric": page.photometric.name,
-                "samples_per_pixel": int(page.samplesperpixel), "planar": int(page.planarconfig),
-                "extra_samples": len(page.extrasamples or ())}
+        return {
+            "compression": page.compression.name,
+            "photometric": page.photometric.name,
+            "samples_per_pixel": int(page.samplesperpixel),
+            "planar": int(page.planarconfig),
+            "extra_samples": len(page.extrasamples or ()),
+        }
 
     def raw_tile(self, level: int, tx: int, ty: int) -> bytes:
         """The stored, still compressed bytes of tile (tx, ty) of ``level``."""
@@ -388,9 +396,7 @@ class TiffSlide(Slide):
                 return "simplejpeg"
         except ValueError:
             pass
-        colorspace, outcolorspace = colorspace_for(
-            page.photometric, page.planarconfig, page.extrasamples, page.is_jfif
-        )
+        colorspace, outcolorspace = colorspace_for(page.photometric, page.planarconfig, page.extrasamples, page.is_jfif)
         kwargs = {"tables": lv.jpegtables, "colorspace": colorspace, "outcolorspace": outcolorspace}
         try:
             if np.array_equal(imagecodecs.jpeg8_decode(data, **kwargs), ref):
@@ -452,16 +458,26 @@ class TiffSlide(Slide):
             raise
         except Exception as exc:  # codecs raise their own error types
             raise TileReadError(
-                self.path, f"cannot decode stored tile ({tx}, {ty}): {exc}",
-                self._tile_origin_level0(level, tx, ty), level,
+                self.path,
+                f"cannot decode stored tile ({tx}, {ty}): {exc}",
+                self._tile_origin_level0(level, tx, ty),
+                level,
             ) from exc
         if seg is None:
-            raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to nothing",
-                                self._tile_origin_level0(level, tx, ty), level)
+            raise TileReadError(
+                self.path,
+                f"stored tile ({tx}, {ty}) decoded to nothing",
+                self._tile_origin_level0(level, tx, ty),
+                level,
+            )
         spp = lv.page.samplesperpixel
         if seg.size != lv.tile_h * lv.tile_w * spp:
-            raise TileReadError(self.path, f"stored tile ({tx}, {ty}) decoded to shape {seg.shape}, expected "
-                                f"{lv.tile_h}x{lv.tile_w}x{spp}", self._tile_origin_level0(level, tx, ty), level)
+            raise TileReadError(
+                self.path,
+                f"stored tile ({tx}, {ty}) decoded to shape {seg.shape}, expected {lv.tile_h}x{lv.tile_w}x{spp}",
+                self._tile_origin_level0(level, tx, ty),
+                level,
+            )
         seg = seg.reshape(lv.tile_h, lv.tile_w, spp)
         if spp == 1:
             seg = np.repeat(seg, 3, axis=2)
@@ -551,24 +567,24 @@ class TiffSlide(Slide):
         if iy0 > y0:
             _fill(out[: iy0 - y0], bg)
         if iy1 < y0 + h:
-            _fill(out[iy1 - y0:], bg)
+            _fill(out[iy1 - y0 :], bg)
         if ix0 > x0:
-            _fill(out[iy0 - y0:iy1 - y0, : ix0 - x0], bg)
+            _fill(out[iy0 - y0 : iy1 - y0, : ix0 - x0], bg)
         if ix1 < x0 + w:
-            _fill(out[iy0 - y0:iy1 - y0, ix1 - x0:], bg)
+            _fill(out[iy0 - y0 : iy1 - y0, ix1 - x0 :], bg)
         lv = self._levels[level]
         tw, th = lv.tile_w, lv.tile_h
         cache = self._cache
         for ty in range(iy0 // th, (iy1 - 1) // th + 1):
             ty0 = ty * th
             sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
-            dst_rows = out[sy0 - y0:sy1 - y0]
+            dst_rows = out[sy0 - y0 : sy1 - y0]
             for tx in range(ix0 // tw, (ix1 - 1) // tw + 1):
                 tx0 = tx * tw
                 sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
                 key, tile = self._get_tile(level, tx, ty)
                 try:
-                    dst_rows[:, sx0 - x0:sx1 - x0] = tile[sy0 - ty0:sy1 - ty0, sx0 - tx0:sx1 - tx0]
+                    dst_rows[:, sx0 - x0 : sx1 - x0] = tile[sy0 - ty0 : sy1 - ty0, sx0 - tx0 : sx1 - tx0]
                 finally:
                     cache.unpin(key)
 

@@ -59,8 +59,10 @@ def count_tiff_pages(path: str, max_pages: int = MAX_TIFF_PAGES) -> int:
         while offset and offset + count_size <= size:
             if offset in seen:
                 raise SlideOpenError(
-                    path, f"TIFF page chain loops: page {len(seen) - 1} points back to page {seen[offset]} "
-                    f"(IFD at byte {offset}); expected each page once and a chain that ends")
+                    path,
+                    f"TIFF page chain loops: page {len(seen) - 1} points back to page {seen[offset]} "
+                    f"(IFD at byte {offset}); expected each page once and a chain that ends",
+                )
             if len(seen) >= max_pages:
                 raise SlideOpenError(path, f"TIFF has more than {max_pages} pages; expected a slide's pyramid")
             seen[offset] = len(seen)
@@ -91,6 +93,7 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     decoded, a table with an entry for every
     tile or strip the size needs, and data that ends inside the file.
     """
+
     def bad(reason: str) -> SlideOpenError:
         return SlideOpenError(path, f"page {page.index}: {reason}")
 
@@ -101,10 +104,15 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     if page.is_tiled:
         tw, th = page.tilewidth, page.tilelength
         sample_bytes = max(1, -(-page.bitspersample // 8))
-        if not (1 <= tw <= MAX_TILE_SIDE and 1 <= th <= MAX_TILE_SIDE
-                and tw * th * max(spp, 3) * sample_bytes <= MAX_TILE_BYTES):
-            raise bad(f"tiles claim {tw}x{th} pixels; expected sides of at most {MAX_TILE_SIDE} px and at most "
-                      f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged tile geometry)")
+        if not (
+            1 <= tw <= MAX_TILE_SIDE
+            and 1 <= th <= MAX_TILE_SIDE
+            and tw * th * max(spp, 3) * sample_bytes <= MAX_TILE_BYTES
+        ):
+            raise bad(
+                f"tiles claim {tw}x{th} pixels; expected sides of at most {MAX_TILE_SIDE} px and at most "
+                f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged tile geometry)"
+            )
         what, expected = f"{tw}x{th} tiles", math.ceil(width / tw) * math.ceil(height / th) * planes
     else:
         rows = min(page.rowsperstrip or height, height)
@@ -115,8 +123,10 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
         raise bad(f"its table lists {listed} tiles or strips, expected {expected} for {width}x{height} in {what}")
     end = max((o + c for o, c in zip(offsets, counts, strict=False) if c), default=0)
     if end > file_size:
-        raise bad(f"file is truncated or claims an impossible size: image data reaches byte {end} but the "
-                  f"file has {file_size} bytes ({width}x{height} claimed)")
+        raise bad(
+            f"file is truncated or claims an impossible size: image data reaches byte {end} but the "
+            f"file has {file_size} bytes ({width}x{height} claimed)"
+        )
 
 
 def check_tiff_data(path: str) -> None:

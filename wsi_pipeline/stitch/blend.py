@@ -74,8 +74,14 @@ class BlendGeometry:
     def from_tiling(cls, geometry: TilingGeometry) -> BlendGeometry:
         """The heatmap plane of a tiling (which must have a heatmap stride)."""
         g = geometry
-        return cls(n_rows=g.n_rows, n_cols=g.n_cols, tile_size_out=g.heatmap_tile, step_out=g.heatmap_step,
-                   out_height=g.heatmap_height, out_width=g.heatmap_width)
+        return cls(
+            n_rows=g.n_rows,
+            n_cols=g.n_cols,
+            tile_size_out=g.heatmap_tile,
+            step_out=g.heatmap_step,
+            out_height=g.heatmap_height,
+            out_width=g.heatmap_width,
+        )
 
 
 class HeatmapBlender:
@@ -173,7 +179,9 @@ class HeatmapBlender:
         missing = np.argwhere(~self._done)
         if len(missing):
             r, c = (int(v) for v in missing[0])
-            msg = f"heatmap blending closed with {len(missing)} tiles neither added nor skipped, first (row {r}, col {c})"
+            msg = (
+                f"heatmap blending closed with {len(missing)} tiles neither added nor skipped, first (row {r}, col {c})"
+            )
             raise WSIPipelineError(msg)
         self._closed = True
 

@@ -31,8 +31,9 @@ Boxes = tuple[np.ndarray, np.ndarray, np.ndarray]  # N x 4 float32 level-0 boxes
 class MergePolicy(ABC):
     """One slide's box merging; a fresh policy per slide."""
 
-    def keep_in_tile(self, boxes_tile: np.ndarray, rows: np.ndarray, cols: np.ndarray,
-                     geometry: TilingGeometry) -> np.ndarray:
+    def keep_in_tile(
+        self, boxes_tile: np.ndarray, rows: np.ndarray, cols: np.ndarray, geometry: TilingGeometry
+    ) -> np.ndarray:
         """N bool: which boxes (N x 4 float, each in its own tile's pixels; tiles ``rows``, ``cols``) go on."""
         return np.ones(len(boxes_tile), bool)
 
@@ -51,8 +52,9 @@ class MergePolicy(ABC):
 class CrossTileMerge(MergePolicy):
     """Merge boxes across tiles with ``method`` (``nms``, ``nmm`` or ``wbf``) as rows complete."""
 
-    def __init__(self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou",
-                 drop_edge_boxes: bool = True):
+    def __init__(
+        self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou", drop_edge_boxes: bool = True
+    ):
         self.merger = StreamingMerger(method, iou_threshold, metric)
         self.drop_edge_boxes = drop_edge_boxes
 
@@ -104,8 +106,9 @@ MERGE_POLICIES: dict[str, Callable[..., MergePolicy]] = {
 }
 
 
-def merge_policy(name: str, iou_threshold: float = 0.5, metric: str = "iou",
-                 drop_edge_boxes: bool = True) -> MergePolicy:
+def merge_policy(
+    name: str, iou_threshold: float = 0.5, metric: str = "iou", drop_edge_boxes: bool = True
+) -> MergePolicy:
     """A new policy of the kind ``name`` (a key of :data:`MERGE_POLICIES`) for one slide."""
     try:
         make = MERGE_POLICIES[name]

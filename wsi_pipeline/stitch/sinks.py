@@ -22,7 +22,7 @@ class ArraySink:
         self.array = np.zeros((channels, height, width), np.float32)
 
     def __call__(self, y0: int, rows: np.ndarray) -> None:
-        self.array[:, y0:y0 + rows.shape[1]] = rows
+        self.array[:, y0 : y0 + rows.shape[1]] = rows
 
 
 class HeatmapStats:
@@ -32,8 +32,9 @@ class HeatmapStats:
     each heatmap pixel is looked up in the (coarser) tissue mask.
     """
 
-    def __init__(self, channels: int, width: int, scale_level0: float, tissue: TissueMask | None,
-                 threshold: float = 0.5):
+    def __init__(
+        self, channels: int, width: int, scale_level0: float, tissue: TissueMask | None, threshold: float = 0.5
+    ):
         self.channels = channels
         self.threshold = threshold
         self.scale = scale_level0
@@ -73,7 +74,9 @@ class HeatmapStats:
         for c, name in enumerate(class_names):
             out[name] = {
                 f"area_above_{self.threshold:g}_mm2": (self.above[c] * mm2_per_px) if mm2_per_px else None,
-                f"fraction_of_tissue_above_{self.threshold:g}": (self.above[c] / self.tissue_px) if self.tissue_px else 0.0,
+                f"fraction_of_tissue_above_{self.threshold:g}": (self.above[c] / self.tissue_px)
+                if self.tissue_px
+                else 0.0,
                 "mean_probability": (self.sum[c] / self.tissue_px) if self.tissue_px else 0.0,
                 "max_probability": float(self.max[c]),
             }
@@ -97,7 +100,7 @@ class ReducedCopy:
         n_full = buf.shape[1] // self.factor
         if n_full:
             self._emit(buf[:, : n_full * self.factor])
-            rest = buf[:, n_full * self.factor:]
+            rest = buf[:, n_full * self.factor :]
             self._pending = [rest] if rest.shape[1] else []
         else:
             self._pending = [buf]
@@ -113,9 +116,13 @@ class ReducedCopy:
         else:
             # Block means: OpenCV's area interpolation at an integer factor is exactly that, and
             # several times faster than numpy's mean over two axes of a 5-D view.
-            red = np.stack([cv2.resize(np.ascontiguousarray(ch), (wpad // f, h // f), interpolation=cv2.INTER_AREA)
-                            for ch in block])
-        self.array[:, self._next_out:self._next_out + red.shape[1]] = red
+            red = np.stack(
+                [
+                    cv2.resize(np.ascontiguousarray(ch), (wpad // f, h // f), interpolation=cv2.INTER_AREA)
+                    for ch in block
+                ]
+            )
+        self.array[:, self._next_out : self._next_out + red.shape[1]] = red
         self._next_out += red.shape[1]
 
     def close(self) -> None:

@@ -87,7 +87,13 @@ def intersecting_pairs(
     pieces_j: list[np.ndarray] = []
     if len(in_grid) >= 2:
         i, j = _grid_pairs(
-            boxes, in_grid, cx0, cy0, ncx, ncy, cell_size,
+            boxes,
+            in_grid,
+            cx0,
+            cy0,
+            ncx,
+            ncy,
+            cell_size,
             None if groups is None else np.asarray(groups, dtype=np.int64),
         )
         pieces_i.append(i)

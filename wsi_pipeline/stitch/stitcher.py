@@ -43,9 +43,16 @@ class Stitcher:
     not given are skipped: no tissue), then :meth:`finish`.
     """
 
-    def __init__(self, geometry: TilingGeometry, policy: MergePolicy, score_threshold: float | None = None,
-                 heatmap_sink: Sink | None = None, heatmap_weights: np.ndarray | None = None,
-                 heatmap_channels: int = 0, source: str = "the model"):
+    def __init__(
+        self,
+        geometry: TilingGeometry,
+        policy: MergePolicy,
+        score_threshold: float | None = None,
+        heatmap_sink: Sink | None = None,
+        heatmap_weights: np.ndarray | None = None,
+        heatmap_channels: int = 0,
+        source: str = "the model",
+    ):
         self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
         self.source = source
         self._next = 0  # next grid index expected
@@ -54,8 +61,9 @@ class Stitcher:
         if heatmap_sink is not None:
             if heatmap_weights is None:
                 raise ValueError("heatmap_sink needs heatmap_weights")
-            self.blender = HeatmapBlender(BlendGeometry.from_tiling(geometry), heatmap_channels, heatmap_weights,
-                                          heatmap_sink, window_rows=3)
+            self.blender = HeatmapBlender(
+                BlendGeometry.from_tiling(geometry), heatmap_channels, heatmap_weights, heatmap_sink, window_rows=3
+            )
 
     def _skip_to(self, index: int) -> None:
         n_cols = self.geometry.n_cols

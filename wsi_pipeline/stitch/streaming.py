@@ -63,8 +63,9 @@ class StreamingMerger:
     the order of rows.
     """
 
-    def __init__(self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou",
-                 class_agnostic: bool = False):
+    def __init__(
+        self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou", class_agnostic: bool = False
+    ):
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, found {method!r}")
         self.method = method
@@ -116,8 +117,9 @@ class StreamingMerger:
         elif final.any():
             self._decide(boxes[final], scores[final], labels[final])
         rest = ~final
-        self._boxes, self._scores, self._labels = ([boxes[rest]], [scores[rest]], [labels[rest]]) if rest.any() \
-            else ([], [], [])
+        self._boxes, self._scores, self._labels = (
+            ([boxes[rest]], [scores[rest]], [labels[rest]]) if rest.any() else ([], [], [])
+        )
         self.pending = int(rest.sum())
 
     def _decide(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
@@ -125,8 +127,9 @@ class StreamingMerger:
             keep = global_nms(boxes, scores, labels, self.iou_threshold, self.metric, self.class_agnostic)
             b, s, lab = boxes[keep], scores[keep], labels[keep]
         else:
-            b, s, lab = merge_boxes(boxes, scores, labels, self.iou_threshold, self.metric, self.method,
-                                    self.class_agnostic)
+            b, s, lab = merge_boxes(
+                boxes, scores, labels, self.iou_threshold, self.metric, self.method, self.class_agnostic
+            )
         self._keep(b, s, lab)
 
     def _keep(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:

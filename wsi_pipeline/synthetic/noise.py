@@ -167,8 +167,9 @@ def make_texture(key: int, size: int, sigma_x: float, sigma_y: float) -> np.ndar
         # Blur with wrap-around padding and crop: the texture stays periodic.
         px = min(int(math.ceil(4 * sigma_x)) + 1, size)
         py = min(int(math.ceil(4 * sigma_y)) + 1, size)
-        big = cv2.GaussianBlur(np.pad(t, ((py, py), (px, px)), mode="wrap"), (0, 0),
-                               sigmaX=max(sigma_x, 1e-3), sigmaY=max(sigma_y, 1e-3))
+        big = cv2.GaussianBlur(
+            np.pad(t, ((py, py), (px, px)), mode="wrap"), (0, 0), sigmaX=max(sigma_x, 1e-3), sigmaY=max(sigma_y, 1e-3)
+        )
         t = np.ascontiguousarray(big[py : py + size, px : px + size])
     t -= t.mean()
     t /= max(float(t.std()), 1e-6)

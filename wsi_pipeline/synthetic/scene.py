@@ -86,20 +86,35 @@ class _CellObjects:
 
     @staticmethod
     def empty() -> _CellObjects:
-        return _CellObjects(np.zeros((0, 4), np.float32), np.zeros(0, np.int64),
-                            np.zeros((0, 5), np.float64), np.zeros(0, np.float32),
-                            np.zeros(0, bool), np.zeros(0, bool))
+        return _CellObjects(
+            np.zeros((0, 4), np.float32),
+            np.zeros(0, np.int64),
+            np.zeros((0, 5), np.float64),
+            np.zeros(0, np.float32),
+            np.zeros(0, bool),
+            np.zeros(0, bool),
+        )
 
     @staticmethod
     def concat(parts: list[_CellObjects]) -> _CellObjects:
         if not parts:
             return _CellObjects.empty()
-        return _CellObjects(*(np.concatenate([getattr(p, f) for p in parts])
-                              for f in ("boxes", "labels", "geom", "value", "is_line", "bright")))
+        return _CellObjects(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("boxes", "labels", "geom", "value", "is_line", "bright")
+            )
+        )
 
     def select(self, keep: np.ndarray) -> _CellObjects:
-        return _CellObjects(self.boxes[keep], self.labels[keep], self.geom[keep],
-                            self.value[keep], self.is_line[keep], self.bright[keep])
+        return _CellObjects(
+            self.boxes[keep],
+            self.labels[keep],
+            self.geom[keep],
+            self.value[keep],
+            self.is_line[keep],
+            self.bright[keep],
+        )
 
 
 def _quantise_down(v: np.ndarray) -> np.ndarray:
@@ -135,8 +150,7 @@ class SyntheticScene:
     1 ("surface") everywhere; ``mpp`` is None.
     """
 
-    def __init__(self, width: int, height: int, seed: int, kind: str = "pathology",
-                 mpp: float | None = 0.25):
+    def __init__(self, width: int, height: int, seed: int, kind: str = "pathology", mpp: float | None = 0.25):
         if kind not in KINDS:
             raise ConfigError(f"synthetic slide kind must be one of {', '.join(KINDS)}, got {kind!r}")
         for name, v in (("width", width), ("height", height)):
@@ -171,8 +185,10 @@ class SyntheticScene:
             self._init_industrial()
 
     def __repr__(self) -> str:
-        return (f"SyntheticScene(width={self.width}, height={self.height}, seed={self.seed}, "
-                f"kind={self.kind!r}, mpp={self.mpp})")
+        return (
+            f"SyntheticScene(width={self.width}, height={self.height}, seed={self.seed}, "
+            f"kind={self.kind!r}, mpp={self.mpp})"
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -243,8 +259,9 @@ class SyntheticScene:
         lab[(f > self._t_inner) & (g > self._t_tumour)] = 2
         return lab
 
-    def region_mask(self, x0_level0: int, y0_level0: int, width: int, height: int,
-                    downsample: float = 1.0) -> np.ndarray:
+    def region_mask(
+        self, x0_level0: int, y0_level0: int, width: int, height: int, downsample: float = 1.0
+    ) -> np.ndarray:
         """Region labels on the render grid of the region: (ceil(h/d), ceil(w/d)) uint8.
 
         Pathology: 0 background, 1 tissue (non-tumour), 2 tumour. Industrial: all 1.
@@ -312,8 +329,7 @@ class SyntheticScene:
         boxes = np.stack([px - hx, py - hy, px + hx, py + hy], axis=1)[idx].astype(np.float32)
         geom = np.stack([px, py, a, b, angle], axis=1)[idx]
         m = idx.size
-        return _CellObjects(boxes, np.zeros(m, np.int64), geom, value[idx],
-                            np.zeros(m, bool), np.zeros(m, bool))
+        return _CellObjects(boxes, np.zeros(m, np.int64), geom, value[idx], np.zeros(m, bool), np.zeros(m, bool))
 
     def _gen_industrial(self, cx: int, cy: int) -> _CellObjects:
         rng = self._cell_rng(cx, cy)
@@ -326,10 +342,16 @@ class SyntheticScene:
         bright = rng.random(n) < 0.5
         value = (0.55 + 0.45 * rng.random(n)).astype(np.float32)
         keep = self._inside(px, py, r, r)
-        parts.append(_CellObjects(
-            np.stack([px - r, py - r, px + r, py + r], axis=1).astype(np.float32),
-            np.zeros(n, np.int64), np.stack([px, py, r, r, np.zeros(n)], axis=1),
-            value, np.zeros(n, bool), bright).select(keep))
+        parts.append(
+            _CellObjects(
+                np.stack([px - r, py - r, px + r, py + r], axis=1).astype(np.float32),
+                np.zeros(n, np.int64),
+                np.stack([px, py, r, r, np.zeros(n)], axis=1),
+                value,
+                np.zeros(n, bool),
+                bright,
+            ).select(keep)
+        )
         n = int(rng.poisson(_SCRATCHES_PER_CELL))
         px = _quantise_down(cx * c + rng.random(n) * c)
         py = _quantise_down(cy * c + rng.random(n) * c)
@@ -341,12 +363,20 @@ class SyntheticScene:
         xa, xb = _quantise_down(px - half * np.cos(th)), _quantise_down(px + half * np.cos(th))
         ya, yb = _quantise_down(py - half * np.sin(th)), _quantise_down(py + half * np.sin(th))
         t2 = _quantise_up(thickness / 2)
-        boxes = np.stack([np.minimum(xa, xb) - t2, np.minimum(ya, yb) - t2,
-                          np.maximum(xa, xb) + t2, np.maximum(ya, yb) + t2], axis=1)
+        boxes = np.stack(
+            [np.minimum(xa, xb) - t2, np.minimum(ya, yb) - t2, np.maximum(xa, xb) + t2, np.maximum(ya, yb) + t2], axis=1
+        )
         keep = (boxes[:, 0] >= 0) & (boxes[:, 1] >= 0) & (boxes[:, 2] <= self.width) & (boxes[:, 3] <= self.height)
-        parts.append(_CellObjects(boxes.astype(np.float32), np.ones(n, np.int64),
-                                  np.stack([xa, ya, xb, yb, thickness], axis=1), value,
-                                  np.ones(n, bool), bright).select(keep))
+        parts.append(
+            _CellObjects(
+                boxes.astype(np.float32),
+                np.ones(n, np.int64),
+                np.stack([xa, ya, xb, yb, thickness], axis=1),
+                value,
+                np.ones(n, bool),
+                bright,
+            ).select(keep)
+        )
         return _CellObjects.concat(parts)
 
     def _objects_near(self, x0: float, y0: float, x1: float, y1: float) -> _CellObjects:
@@ -368,8 +398,9 @@ class SyntheticScene:
                         parts.append(objs.select(hit))
         return _CellObjects.concat(parts)
 
-    def objects_in(self, x0_level0: float, y0_level0: float, width: float,
-                   height: float) -> tuple[np.ndarray, np.ndarray]:
+    def objects_in(
+        self, x0_level0: float, y0_level0: float, width: float, height: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Objects whose box intersects the region.
 
         Returns boxes (N, 4) float32 x0, y0, x1, y1 in level-0 pixels and labels (N,)
@@ -388,8 +419,9 @@ class SyntheticScene:
 
     # ------------------------------------------------------------------ drawing
 
-    def _coverage(self, objs: _CellObjects, select: np.ndarray, x0: float, y0: float,
-                  shape: tuple[int, int], d: float) -> np.ndarray:
+    def _coverage(
+        self, objs: _CellObjects, select: np.ndarray, x0: float, y0: float, shape: tuple[int, int], d: float
+    ) -> np.ndarray:
         """Coverage in [0, 1] of the selected objects on the output grid: (H, W) float32.
 
         Objects at least ~1.5 output px across are drawn anti-aliased on a canvas padded
@@ -424,8 +456,7 @@ class SyntheticScene:
                     continue
                 centre = (round(((cx - x0) / d - 0.5 + pad) * s), round(((cy - y0) / d - 0.5 + pad) * s))
                 axes = (round(a / d * s), round(b / d * s))
-                cv2.ellipse(canvas, centre, axes, float(angle), 0, 360, round(255 * v), -1,
-                            cv2.LINE_AA, _SUBPIXEL_BITS)
+                cv2.ellipse(canvas, centre, axes, float(angle), 0, 360, round(255 * v), -1, cv2.LINE_AA, _SUBPIXEL_BITS)
         cov = canvas[pad : pad + h, pad : pad + w].astype(np.float32)
         cov *= 1.0 / 255.0
         cov += splat
@@ -443,8 +474,7 @@ class SyntheticScene:
         m = 2.0 * d
         return self._objects_near(x0 - m, y0 - m, x0 + xs.size * d + m, y0 + ys.size * d + m)
 
-    def render(self, x0_level0: int, y0_level0: int, width: int, height: int,
-               downsample: float = 1.0) -> np.ndarray:
+    def render(self, x0_level0: int, y0_level0: int, width: int, height: int, downsample: float = 1.0) -> np.ndarray:
         """Render a level-0 region at ``downsample``.
 
         Returns (ceil(height / downsample), ceil(width / downsample), 3) uint8 RGB,

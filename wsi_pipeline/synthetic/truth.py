@@ -84,8 +84,7 @@ def _ring_coords(ring: np.ndarray) -> list[list[float]]:
     return np.round(ring, 4).tolist()
 
 
-def trace_regions(scene: SyntheticScene, downsample: float | None = None
-                  ) -> dict[str, list[list[np.ndarray]]]:
+def trace_regions(scene: SyntheticScene, downsample: float | None = None) -> dict[str, list[list[np.ndarray]]]:
     """Polygons of each region class of the scene, traced on its region mask.
 
     Returns name -> list of polygons, each a list of closed rings (M, 2) float64 in
@@ -99,14 +98,12 @@ def trace_regions(scene: SyntheticScene, downsample: float | None = None
             downsample *= 2
     d = downsample
     strip = 256 * d  # level-0 rows per strip: bounded memory whatever the slide size
-    mask = np.concatenate([
-        scene.region_mask(0, y, scene.width, min(strip, scene.height - y), d)
-        for y in range(0, scene.height, strip)
-    ])
+    mask = np.concatenate(
+        [scene.region_mask(0, y, scene.width, min(strip, scene.height - y), d) for y in range(0, scene.height, strip)]
+    )
     out: dict[str, list[list[np.ndarray]]] = {}
     for name, binary in (("tissue", mask >= 1), ("tumour", mask == 2)):
-        contours, hierarchy = cv2.findContours(binary.astype(np.uint8), cv2.RETR_CCOMP,
-                                               cv2.CHAIN_APPROX_SIMPLE)
+        contours, hierarchy = cv2.findContours(binary.astype(np.uint8), cv2.RETR_CCOMP, cv2.CHAIN_APPROX_SIMPLE)
         if hierarchy is None:
             continue
         hierarchy = hierarchy[0]
@@ -133,27 +130,42 @@ def write_truth(scene: SyntheticScene, path: str | os.PathLike[str]) -> dict[str
     path = os.fspath(path)
     counts = {name: 0 for name in scene.class_names}
     with atomic_write(path) as fh:
-        meta = {"kind": scene.kind, "seed": scene.seed, "width": scene.width,
-                "height": scene.height, "mpp": scene.mpp, "classNames": scene.class_names,
-                "regionNames": scene.region_class_names}
-        fh.write('{"type":"FeatureCollection","wsiPipeline":' + json.dumps(meta)
-                 + ',"features":[\n')
+        meta = {
+            "kind": scene.kind,
+            "seed": scene.seed,
+            "width": scene.width,
+            "height": scene.height,
+            "mpp": scene.mpp,
+            "classNames": scene.class_names,
+            "regionNames": scene.region_class_names,
+        }
+        fh.write('{"type":"FeatureCollection","wsiPipeline":' + json.dumps(meta) + ',"features":[\n')
         first = True
         for name, polygons in trace_regions(scene).items():
             colour = scene.region_class_colors[scene.region_class_names.index(name)]
             coords = [[_ring_coords(r) for r in poly] for poly in polygons]
-            geometry = ({"type": "Polygon", "coordinates": coords[0]} if len(coords) == 1
-                        else {"type": "MultiPolygon", "coordinates": coords})
-            feature = {"type": "Feature", "geometry": geometry, "properties": {
-                "objectType": "annotation",
-                "classification": {"name": name, "color": _colour(colour)}}}
+            geometry = (
+                {"type": "Polygon", "coordinates": coords[0]}
+                if len(coords) == 1
+                else {"type": "MultiPolygon", "coordinates": coords}
+            )
+            feature = {
+                "type": "Feature",
+                "geometry": geometry,
+                "properties": {"objectType": "annotation", "classification": {"name": name, "color": _colour(colour)}},
+            }
             fh.write(("" if first else ",\n") + json.dumps(feature, separators=(",", ":")))
             first = False
         templates = [
-            ('{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[%.4f,%.4f],'
-             '[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f]]]},"properties":{"objectType":'
-             '"detection","classification":{"name":' + json.dumps(name) + ',"color":'
-             + json.dumps(_colour(colour)) + "}}}")
+            (
+                '{"type":"Feature","geometry":{"type":"Polygon","coordinates":[[[%.4f,%.4f],'
+                '[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f],[%.4f,%.4f]]]},"properties":{"objectType":'
+                '"detection","classification":{"name":'
+                + json.dumps(name)
+                + ',"color":'
+                + json.dumps(_colour(colour))
+                + "}}}"
+            )
             for name, colour in zip(scene.class_names, scene.class_colors, strict=True)
         ]
         for _cx, _cy, boxes, labels in scene.iter_cells():
@@ -166,8 +178,7 @@ def write_truth(scene: SyntheticScene, path: str | os.PathLike[str]) -> dict[str
     return counts
 
 
-def _write_boxes(fh: IO[str], boxes: np.ndarray, labels: np.ndarray, templates: list[str],
-                 first: bool) -> None:
+def _write_boxes(fh: IO[str], boxes: np.ndarray, labels: np.ndarray, templates: list[str], first: bool) -> None:
     parts = []
     for (x0, y0, x1, y1), lab in zip(boxes.tolist(), labels.tolist(), strict=True):
         parts.append(templates[lab] % (x0, y0, x1, y0, x1, y1, x0, y1, x0, y0))
@@ -185,8 +196,10 @@ def load_truth(path: str | os.PathLike[str]) -> Truth:
     except (OSError, ValueError) as exc:
         raise WSIPipelineError(f"{path}: cannot read truth GeoJSON ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("type") != "FeatureCollection":
-        raise WSIPipelineError(f"{path}: expected a GeoJSON FeatureCollection, found "
-                               f"{type(doc).__name__ if not isinstance(doc, dict) else doc.get('type')!r}")
+        raise WSIPipelineError(
+            f"{path}: expected a GeoJSON FeatureCollection, found "
+            f"{type(doc).__name__ if not isinstance(doc, dict) else doc.get('type')!r}"
+        )
     meta = doc.get("wsiPipeline") or {}
     class_names = list(meta.get("classNames") or [])
     boxes, labels = [], []
@@ -210,7 +223,12 @@ def load_truth(path: str | os.PathLike[str]) -> Truth:
     return Truth(
         boxes=np.asarray(boxes, np.float32).reshape(-1, 4),
         labels=np.asarray(labels, np.int64),
-        class_names=class_names, regions=regions, region_holes=holes,
-        kind=meta.get("kind"), seed=meta.get("seed"), width=meta.get("width"),
-        height=meta.get("height"), mpp=meta.get("mpp"),
+        class_names=class_names,
+        regions=regions,
+        region_holes=holes,
+        kind=meta.get("kind"),
+        seed=meta.get("seed"),
+        width=meta.get("width"),
+        height=meta.get("height"),
+        mpp=meta.get("mpp"),
     )

@@ -43,8 +43,7 @@ def level_dimensions(width: int, height: int) -> list[tuple[int, int]]:
     return dims
 
 
-def _level_tiles(scene: SyntheticScene, level_w: int, level_h: int, downsample: int,
-                 tile: int) -> Iterator[np.ndarray]:
+def _level_tiles(scene: SyntheticScene, level_w: int, level_h: int, downsample: int, tile: int) -> Iterator[np.ndarray]:
     """Tiles (tile, tile, 3) uint8 of one level in row-major order (tifffile's order);
     edge tiles are full size and show the scene beyond the slide edge (TIFF crops them)."""
     n_x = -(-level_w // tile)
@@ -66,9 +65,17 @@ def _check_options(tile_size: int, quality: int) -> None:
         raise ConfigError(f"JPEG quality must be within 1..100, got {quality!r}")
 
 
-def write_synthetic_slide(path: str | os.PathLike[str], width: int, height: int, seed: int,
-                          kind: str = "pathology", truth_path: str | os.PathLike[str] | None = None,
-                          mpp: float = 0.25, tile_size: int = 256, quality: int = 90) -> dict:
+def write_synthetic_slide(
+    path: str | os.PathLike[str],
+    width: int,
+    height: int,
+    seed: int,
+    kind: str = "pathology",
+    truth_path: str | os.PathLike[str] | None = None,
+    mpp: float = 0.25,
+    tile_size: int = 256,
+    quality: int = 90,
+) -> dict:
     """Render a synthetic slide to ``path`` and its truth GeoJSON beside it.
 
     ``truth_path`` defaults to ``path`` with its extension replaced by ``.truth.geojson``.
@@ -106,10 +113,17 @@ def write_synthetic_slide(path: str | os.PathLike[str], width: int, height: int,
                     extra = {"resolutionunit": "NONE"}
                 tw.write(
                     _level_tiles(scene, lw, lh, d, tile_size),
-                    shape=(lh, lw, 3), dtype=np.uint8, tile=(tile_size, tile_size),
-                    photometric="rgb", compression="jpeg", compressionargs={"level": quality},
-                    subfiletype=0 if k == 0 else 1, description=description if k == 0 else None,
-                    software="wsi-pipeline", metadata=None, **extra,
+                    shape=(lh, lw, 3),
+                    dtype=np.uint8,
+                    tile=(tile_size, tile_size),
+                    photometric="rgb",
+                    compression="jpeg",
+                    compressionargs={"level": quality},
+                    subfiletype=0 if k == 0 else 1,
+                    description=description if k == 0 else None,
+                    software="wsi-pipeline",
+                    metadata=None,
+                    **extra,
                 )
         os.replace(tmp, path)
     except BaseException:
@@ -118,8 +132,15 @@ def write_synthetic_slide(path: str | os.PathLike[str], width: int, height: int,
         raise
     counts = write_truth(scene, truth_path)
     return {
-        "path": path, "truth_path": truth_path, "kind": kind, "seed": scene.seed,
-        "width": scene.width, "height": scene.height, "mpp": scene.mpp,
-        "tile_size": tile_size, "level_dimensions": dims,
-        "object_count": sum(counts.values()), "object_counts": counts,
+        "path": path,
+        "truth_path": truth_path,
+        "kind": kind,
+        "seed": scene.seed,
+        "width": scene.width,
+        "height": scene.height,
+        "mpp": scene.mpp,
+        "tile_size": tile_size,
+        "level_dimensions": dims,
+        "object_count": sum(counts.values()),
+        "object_counts": counts,
     }

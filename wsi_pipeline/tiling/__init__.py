@@ -5,6 +5,15 @@ from .loader import Batch, TileLoader
 from .tissue import TissueMask, mask_from_file, otsu_tissue_mask, tissue_mask
 
 __all__ = [
-    "Tile", "TileGrid", "read_tile", "DEFAULT_TILE_SIZE", "DEFAULT_OVERLAP",
-    "Batch", "TileLoader", "TissueMask", "tissue_mask", "otsu_tissue_mask", "mask_from_file",
+    "Tile",
+    "TileGrid",
+    "read_tile",
+    "DEFAULT_TILE_SIZE",
+    "DEFAULT_OVERLAP",
+    "Batch",
+    "TileLoader",
+    "TissueMask",
+    "tissue_mask",
+    "otsu_tissue_mask",
+    "mask_from_file",
 ]

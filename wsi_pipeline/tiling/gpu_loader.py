@@ -113,8 +113,9 @@ class GpuTileDecoder:
     Thread-safe: each calling thread gets its own staging buffer.
     """
 
-    def __init__(self, slide: Any, device: str | torch.device = "cuda", jpeg_decoder: str = "nvjpeg",
-                 threads: int | None = None):
+    def __init__(
+        self, slide: Any, device: str | torch.device = "cuda", jpeg_decoder: str = "nvjpeg", threads: int | None = None
+    ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
         self.jpeg_decoder = jpeg_decoder
@@ -122,8 +123,10 @@ class GpuTileDecoder:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         if not hasattr(slide, "raw_tile_jpeg") or not hasattr(slide, "tile_grid_shape"):
-            raise ConfigError(f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "
-                              f"reader, found the {getattr(slide, 'backend', type(slide).__name__)} reader")
+            raise ConfigError(
+                f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "
+                f"reader, found the {getattr(slide, 'backend', type(slide).__name__)} reader"
+            )
         self.slide = slide
         self.cpu_fallback_batches = 0  # batches nvJPEG refused, decoded by libjpeg-turbo instead
         self.device = torch.device(device)
@@ -133,13 +136,16 @@ class GpuTileDecoder:
         level = tiles[0].level
         for t in tiles:
             if t.level != level or t.read_size != t.size:
-                raise ConfigError(f"{self.slide.path}: GPU decoding reads a level as it is; tile {t.index} "
-                                  f"needs level {t.level} resized {t.read_size}->{t.size} px")
+                raise ConfigError(
+                    f"{self.slide.path}: GPU decoding reads a level as it is; tile {t.index} "
+                    f"needs level {t.level} resized {t.read_size}->{t.size} px"
+                )
         return level
 
     def _fail(self, level: int, tx: int, ty: int, exc: Exception) -> TileReadError:
-        return TileReadError(self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}",
-                             None, level)
+        return TileReadError(
+            self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}", None, level
+        )
 
     def _decode_nvjpeg(self, level: int, slots: list, m: int, th: int, tw: int) -> torch.Tensor:
         data, where, empty = [], [], []
@@ -155,8 +161,7 @@ class GpuTileDecoder:
             stored[empty] = self.background
         if data:
             try:
-                decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB,
-                                                     device=self.device)
+                decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
             except RuntimeError:
                 # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
                 # batch instead and reports the tile that really cannot be decoded.
@@ -164,8 +169,12 @@ class GpuTileDecoder:
                 return self._decode_threads(level, slots, m, th, tw)
             for d in decoded:
                 if d.shape != (3, th, tw):
-                    raise TileReadError(self.slide.path, f"stored tile decoded to {list(d.shape)}, "
-                                        f"expected [3, {th}, {tw}]", None, level)
+                    raise TileReadError(
+                        self.slide.path,
+                        f"stored tile decoded to {list(d.shape)}, expected [3, {th}, {tw}]",
+                        None,
+                        level,
+                    )
             stored[where] = torch.stack(decoded).permute(0, 2, 3, 1)
         return stored
 
@@ -246,8 +255,7 @@ class GpuTileDecoder:
             out[...] = self.background
             return out
         rows, cols = ty1 - ty0 + 1, tx1 - tx0 + 1
-        slots = [((ty - ty0) * cols + (tx - tx0), tx, ty)
-                 for ty in range(ty0, ty1 + 1) for tx in range(tx0, tx1 + 1)]
+        slots = [((ty - ty0) * cols + (tx - tx0), tx, ty) for ty in range(ty0, ty1 + 1) for tx in range(tx0, tx1 + 1)]
         if self.jpeg_decoder == "nvjpeg":
             stored = self._decode_nvjpeg(level, slots, rows * cols, th, tw)
         else:
@@ -262,7 +270,7 @@ class GpuTileDecoder:
         sx0, sy0 = max(px0, mx0), max(py0, my0)
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
         if sx0 < sx1 and sy0 < sy1:
-            canvas[sy0 - py0:sy1 - py0, sx0 - px0:sx1 - px0] = mosaic[sy0 - my0:sy1 - my0, sx0 - mx0:sx1 - mx0]
+            canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
         ar = torch.arange(size, device=self.device)
         yy = (torch.tensor(ys0, device=self.device) - py0)[:, None] + ar[None, :]
         xx = (torch.tensor(xs0, device=self.device) - px0)[:, None] + ar[None, :]
@@ -273,15 +281,24 @@ class GpuTileLoader:
     """Yield :class:`DeviceBatch` es of ``tiles`` decoded on the GPU, in grid order.
 
     ``decode_threads`` batches are assembled at once, each thread on its own
-    CUDA stream (``jpeg_decoder``, ``jpeg_threads``: see :class:`GpuTileDecoder`); ``prefetch`` batches are decoded ahead of the consumer
+    CUDA stream (``jpeg_decoder``, ``jpeg_threads``: see :class:`GpuTileDecoder`);
+    ``prefetch`` batches are decoded ahead of the consumer
     (device memory: about ``(prefetch + 2) * batch_size`` tiles plus the
     stored-tile mosaics). Errors stop the loader and are raised from the
     iteration; breaking out of the loop shuts the threads down.
     """
 
-    def __init__(self, slide: Any, tiles: Sequence[Tile], batch_size: int = 64,
-                 device: str = "cuda", prefetch: int = 3, decode_threads: int = 2,
-                 jpeg_decoder: str = "nvjpeg", jpeg_threads: int | None = None):
+    def __init__(
+        self,
+        slide: Any,
+        tiles: Sequence[Tile],
+        batch_size: int = 64,
+        device: str = "cuda",
+        prefetch: int = 3,
+        decode_threads: int = 2,
+        jpeg_decoder: str = "nvjpeg",
+        jpeg_threads: int | None = None,
+    ):
         if batch_size < 1 or prefetch < 1 or decode_threads < 1:
             raise ValueError("batch_size, prefetch and decode_threads must be at least 1")
         self.decoder = GpuTileDecoder(slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads)
@@ -317,8 +334,7 @@ class GpuTileLoader:
             item = next(starts, None)
             if item is not None:
                 seq, start = item
-                pending.append(self._pool.submit(self._decode_batch, seq,
-                                                 self.tiles[start:start + self.batch_size]))
+                pending.append(self._pool.submit(self._decode_batch, seq, self.tiles[start : start + self.batch_size]))
 
         try:
             for _ in range(self.prefetch):

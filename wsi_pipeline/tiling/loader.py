@@ -139,8 +139,10 @@ class TileLoader:
             raise
         except Exception as exc:
             err = TileReadError(
-                self.slide.path, f"cannot read tile {tile.index} (row {tile.row}, col {tile.col}): {exc}",
-                (tile.x0_level0, tile.y0_level0), tile.level,
+                self.slide.path,
+                f"cannot read tile {tile.index} (row {tile.row}, col {tile.col}): {exc}",
+                (tile.x0_level0, tile.y0_level0),
+                tile.level,
             )
             err.tile = tile
             raise err from exc
@@ -179,7 +181,7 @@ class TileLoader:
             if item is None:
                 return False
             seq, start = item
-            tiles = self.tiles[start:start + self.batch_size]
+            tiles = self.tiles[start : start + self.batch_size]
             buf = self._acquire()
             futures = [
                 self._pool.submit(self._read_chunk, tiles[lo:hi], buf[lo:hi])

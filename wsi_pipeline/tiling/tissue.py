@@ -57,12 +57,20 @@ class TissueMask:
         """
         hint = "if the image is all foreground, use tissue 'all' (--tissue all) or a mask file"
         if n_tiles and n_selected == 0:
-            return (f"no tile selected: none of the {n_tiles} tiles has a tissue fraction >= {min_tissue} "
-                    f"(tissue covers {100 * self.fraction:.1f} % of the image), so nothing was detected; {hint}")
+            return (
+                f"no tile selected: none of the {n_tiles} tiles has a tissue fraction >= {min_tissue} "
+                f"(tissue covers {100 * self.fraction:.1f} % of the image), so nothing was detected; {hint}"
+            )
         content = self.content_fraction
-        if content is not None and content >= MIN_CONTENT_FRACTION and n_selected < LOW_SELECTION_RATIO * content * n_tiles:
-            return (f"only {n_selected} of {n_tiles} tiles selected, though {100 * content:.0f} % of the image "
-                    f"is not blank background (tissue mask {100 * self.fraction:.1f} %); {hint}")
+        if (
+            content is not None
+            and content >= MIN_CONTENT_FRACTION
+            and n_selected < LOW_SELECTION_RATIO * content * n_tiles
+        ):
+            return (
+                f"only {n_selected} of {n_tiles} tiles selected, though {100 * content:.0f} % of the image "
+                f"is not blank background (tissue mask {100 * self.fraction:.1f} %); {hint}"
+            )
         return None
 
     def tile_fractions(self, grid: TileGrid) -> np.ndarray:
@@ -84,15 +92,17 @@ class TissueMask:
         xi1 = np.clip(np.round(x1).astype(int), 0, mw)
         yi0 = np.clip(np.round(y0).astype(int), 0, mh)
         yi1 = np.clip(np.round(y1).astype(int), 0, mh)
-        s = (integral[yi1[:, None], xi1[None, :]] - integral[yi0[:, None], xi1[None, :]]
-             - integral[yi1[:, None], xi0[None, :]] + integral[yi0[:, None], xi0[None, :]])
-        full = ((y1 - y0)[:, None] * (x1 - x0)[None, :])
+        s = (
+            integral[yi1[:, None], xi1[None, :]]
+            - integral[yi0[:, None], xi1[None, :]]
+            - integral[yi1[:, None], xi0[None, :]]
+            + integral[yi0[:, None], xi0[None, :]]
+        )
+        full = (y1 - y0)[:, None] * (x1 - x0)[None, :]
         return np.clip(s / np.maximum(full, 1e-9), 0, 1).astype(np.float32)
 
 
-def otsu_tissue_mask(
-    thumbnail: np.ndarray, min_saturation: int = 15, kernel_px: int = 5
-) -> np.ndarray:
+def otsu_tissue_mask(thumbnail: np.ndarray, min_saturation: int = 15, kernel_px: int = 5) -> np.ndarray:
     """Tissue as pixels of a thumbnail more saturated than the background.
 
     Bright, grey slide background has low saturation; stained tissue has high.
@@ -149,8 +159,9 @@ def saturation_threshold(sat: np.ndarray, min_saturation: int = 15, max_rounds: 
 
 def content_fraction(thumbnail: np.ndarray, min_saturation: int = 15) -> float:
     """Fraction of a thumbnail more saturated than blank background (anything stained or coloured)."""
-    return float(np.count_nonzero(_saturation(thumbnail) > min_saturation)) / max(1, thumbnail.shape[0]
-                                                                                 * thumbnail.shape[1])
+    return float(np.count_nonzero(_saturation(thumbnail) > min_saturation)) / max(
+        1, thumbnail.shape[0] * thumbnail.shape[1]
+    )
 
 
 def tissue_mask(
@@ -181,9 +192,7 @@ def tissue_mask(
     return TissueMask(otsu_tissue_mask(thumb), (w0 / tw, h0 / th), content_fraction(thumb))
 
 
-def mask_from_file(
-    slide: Slide, path: str | os.PathLike[str], size: int = DEFAULT_THUMBNAIL_SIZE
-) -> TissueMask:
+def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAULT_THUMBNAIL_SIZE) -> TissueMask:
     """A user's mask: an image (non-zero = tissue) or GeoJSON polygons (level-0 pixels)."""
     path = os.fspath(path)
     w0, h0 = slide.dimensions
