@@ -556,7 +556,7 @@ def test_dask_address_is_checked_before_any_slide(tmp_path):
 def test_cards_that_are_not_plain_json_are_refused(tmp_path, text, message):
     card = tmp_path / "m.card.json"
     card.write_bytes(text)
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelError, match=message):
         load_card(card)
 
 
@@ -573,7 +573,7 @@ def test_cards_with_impossible_fields_are_refused(tmp_path, changes, message):
     mpp = changes.pop("mpp", None)
     card = _copy_card(tmp_path / "model", **changes, **({"mpp": "MPP"} if mpp else {}))
     card.write_text(card.read_text().replace('"MPP"', mpp or '"MPP"'))
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ModelError, match=message):
         load_card(card)
 
 
@@ -581,7 +581,7 @@ def test_an_input_size_beyond_the_bound_is_refused(tmp_path):
     doc = json.loads(DEFAULT_MODEL.read_text())
     doc["input"]["size"] = [30000, 30000]
     card = _copy_card(tmp_path / "model", input=doc["input"])
-    with pytest.raises(ConfigError, match=r"input.size.*at most 4096|from 1 to 4096"):
+    with pytest.raises(ModelError, match=r"input.size.*at most 4096|from 1 to 4096"):
         load_card(card)
 
 
