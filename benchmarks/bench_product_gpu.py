@@ -111,10 +111,10 @@ def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> di
 
 def split_stages(pipe: Pipeline, slide_path: str) -> dict:
     """tiles/s of the GPU loader alone, and of loader + executor without the stitcher."""
-    from wsi_pipeline.pipeline import GPU_DECODE_BATCHES
     from wsi_pipeline.slide import open_slide
     from wsi_pipeline.tiling import TileGrid, tissue_mask
     from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
+    from wsi_pipeline.tiling.slide_loader import GPU_DECODE_BATCHES
 
     out = {}
     with open_slide(slide_path) as slide:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,18 +50,15 @@ from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
-from .summary import build_summary, package_versions
-from .tiling import TileGrid, TileLoader, TissueMask, tissue_mask
+from .summary import build_summary, mm2_per_level0_px, package_versions, tiles_info, tissue_info
+from .tiling import TileGrid, TissueMask, tissue_mask
 from .tiling.grid import Tile, read_tile
+from .tiling.slide_loader import choose_tile_decode, make_slide_loader
 
 log = logging.getLogger("wsi_pipeline")
 
 # Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
 DEFAULT_MODEL = shipped_card()
-# A GPU-decoded loader batch holds this many executor batches: the stored tiles that
-# neighbouring patches share are decoded once per loader batch, so larger is cheaper.
-GPU_DECODE_BATCHES = 4
-
 Progress = Callable[[int], None]
 
 
@@ -264,11 +260,10 @@ class Pipeline:
             with timer("write"):
                 t_write = time.perf_counter()
                 heatmap = outputs.close_heatmap() if out is None else None
-                tissue = {"method": method, "fraction": float(mask.fraction), "area_mm2": None}
                 result = self._result(
                     slide,
                     grid,
-                    tissue,
+                    method,
                     mask,
                     tiles,
                     outputs,
@@ -288,29 +283,6 @@ class Pipeline:
                 bar.close()
         return result
 
-    def _tile_decode(self, slide: Slide, tiles: list[Tile]) -> tuple[str, str]:
-        """Where this run decodes its stored tiles (``"gpu"`` or ``"cpu"``) and why."""
-        want = self.config.decode
-        if want == "cpu":
-            return "cpu", "decode = cpu"
-        if self.config.on_damaged_tile == "fail":
-            # nvJPEG reports no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
-            reason = "on_damaged_tile = fail needs the CPU decoder's reports of corrupt tiles"
-            if want == "gpu":
-                raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
-            return "cpu", reason
-        if not self.executor.is_cuda:
-            reason = f"the {self.backend_name} backend runs on the CPU"
-        else:
-            from .tiling.gpu_loader import gpu_decode_refusal
-
-            reason = gpu_decode_refusal(slide, tiles)
-            if reason is None:
-                return "gpu", "JPEG tiles decoded by nvJPEG"
-        if want == "gpu":
-            raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
-        return "cpu", reason
-
     def _infer_slide(
         self,
         slide: Slide,
@@ -320,39 +292,18 @@ class Pipeline:
         timer: StageTimer,
         run_info: dict[str, Any],
     ) -> None:
-        where, why = self._tile_decode(slide, tiles)
+        cfg, cuda = self.config, self.executor.is_cuda
+        where, why = choose_tile_decode(slide, tiles, cfg.decode, cfg.on_damaged_tile, self.backend_name, cuda)
         log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
-        read_s = [0.0]
-        if where == "gpu":
-            from .tiling.gpu_loader import GpuTileLoader
-
-            loader: Any = GpuTileLoader(
-                slide,
-                tiles,
-                batch_size=self.batch_size * GPU_DECODE_BATCHES,
-                device=str(self.executor.backend.device),
-                prefetch=self.executor.streams + 1,
-                decode_threads=2,
-            )
-        else:
-            lock = threading.Lock()
-
-            def timed_read(s: Slide, t: Tile, buf: np.ndarray) -> None:
-                t0 = time.perf_counter()
-                read_tile(s, t, buf)
-                with lock:
-                    read_s[0] += time.perf_counter() - t0
-
-            loader = TileLoader(
-                slide,
-                tiles,
-                batch_size=self.batch_size,
-                workers=self.reader_workers,
-                prefetch=max(2, self.executor.streams),
-                auto_release=False,
-                max_held=self.executor.streams + 1,
-                read=timed_read,
-            )
+        loader, read_seconds = make_slide_loader(
+            slide,
+            tiles,
+            where,
+            batch_size=self.batch_size,
+            streams=self.executor.streams,
+            reader_workers=self.reader_workers,
+            device=str(self.executor.backend.device) if cuda else None,
+        )
         with loader:
             for br in self.executor.run(loader, ordered=True):
                 stitcher.add_batch(br.tiles, br.detections)
@@ -361,7 +312,7 @@ class Pipeline:
         run_info["tile_decode"] = {"where": where, "why": why}
         if where == "gpu":
             run_info["tile_decode"]["cpu_fallback_batches"] = loader.decoder.cpu_fallback_batches
-        timer.seconds["tile_reads_worker_s"] += read_s[0]
+        timer.seconds["tile_reads_worker_s"] += read_seconds()
         slide.clear_cache()  # the decoded tiles are not needed for what follows
 
     def _infer_array(self, slide: Slide, tiles: list[Tile], stitcher: Stitcher, report: Progress | None) -> None:
@@ -391,7 +342,7 @@ class Pipeline:
         self,
         slide: Slide,
         grid: TileGrid,
-        tissue: dict[str, Any],
+        method: str,
         mask: TissueMask,
         tiles: list[Tile],
         outputs: SlideOutputs,
@@ -404,24 +355,14 @@ class Pipeline:
         wait_written: bool = True,
     ) -> Result:
         card = self.card
-        mm2_per_px0 = (slide.mpp[0] * slide.mpp[1] / 1e6) if slide.mpp else None
-        if mm2_per_px0:
-            tissue["area_mm2"] = float(mask.area_level0_px() * mm2_per_px0)
         summary = build_summary(
             slide=slide,
             dets=dets,
             card=card,
-            tissue=tissue,  # type: ignore[arg-type]
-            tiles={
-                "total": len(grid),
-                "read": len(tiles),
-                "skipped": len(grid) - len(tiles),
-                "grid": [grid.n_rows, grid.n_cols],
-                "level": grid.level,
-                "downsample": grid.downsample,
-            },
+            tissue=tissue_info(method, mask, slide.mpp),
+            tiles=tiles_info(grid, len(tiles)),
             heatmap_scale_level0=outputs.geometry.heatmap_scale_level0,
-            heatmap_scores=outputs.heatmap_scores(mm2_per_px0),
+            heatmap_scores=outputs.heatmap_scores(mm2_per_level0_px(slide.mpp)),
             seconds={**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},
             run={
                 "peak_host_memory_mb": round(peak_host_memory_mb(), 1),

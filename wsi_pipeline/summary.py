@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -112,6 +113,33 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def mm2_per_level0_px(mpp: Sequence[float] | None) -> float | None:
+    """Square millimetres of one level-0 pixel of a slide of ``mpp`` (x, y µm per pixel); None if unknown."""
+    return mpp[0] * mpp[1] / 1e6 if mpp else None
+
+
+def tiles_info(grid: Any, n_read: int) -> TilesInfo:
+    """The ``tiles`` entry of a run over ``grid`` (a :class:`~.tiling.TileGrid`) that read ``n_read`` tiles."""
+    return {
+        "total": len(grid),
+        "read": n_read,
+        "skipped": len(grid) - n_read,
+        "grid": [grid.n_rows, grid.n_cols],
+        "level": grid.level,
+        "downsample": grid.downsample,
+    }
+
+
+def tissue_info(method: str, mask: Any, mpp: Sequence[float] | None) -> TissueInfo:
+    """The ``tissue`` entry: the mask's ``method``, the fraction of the slide it covers, its area in mm²."""
+    mm2 = mm2_per_level0_px(mpp)
+    return {
+        "method": method,
+        "fraction": float(mask.fraction),
+        "area_mm2": float(mask.area_level0_px() * mm2) if mm2 else None,
+    }
+
+
 def build_summary(
     *,
     slide: Any,
@@ -193,4 +221,14 @@ def load_summary(folder: str | os.PathLike[str]) -> Summary:
     return doc  # type: ignore[return-value]
 
 
-__all__ = ["SUMMARY_FILE", "Summary", "build_summary", "load_summary", "package_versions", "read_summary"]
+__all__ = [
+    "SUMMARY_FILE",
+    "Summary",
+    "build_summary",
+    "load_summary",
+    "mm2_per_level0_px",
+    "package_versions",
+    "read_summary",
+    "tiles_info",
+    "tissue_info",
+]

@@ -1,0 +1,113 @@
+"""Which loader reads a slide's tiles for a run: GPU decoding where it can, the CPU reader otherwise.
+
+:func:`choose_tile_decode` decides where a run decodes its stored tiles and
+says why (recorded in ``summary.json`` as ``tile_decode``);
+:func:`make_slide_loader` builds the loader: the
+:class:`~.gpu_loader.GpuTileLoader` (stored JPEG tiles decoded by nvJPEG,
+patches assembled on the device) or the CPU :class:`~.loader.TileLoader`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..slide.base import Slide
+from .grid import Tile, read_tile
+from .loader import TileLoader
+
+# A GPU-decoded loader batch holds this many executor batches: the stored tiles that
+# neighbouring patches share are decoded once per loader batch, so larger is cheaper.
+GPU_DECODE_BATCHES = 4
+
+
+def choose_tile_decode(
+    slide: Slide, tiles: Sequence[Tile], decode: str, on_damaged_tile: str, backend: str, on_cuda: bool
+) -> tuple[str, str]:
+    """Where a run decodes ``tiles`` of ``slide`` (``"gpu"`` or ``"cpu"``) and why.
+
+    ``decode``: the setting (``auto``, ``cpu``, ``gpu``; ``gpu`` raises
+    :class:`ConfigError` where it cannot be met). ``backend``: the
+    backend's name; ``on_cuda``: whether it runs on CUDA.
+    """
+    if decode == "cpu":
+        return "cpu", "decode = cpu"
+    if on_damaged_tile == "fail":
+        # nvJPEG reports no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
+        reason = "on_damaged_tile = fail needs the CPU decoder's reports of corrupt tiles"
+    elif not on_cuda:
+        reason = f"the {backend} backend runs on the CPU"
+    else:
+        from .gpu_loader import gpu_decode_refusal  # needs torch: only with a CUDA backend
+
+        reason = gpu_decode_refusal(slide, tiles)
+        if reason is None:
+            return "gpu", "JPEG tiles decoded by nvJPEG"
+    if decode == "gpu":
+        raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
+    return "cpu", reason
+
+
+class _TimedRead:
+    """:func:`read_tile`, adding each call's seconds to :attr:`seconds` (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, slide: Slide, tile: Tile, buf: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        read_tile(slide, tile, buf)
+        with self._lock:
+            self.seconds += time.perf_counter() - t0
+
+
+def make_slide_loader(
+    slide: Slide,
+    tiles: Sequence[Tile],
+    where: str,
+    *,
+    batch_size: int,
+    streams: int,
+    reader_workers: int,
+    device: str | None = None,
+) -> tuple[Any, Callable[[], float]]:
+    """The loader of a run, and a function giving its reader threads' seconds so far.
+
+    ``where``: :func:`choose_tile_decode`'s answer. ``batch_size``: the
+    executor's batch; ``streams``: its streams (batches in flight);
+    ``reader_workers``: CPU reader threads; ``device``: the CUDA device of GPU
+    decoding (whose reads are not timed: 0).
+    """
+    if where == "gpu":
+        from .gpu_loader import GpuTileLoader
+
+        loader = GpuTileLoader(
+            slide,
+            list(tiles),
+            batch_size=batch_size * GPU_DECODE_BATCHES,
+            device=device,
+            prefetch=streams + 1,
+            decode_threads=2,
+        )
+        return loader, lambda: 0.0
+    read = _TimedRead()
+    loader = TileLoader(
+        slide,
+        list(tiles),
+        batch_size=batch_size,
+        workers=reader_workers,
+        prefetch=max(2, streams),
+        auto_release=False,
+        max_held=streams + 1,
+        read=read,
+    )
+    return loader, lambda: read.seconds
+
+
+__all__ = ["GPU_DECODE_BATCHES", "choose_tile_decode", "make_slide_loader"]
