@@ -180,8 +180,9 @@ def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[s
         fmt = FORMATS[name]
         missing = fmt.missing()
         if missing:
+            verb = "is" if len(missing) == 1 else "are"
             raise ConfigError(
-                f"{source}: formats: {name} needs {' and '.join(missing)}, which is not installed: "
+                f"{source}: formats: {name} needs {' and '.join(missing)}, which {verb} not installed: "
                 f"pip install 'wsi-pipeline[{fmt.extra}]'"
             )
     for name in names:
