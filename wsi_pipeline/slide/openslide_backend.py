@@ -8,18 +8,17 @@ import numpy as np
 import openslide
 
 from ..errors import SlideOpenError, TileReadError
+from ..io.detections import parse_color
 from .base import Slide, checked_mpp
 from .tiff_file import check_tiff_data, is_tiff
 
 
-def _parse_hex_colour(value: str | None) -> tuple[int, int, int]:
-    if not value:
-        return (255, 255, 255)
+def _background_colour(value: str | None) -> tuple[int, int, int]:
+    """OpenSlide's background colour property (``RRGGBB``); white where it is missing or unreadable."""
     try:
-        v = int(value.lstrip("#"), 16)
+        return parse_color(value) if value else (255, 255, 255)
     except ValueError:
         return (255, 255, 255)
-    return ((v >> 16) & 255, (v >> 8) & 255, v & 255)
 
 
 def composite_rgba(rgba: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
@@ -64,7 +63,7 @@ class OpenSlideSlide(Slide):
             props.get(openslide.PROPERTY_NAME_MPP_X),
             props.get(openslide.PROPERTY_NAME_MPP_Y),
         )
-        self.background_rgb = _parse_hex_colour(props.get(openslide.PROPERTY_NAME_BACKGROUND_COLOR))
+        self.background_rgb = _background_colour(props.get(openslide.PROPERTY_NAME_BACKGROUND_COLOR))
 
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         try:

@@ -25,6 +25,7 @@ import numpy as np
 import tifffile
 
 from ..errors import ConfigError
+from ..io.atomic import partial_name
 from .scene import SyntheticScene
 from .truth import default_truth_path, write_truth
 
@@ -100,7 +101,7 @@ def write_synthetic_slide(
         description = f"wsi-pipeline synthetic pathology seed={scene.seed} mpp={scene.mpp:g}"
     else:
         description = f"wsi-pipeline synthetic industrial seed={scene.seed}"
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = partial_name(path)
     try:
         with tifffile.TiffWriter(tmp, bigtiff=bigtiff) as tw:
             for k, (lw, lh) in enumerate(dims):
