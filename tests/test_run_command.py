@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import corrupt_stored_tile
 
-from wsi_pipeline.batch import expand_inputs, output_names, process_slide, run_batch, run_key
+from wsi_pipeline.batch import expand_inputs, output_names, run_batch, run_key
+from wsi_pipeline.batch_jobs import process_slide
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.errors import ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
@@ -204,7 +205,7 @@ class _FailingLater:
 
 
 def test_a_write_that_fails_after_the_run_returned_fails_the_slide(tmp_path):
-    from wsi_pipeline.batch import start_slide
+    from wsi_pipeline.batch_jobs import start_slide
 
     started = start_slide(
         _FailingLater(), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}), wait_written=False

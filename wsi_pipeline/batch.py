@@ -45,11 +45,10 @@ from .batch_folder import (
     lock_output_folder,
     output_names,
     printable,
-    remove_or_warn,
     slide_dir,
     slides_dir,
 )
-from .batch_jobs import PipelineFactory, SlideOutcome, path_record
+from .batch_jobs import PipelineFactory, SlideOutcome, path_record, process_slide
 from .config import RunConfig
 from .errors import UsageError
 from .inference.card import ModelCard
@@ -308,128 +307,6 @@ class Manifest:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
-# -- one slide ------------------------------------------------------------------
-
-
-def process_slide(
-    pipeline: Any,
-    path: str | os.PathLike[str],
-    name: str,
-    out_dir: str | os.PathLike[str],
-    key: RunKey,
-    progress: bool | Callable[[int], None] = False,
-) -> SlideOutcome:
-    """Run ``pipeline`` on one slide into ``out_dir/slides/name`` (atomically); never raises for a bad
-    slide, a failed write included (a full disk fails the slide)."""
-    return start_slide(pipeline, path, name, out_dir, key, progress).finish()
-
-
-def start_slide(
-    pipeline: Any,
-    path: str | os.PathLike[str],
-    name: str,
-    out_dir: str | os.PathLike[str],
-    key: RunKey,
-    progress: bool | Callable[[int], None] = False,
-    wait_written: bool = True,
-) -> StartedSlide:
-    """Run ``pipeline`` on one slide into a partial folder; :meth:`StartedSlide.finish` completes it.
-
-    With ``wait_written=False`` this returns once the slide is stitched, while its files are still
-    being written: the next slide's inference can run while ``finish`` (in another thread) waits for
-    them. Never raises for a bad slide (its ``finish`` returns the failure)."""
-    folder = slides_dir(out_dir)
-    started = StartedSlide(
-        name,
-        str(path),
-        slide_dir(out_dir, name),
-        folder,
-        folder / f".{name}.partial-{os.getpid()}-{next(_counter)}",
-        time.perf_counter(),
-    )
-    try:
-        extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
-        folder.mkdir(parents=True, exist_ok=True)
-        kwargs = {} if wait_written else {"wait_written": False}
-        started.result = pipeline.run(
-            path, out_dir=started.partial, progress=progress, keep_heatmap=False, extra_summary=extra, **kwargs
-        )
-    except KeyboardInterrupt:
-        started.discard("the outputs of an interrupted slide")
-        raise
-    except Exception as exc:
-        started.fail(exc)
-    return started
-
-
-@dataclass
-class StartedSlide:
-    """A slide run into ``partial``, to be moved to ``final`` once its files are written."""
-
-    name: str
-    path: str
-    final: Path
-    folder: Path
-    partial: Path
-    t0: float
-    result: Any = None
-    outcome: SlideOutcome | None = None
-
-    def fail(self, exc: BaseException) -> None:
-        self.discard("the outputs of a failed slide")
-        log.debug("slide %s failed", self.path, exc_info=exc)
-        self.outcome = SlideOutcome(
-            self.name, self.path, "failed", time.perf_counter() - self.t0, error=_describe(exc, self.path, self.folder)
-        )
-
-    def discard(self, what: str = "the outputs of a slide not asked for") -> None:
-        wait = getattr(self.result, "wait_written", None)
-        if wait is not None:
-            with contextlib.suppress(Exception):
-                wait()  # the writers let go of the folder before it goes
-        remove_or_warn(self.partial, what)
-
-    def finish(self) -> SlideOutcome:
-        """Wait for the files, move the folder into place; the slide's outcome (never raises for it)."""
-        if self.outcome is not None:
-            return self.outcome
-        try:
-            wait = getattr(self.result, "wait_written", None)
-            if wait is not None:
-                wait()
-            if os.path.lexists(self.final):
-                # Whatever is there (an older result, a file, a read-only folder) gives way to the new result.
-                old = self.folder / f".{self.name}.old-{os.getpid()}-{next(_counter)}"
-                os.replace(self.final, old)
-                os.replace(self.partial, self.final)
-                remove_or_warn(old, "the slide's previous outputs")
-            else:
-                os.replace(self.partial, self.final)
-            summary = self.result.summary
-            self.outcome = SlideOutcome(
-                self.name,
-                self.path,
-                "done",
-                time.perf_counter() - self.t0,
-                dict(summary["counts"]),
-                tiles=(summary.get("tiles") or {}).get("read"),
-            )
-        except KeyboardInterrupt:
-            self.discard("the outputs of an interrupted slide")
-            raise
-        except Exception as exc:
-            self.fail(exc)
-        return self.outcome
-
-
-def _describe(exc: BaseException, path: Any, folder: Path) -> str:
-    msg = str(exc) or type(exc).__name__
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        msg = f"out of disk space writing into {folder}: {msg}"
-    text = msg if str(path) in msg else f"{path}: {msg}"
-    return text if type(exc).__module__.startswith("wsi_pipeline") else f"{type(exc).__name__}: {text}"
 
 
 # -- the batch ------------------------------------------------------------------

@@ -1,20 +1,34 @@
 """What a batch hands the processes that run its slides, and what comes back.
 
 :class:`PipelineFactory` builds a pipeline where the slides run (a child
-process, a Dask worker); :class:`SlideOutcome` is one slide's result as the
-batch records it. Kept apart from :mod:`.batch` so that the runners
-(:mod:`.slide_worker`, :mod:`.distributed`) need not import the batch itself.
+process, a Dask worker); :func:`process_slide` (or :func:`start_slide` and
+:meth:`StartedSlide.finish`) runs one slide into its folder, atomically;
+:class:`SlideOutcome` is one slide's result as the batch records it. Kept
+apart from :mod:`.batch` so that the runners (:mod:`.slide_worker`,
+:mod:`.distributed`) need not import the batch itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import itertools
+import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .batch_folder import remove_or_warn, slide_dir, slides_dir
 from .config import RunConfig
 from .errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 from .inference.card import ModelCard
+from .run_key import RunKey, input_identity
+
+log = logging.getLogger("wsi_pipeline")
+_counter = itertools.count()  # distinct partial and old folder names within a process
 
 
 @dataclass
@@ -79,4 +93,126 @@ class PipelineFactory:
             ) from exc
 
 
-__all__ = ["PipelineFactory", "SlideOutcome", "path_record"]
+# -- one slide ------------------------------------------------------------------
+
+
+def process_slide(
+    pipeline: Any,
+    path: str | os.PathLike[str],
+    name: str,
+    out_dir: str | os.PathLike[str],
+    key: RunKey,
+    progress: bool | Callable[[int], None] = False,
+) -> SlideOutcome:
+    """Run ``pipeline`` on one slide into ``out_dir/slides/name`` (atomically); never raises for a bad
+    slide, a failed write included (a full disk fails the slide)."""
+    return start_slide(pipeline, path, name, out_dir, key, progress).finish()
+
+
+def start_slide(
+    pipeline: Any,
+    path: str | os.PathLike[str],
+    name: str,
+    out_dir: str | os.PathLike[str],
+    key: RunKey,
+    progress: bool | Callable[[int], None] = False,
+    wait_written: bool = True,
+) -> StartedSlide:
+    """Run ``pipeline`` on one slide into a partial folder; :meth:`StartedSlide.finish` completes it.
+
+    With ``wait_written=False`` this returns once the slide is stitched, while its files are still
+    being written: the next slide's inference can run while ``finish`` (in another thread) waits for
+    them. Never raises for a bad slide (its ``finish`` returns the failure)."""
+    folder = slides_dir(out_dir)
+    started = StartedSlide(
+        name,
+        str(path),
+        slide_dir(out_dir, name),
+        folder,
+        folder / f".{name}.partial-{os.getpid()}-{next(_counter)}",
+        time.perf_counter(),
+    )
+    try:
+        extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
+        folder.mkdir(parents=True, exist_ok=True)
+        kwargs = {} if wait_written else {"wait_written": False}
+        started.result = pipeline.run(
+            path, out_dir=started.partial, progress=progress, keep_heatmap=False, extra_summary=extra, **kwargs
+        )
+    except KeyboardInterrupt:
+        started.discard("the outputs of an interrupted slide")
+        raise
+    except Exception as exc:
+        started.fail(exc)
+    return started
+
+
+@dataclass
+class StartedSlide:
+    """A slide run into ``partial``, to be moved to ``final`` once its files are written."""
+
+    name: str
+    path: str
+    final: Path
+    folder: Path
+    partial: Path
+    t0: float
+    result: Any = None
+    outcome: SlideOutcome | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.discard("the outputs of a failed slide")
+        log.debug("slide %s failed", self.path, exc_info=exc)
+        self.outcome = SlideOutcome(
+            self.name, self.path, "failed", time.perf_counter() - self.t0, error=_describe(exc, self.path, self.folder)
+        )
+
+    def discard(self, what: str = "the outputs of a slide not asked for") -> None:
+        wait = getattr(self.result, "wait_written", None)
+        if wait is not None:
+            with contextlib.suppress(Exception):
+                wait()  # the writers let go of the folder before it goes
+        remove_or_warn(self.partial, what)
+
+    def finish(self) -> SlideOutcome:
+        """Wait for the files, move the folder into place; the slide's outcome (never raises for it)."""
+        if self.outcome is not None:
+            return self.outcome
+        try:
+            wait = getattr(self.result, "wait_written", None)
+            if wait is not None:
+                wait()
+            if os.path.lexists(self.final):
+                # Whatever is there (an older result, a file, a read-only folder) gives way to the new result.
+                old = self.folder / f".{self.name}.old-{os.getpid()}-{next(_counter)}"
+                os.replace(self.final, old)
+                os.replace(self.partial, self.final)
+                remove_or_warn(old, "the slide's previous outputs")
+            else:
+                os.replace(self.partial, self.final)
+            summary = self.result.summary
+            self.outcome = SlideOutcome(
+                self.name,
+                self.path,
+                "done",
+                time.perf_counter() - self.t0,
+                dict(summary["counts"]),
+                tiles=(summary.get("tiles") or {}).get("read"),
+            )
+        except KeyboardInterrupt:
+            self.discard("the outputs of an interrupted slide")
+            raise
+        except Exception as exc:
+            self.fail(exc)
+        return self.outcome
+
+
+def _describe(exc: BaseException, path: Any, folder: Path) -> str:
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        msg = f"out of disk space writing into {folder}: {msg}"
+    text = msg if str(path) in msg else f"{path}: {msg}"
+    return text if type(exc).__module__.startswith("wsi_pipeline") else f"{type(exc).__name__}: {text}"
+
+
+__all__ = ["PipelineFactory", "SlideOutcome", "StartedSlide", "path_record", "process_slide", "start_slide"]

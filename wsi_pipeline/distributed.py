@@ -13,7 +13,7 @@ Each worker process runs its slides as a local run does: in a child process
 that builds the pipeline once (the first task it runs) and keeps it for the
 tasks after, each slide under its time limit (:mod:`.slide_worker`); a task
 writes the slide's folder exactly as a local run does
-(:func:`~.batch.process_slide`), and the client records each outcome in the
+(:func:`~.batch_jobs.process_slide`), and the client records each outcome in the
 manifest as it arrives.
 """
 

@@ -86,7 +86,7 @@ class InProcessRunner:
         limit_s: float | None = None,
         next_slide: tuple[Path, str] | None = None,
     ):
-        from .batch import process_slide
+        from .batch_jobs import process_slide
 
         self.prepare()
         return process_slide(self.pipeline, path, name, out_dir, key, progress=self.progress)
@@ -310,7 +310,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _serve(recv_conn: Connection, send_conn: Connection) -> None:
-    from .batch import start_slide
+    from .batch_jobs import start_slide
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
