@@ -55,7 +55,8 @@ class StreamingMerger:
     Args:
         method: ``"nms"`` (:func:`~.nms.global_nms`), ``"nmm"`` or ``"wbf"``
             (:func:`~.merge.merge_boxes`).
-        iou_threshold, metric, class_agnostic: as those functions take them.
+        iou_threshold, metric: as those functions take them. Boxes merge
+            only with boxes of their own label.
 
     Use: :meth:`add` boxes as they come; :meth:`flush` with the top edge of
     the first tile row still to come; :meth:`finish` at the end. The result
@@ -63,15 +64,12 @@ class StreamingMerger:
     the order of rows.
     """
 
-    def __init__(
-        self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou", class_agnostic: bool = False
-    ):
+    def __init__(self, method: str = "nms", iou_threshold: float = 0.5, metric: str = "iou"):
         if method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, found {method!r}")
         self.method = method
         self.iou_threshold = iou_threshold
         self.metric = metric
-        self.class_agnostic = class_agnostic
         self._boxes: list[np.ndarray] = []
         self._scores: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
@@ -99,7 +97,7 @@ class StreamingMerger:
         n = len(boxes)
         if np.isfinite(y_final):
             order = score_order(scores)
-            groups = None if self.class_agnostic else labels[order]
+            groups = labels[order]
             src, dst = matching_pairs(boxes[order], groups, self.iou_threshold, self.metric)
             comp_sorted = connected_components(n, src, dst)
             comp = np.empty(n, np.int64)
@@ -124,12 +122,10 @@ class StreamingMerger:
 
     def _decide(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         if self.method == "nms":
-            keep = global_nms(boxes, scores, labels, self.iou_threshold, self.metric, self.class_agnostic)
+            keep = global_nms(boxes, scores, labels, self.iou_threshold, self.metric)
             b, s, lab = boxes[keep], scores[keep], labels[keep]
         else:
-            b, s, lab = merge_boxes(
-                boxes, scores, labels, self.iou_threshold, self.metric, self.method, self.class_agnostic
-            )
+            b, s, lab = merge_boxes(boxes, scores, labels, self.iou_threshold, self.metric, self.method)
         self._keep(b, s, lab)
 
     def _keep(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
