@@ -32,6 +32,7 @@ from .errors import ConfigError
 from .io.formats import DEFAULT_FORMATS, parse_formats
 from .stitch.policies import MERGE_POLICIES
 from .stitch.weights import KINDS as BLEND_KINDS
+from .validation import is_int, is_number
 
 BACKEND_CHOICES = ("auto", "ort", "torch", "tensorrt")
 TISSUE_CHOICES = ("auto", "otsu", "all", "file")
@@ -199,9 +200,9 @@ def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:
             return None
         raise ConfigError(f"{source}: {key}: expected {allowed[0].__name__}, found none")
     for t in allowed:
-        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if t is float and is_number(value):
             return float(value)
-        if t is int and isinstance(value, int) and not isinstance(value, bool):
+        if t is int and is_int(value):
             return value
         if t is bool and isinstance(value, bool):
             return value

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..config import MAX_TILE
 from ..errors import ModelError
+from ..validation import is_instance, is_int, is_number
 
 CARD_SUFFIX = ".card.json"
 SCHEMA_VERSION = 1
@@ -257,10 +258,7 @@ class _Reader:
                 return default
             raise ModelError(f"{self.path}: missing field {full!r} ({expected})")
         value = obj[key]
-        # bool is an int in Python; never accept it where a number is meant.
-        if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-            raise self.fail(full, expected, value)
-        if not isinstance(value, kinds):
+        if not is_instance(value, kinds):
             raise self.fail(full, expected, value)
         return value
 
@@ -274,7 +272,7 @@ class _Reader:
         value = self.get(obj, key, where, list, "a list of 3 numbers", default)
         if isinstance(value, tuple):
             return value
-        if len(value) != 3 or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        if len(value) != 3 or not all(is_number(v) for v in value):
             raise self.fail(f"{where}.{key}", "a list of 3 numbers", value)
         return tuple(float(v) for v in value)  # type: ignore[return-value]
 
@@ -282,7 +280,7 @@ class _Reader:
 def _parse_dim(reader: _Reader, value: Any, where: str) -> Dim:
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if is_int(value) and value >= 0:
         return value
     raise reader.fail(where, "a non-negative int, a string (dynamic axis) or null", value)
 
@@ -322,9 +320,7 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
 
     inp = r.get(doc, "input", "", dict, "an object")
     size = r.get(inp, "size", "input", list, "[height, width] in pixels")
-    if len(size) != 2 or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INPUT_SIDE for v in size
-    ):
+    if len(size) != 2 or not all(is_int(v) and 0 < v <= MAX_INPUT_SIDE for v in size):
         raise r.fail("input.size", f"[height, width], two ints from 1 to {MAX_INPUT_SIDE}", size)
     input_spec = InputSpec(
         name=r.get(inp, "name", "input", str, "the graph input's name"),

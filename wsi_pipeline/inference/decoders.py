@@ -44,6 +44,7 @@ import cv2
 import numpy as np
 
 from ..errors import ModelError
+from ..validation import is_instance
 
 if TYPE_CHECKING:
     from .card import ModelCard
@@ -125,9 +126,7 @@ def validate_decoder_params(card: ModelCard) -> None:
                 f"{sorted(spec)} for decoder {kind!r}, found unknown key"
             )
         kinds = spec[key][0]
-        if (
-            isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,))
-        ) or not isinstance(value, kinds):
+        if not is_instance(value, kinds):
             raise ModelError(f"{where}: field 'decoder.params.{key}': expected {_kind_name(kinds)}, found {value!r}")
     params = decoder_params(card)
     names = {o.name for o in card.outputs}

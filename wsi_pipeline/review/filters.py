@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import WSIPipelineError
 from ..io.detections import write_geojson
+from ..validation import is_instance
 
 Region = tuple[float, float, float, float]
 REGION_MODES = ("centre", "inside", "overlap")
@@ -24,7 +25,7 @@ REGION_MODES = ("centre", "inside", "overlap")
 def _labels_for(classes: Iterable[str | int], class_names: Sequence[str] | None) -> list[int]:
     out = []
     for c in classes:
-        if isinstance(c, (int, np.integer)) and not isinstance(c, bool):
+        if is_instance(c, (int, np.integer)):
             out.append(int(c))
         elif class_names is not None and c in class_names:
             out.append(list(class_names).index(c))

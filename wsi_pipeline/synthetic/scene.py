@@ -27,6 +27,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
+from ..validation import is_instance
 from .noise import LatticeField, PeriodicTexture, make_texture, mix_int
 
 CELL_SIZE_LEVEL0 = 512
@@ -154,7 +155,7 @@ class SyntheticScene:
         if kind not in KINDS:
             raise ConfigError(f"synthetic slide kind must be one of {', '.join(KINDS)}, got {kind!r}")
         for name, v in (("width", width), ("height", height)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            if not is_instance(v, (int, np.integer)):
                 raise ConfigError(f"synthetic slide {name} must be an integer, got {v!r}")
             if not 1 <= v <= MAX_SIDE:
                 raise ConfigError(f"synthetic slide {name} must be within 1..{MAX_SIDE} pixels, got {v}")
