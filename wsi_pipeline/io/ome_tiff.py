@@ -42,6 +42,7 @@ import numpy as np
 import tifffile
 
 from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io.ome_xml import OmePixels, read_ome_pixels
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
 # Output rows of a reduced level computed at a time when building the pyramid.
@@ -411,8 +412,6 @@ class HeatmapFile:
     ndim = 3
 
     def __init__(self, path: str | os.PathLike[str]):
-        import re
-
         self.path = Path(path)
         try:
             with tifffile.TiffFile(self.path) as tif:
@@ -421,15 +420,16 @@ class HeatmapFile:
                 xml = tif.ome_metadata or ""
         except (OSError, tifffile.TiffFileError, IndexError) as exc:
             raise WSIPipelineError(f"{self.path}: not a readable heatmap OME-TIFF: {exc}") from exc
-        self.channel_names = re.findall(r'<Channel [^>]*Name="([^"]*)"', xml)
+        try:
+            ome = read_ome_pixels(xml) if xml else OmePixels()
+            self.physical_size_um = ome.physical_size_um()
+            self.value_scale = float(ome.annotations.get("value_scale", 1.0))
+        except ValueError as exc:
+            raise WSIPipelineError(f"{self.path}: not a readable heatmap OME-TIFF: {exc}") from exc
+        self.channel_names = ome.channel_names
         # A one-channel file reads as YX: keep the documented C x H x W.
         c = max(1, len(self.channel_names))
         self.level_shapes = [s if len(s) == 3 else (c, *s[-2:]) for s in self.level_shapes]
-        m = re.search(r'<M K="value_scale">([^<]+)</M>', xml)
-        self.value_scale = float(m.group(1)) if m else 1.0
-        px = re.search(r'PhysicalSizeX="([^"]+)"', xml)
-        py = re.search(r'PhysicalSizeY="([^"]+)"', xml)
-        self.physical_size_um = (float(px.group(1)), float(py.group(1))) if px and py else None
 
     @property
     def shape(self) -> tuple[int, ...]:

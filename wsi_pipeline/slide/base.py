@@ -274,3 +274,19 @@ def paste_into_background(out_h: int, out_w: int, background: tuple[int, int, in
     out = np.empty((out_h, out_w, 3), np.uint8)
     out[...] = np.asarray(background, np.uint8)
     return out
+
+
+def composite_rgba(rgba: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
+    """Composite premultiplied-free RGBA (as OpenSlide returns) onto ``background``.
+
+    OpenSlide's ``read_region`` gives un-premultiplied RGBA where pixels
+    outside the slide or in sparse regions are transparent.
+    """
+    alpha = rgba[..., 3]
+    rgb = rgba[..., :3]
+    if alpha.min() == 255:
+        return np.ascontiguousarray(rgb)
+    bg = np.asarray(background, np.float32)
+    a = alpha.astype(np.float32)[..., None] / 255.0
+    out = rgb.astype(np.float32) * a + bg * (1.0 - a)
+    return np.ascontiguousarray(np.clip(out + 0.5, 0, 255).astype(np.uint8))

@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 
 from ..errors import SlideOpenError
-from .base import Slide, checked_mpp, paste_into_background
+from .base import Slide, checked_mpp, composite_rgba, paste_into_background
 from .resolution import tiff_page_mpp
 
 # Memory a plain image may take to decode whole: the decoder's array plus the
@@ -84,8 +84,7 @@ def _convert_rows(src: np.ndarray, out: np.ndarray, path: str) -> None:
     elif src.ndim == 3 and src.shape[2] == 3:
         out[...] = src
     elif src.ndim == 3 and src.shape[2] == 4:
-        a = src[..., 3:4].astype(np.float32) / 255.0
-        out[...] = (src[..., :3] * a + 255.0 * (1 - a) + 0.5).astype(np.uint8)
+        out[...] = composite_rgba(src, (255, 255, 255))
     else:
         raise SlideOpenError(path, f"expected a 2-D grey or RGB(A) image, found shape {src.shape}")
 

@@ -9,7 +9,7 @@ import openslide
 
 from ..errors import SlideOpenError, TileReadError
 from ..io.detections import parse_color
-from .base import Slide, checked_mpp
+from .base import Slide, checked_mpp, composite_rgba
 from .tiff_file import check_tiff_data, is_tiff
 
 
@@ -19,22 +19,6 @@ def _background_colour(value: str | None) -> tuple[int, int, int]:
         return parse_color(value) if value else (255, 255, 255)
     except ValueError:
         return (255, 255, 255)
-
-
-def composite_rgba(rgba: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
-    """Composite premultiplied-free RGBA (as OpenSlide returns) onto ``background``.
-
-    OpenSlide's ``read_region`` gives un-premultiplied RGBA where pixels
-    outside the slide or in sparse regions are transparent.
-    """
-    alpha = rgba[..., 3]
-    rgb = rgba[..., :3]
-    if alpha.min() == 255:
-        return np.ascontiguousarray(rgb)
-    bg = np.asarray(background, np.float32)
-    a = alpha.astype(np.float32)[..., None] / 255.0
-    out = rgb.astype(np.float32) * a + bg * (1.0 - a)
-    return np.ascontiguousarray(np.clip(out + 0.5, 0, 255).astype(np.uint8))
 
 
 class OpenSlideSlide(Slide):

@@ -35,7 +35,8 @@ import simplejpeg
 import tifffile
 
 from ..errors import SlideError, SlideOpenError, TileReadError
-from .base import Slide, checked_mpp
+from ..io.ome_xml import read_ome_pixels
+from .base import Slide, checked_mpp, composite_rgba
 from .resolution import tiff_page_mpp
 from .tiff_file import check_page_data, open_tifffile
 
@@ -287,23 +288,15 @@ class TiffSlide(Slide):
 
     def _find_mpp(self, page: tifffile.TiffPage) -> tuple[float, float] | None:
         if self._tif.is_ome:
-            import xml.etree.ElementTree as ET
-
             try:
-                root = ET.fromstring(self._tif.ome_metadata or "")
-                for el in root.iter():
-                    if el.tag.endswith("Pixels"):
-                        px, py = el.get("PhysicalSizeX"), el.get("PhysicalSizeY")
-                        unit = el.get("PhysicalSizeXUnit", "µm")
-                        if px and py:
-                            scale = {"µm": 1.0, "um": 1.0, "nm": 1e-3, "mm": 1e3}.get(unit)
-                            if scale is not None:
-                                try:
-                                    return checked_mpp(self.path, float(px) * scale, float(py) * scale)
-                                except ValueError:
-                                    return checked_mpp(self.path, px, py)  # warns: unreadable
-                        break
-            except (ET.ParseError, ValueError):  # unreadable OME-XML: the TIFF tags may still say
+                ome = read_ome_pixels(self._tif.ome_metadata or "")
+                try:
+                    size = ome.physical_size_um()
+                except ValueError:
+                    return checked_mpp(self.path, *ome.physical_size)  # warns: unreadable
+                if size is not None:
+                    return checked_mpp(self.path, *size)
+            except ValueError:  # unreadable OME-XML: the TIFF tags may still say
                 pass
         mpp = tiff_page_mpp(page)
         return checked_mpp(self.path, *mpp) if mpp else None
@@ -482,8 +475,6 @@ class TiffSlide(Slide):
         if spp == 1:
             seg = np.repeat(seg, 3, axis=2)
         elif spp == 4:
-            from .openslide_backend import composite_rgba
-
             seg = composite_rgba(seg, self.background_rgb)
         out[...] = seg
         return out
