@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import cv2
 import numpy as np
@@ -151,6 +152,20 @@ class Slide(abc.ABC):
         w, h = int(size[0]), int(size[1])
         if out.shape != (h, w, 3) or out.dtype != np.uint8:
             raise ValueError(f"{self.path}: output buffer is {out.shape} {out.dtype}, expected ({h}, {w}, 3) uint8")
+
+    # -- stored tiles (readers of tiled files override these; GPU decoding needs them) --
+    def stored_tile_format(self, level: int) -> dict[str, Any] | None:
+        """How ``level``'s tiles are stored (compression, photometric, samples per pixel, planar
+        config, extra samples), or None where this reader gives no stored tiles."""
+        return None
+
+    def tile_grid_shape(self, level: int) -> tuple[int, int, int, int]:
+        """(tile_width, tile_height, tiles_across, tiles_down) of ``level``'s stored tiles."""
+        raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
+
+    def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
+        """Stored tile (tx, ty) of ``level`` as a self-contained JPEG stream (empty: no data)."""
+        raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
 
     # -- decoded-tile cache (readers that keep one override these) ------------
     def clear_cache(self) -> None:  # noqa: B027  (no cache: nothing to free)

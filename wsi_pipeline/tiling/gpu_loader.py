@@ -83,8 +83,6 @@ def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
     JPEG for YCbCr, so tiles stored as RGB JPEG (Aperio's usual choice) stay
     on the CPU, whose decoder is told the colour space.
     """
-    if not hasattr(slide, "raw_tile_jpeg") or not hasattr(slide, "stored_tile_format"):
-        return f"the {getattr(slide, 'backend', type(slide).__name__)} reader gives no stored tiles"
     if not tiles:
         return "no tiles to read"
     levels = {t.level for t in tiles}
@@ -92,6 +90,8 @@ def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
         return "the grid resizes what it reads"
     level = levels.pop()
     fmt = slide.stored_tile_format(level)
+    if fmt is None:
+        return f"the {slide.backend} reader gives no stored tiles"
     if fmt["compression"] != "JPEG":
         return f"level {level} is stored as {fmt['compression']}, not JPEG"
     if fmt["samples_per_pixel"] != 3 or fmt["planar"] != 1 or fmt["extra_samples"]:
@@ -122,10 +122,10 @@ class GpuTileDecoder:
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        if not hasattr(slide, "raw_tile_jpeg") or not hasattr(slide, "tile_grid_shape"):
+        if slide.stored_tile_format(0) is None:
             raise ConfigError(
                 f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "
-                f"reader, found the {getattr(slide, 'backend', type(slide).__name__)} reader"
+                f"reader, found the {slide.backend} reader"
             )
         self.slide = slide
         self.cpu_fallback_batches = 0  # batches nvJPEG refused, decoded by libjpeg-turbo instead
