@@ -5,7 +5,7 @@ Layout of an output folder ``DIR``::
     DIR/manifest.json                 every slide's status, error, counts, times
     DIR/run.log                       the log of every run into DIR
     DIR/run.lock                      held (``flock``) by the run writing into DIR
-    DIR/slides/<name>/                one finished slide (see pipeline.OUTPUT_FILES)
+    DIR/slides/<name>/                one finished slide (its summary.json lists its files)
     DIR/slides/.<name>.partial-*/     a slide being written (removed by the next run if left)
 
 Slide folders live under ``slides/``, so no slide name can replace the
