@@ -24,6 +24,8 @@ from .loader import TileLoader
 # A GPU-decoded loader batch holds this many executor batches: the stored tiles that
 # neighbouring patches share are decoded once per loader batch, so larger is cheaper.
 GPU_DECODE_BATCHES = 4
+# Loader batches assembled at once (each thread on its own CUDA stream).
+GPU_DECODE_THREADS = 2
 
 
 def choose_tile_decode(
@@ -93,7 +95,7 @@ def make_slide_loader(
             batch_size=batch_size * GPU_DECODE_BATCHES,
             device=device,
             prefetch=streams + 1,
-            decode_threads=2,
+            decode_threads=GPU_DECODE_THREADS,
         )
         return loader, lambda: 0.0
     read = _TimedRead()
