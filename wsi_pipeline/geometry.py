@@ -158,7 +158,6 @@ class TilingGeometry:
         heatmap_stride: int | None = None,
     ) -> TilingGeometry:
         """The geometry of ``slide`` read as :func:`read_resolution` decides."""
-        check_tiling(tile, overlap, heatmap_stride)
         lvl, ds = read_resolution(slide, level, mpp, preferred_mpp)
         w0, h0 = slide.dimensions
         return cls(

@@ -41,6 +41,7 @@ from .slide import Slide
 from .stitch.blend import Sink
 from .stitch.sinks import ArraySink, HeatmapStats, ReducedCopy, fan_out
 from .stitch.weights import tile_weights
+from .summary import SUMMARY_FILE
 from .tiling.tissue import TissueMask
 
 # A slide folder of the default formats (summary.json lists the files of each run).
@@ -208,7 +209,7 @@ class SlideOutputs:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json``, the mark of a complete folder: after every other file."""
-        write_json(self._folder() / "summary.json", summary)
+        write_json(self._folder() / SUMMARY_FILE, summary)
 
     def _folder(self) -> Path:
         if self.out is None:

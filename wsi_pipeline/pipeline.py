@@ -50,8 +50,16 @@ from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
-from .summary import build_summary, mm2_per_level0_px, package_versions, tiles_info, tissue_info
-from .tiling import TileGrid, TissueMask, tissue_mask
+from .summary import (
+    TilesInfo,
+    TissueInfo,
+    build_summary,
+    mm2_per_level0_px,
+    package_versions,
+    tiles_info,
+    tissue_info,
+)
+from .tiling import TileGrid, tissue_mask
 from .tiling.grid import Tile, read_tile
 from .tiling.slide_loader import choose_tile_decode, make_slide_loader
 
@@ -258,21 +266,17 @@ class Pipeline:
             with timer("stitch"):
                 dets = make_detections(*stitcher.finish())
             with timer("write"):
-                t_write = time.perf_counter()
                 heatmap = outputs.close_heatmap() if out is None else None
                 result = self._result(
                     slide,
-                    grid,
-                    method,
-                    mask,
-                    tiles,
                     outputs,
                     dets,
                     heatmap,
+                    tissue_info(method, mask, slide.mpp),
+                    tiles_info(grid, len(tiles)),
+                    {**run_info, **extra_summary},
                     timer,
                     t_start,
-                    t_write,
-                    {**run_info, **extra_summary},
                     wait_written,
                 )
         except BaseException:
@@ -341,26 +345,26 @@ class Pipeline:
     def _result(
         self,
         slide: Slide,
-        grid: TileGrid,
-        method: str,
-        mask: TissueMask,
-        tiles: list[Tile],
         outputs: SlideOutputs,
         dets: np.ndarray,
         heatmap: Any,
+        tissue: TissueInfo,
+        tiles: TilesInfo,
+        extra_summary: dict[str, Any],
         timer: StageTimer,
         t_start: float,
-        t_write: float,
-        extra_summary: dict[str, Any],
         wait_written: bool = True,
     ) -> Result:
+        """The run's result and summary; with an output folder, its files started, and finished
+        now or (``wait_written=False``) by a thread, ``summary.json`` last."""
         card = self.card
+        t_write = time.perf_counter()
         summary = build_summary(
             slide=slide,
             dets=dets,
             card=card,
-            tissue=tissue_info(method, mask, slide.mpp),
-            tiles=tiles_info(grid, len(tiles)),
+            tissue=tissue,
+            tiles=tiles,
             heatmap_scale_level0=outputs.geometry.heatmap_scale_level0,
             heatmap_scores=outputs.heatmap_scores(mm2_per_level0_px(slide.mpp)),
             seconds={**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},

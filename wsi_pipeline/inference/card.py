@@ -26,6 +26,7 @@ from typing import Any
 from ..config import MAX_TILE
 from ..errors import ModelError
 from ..validation import is_instance, is_int, is_number
+from .decoders import validate_decoder_params
 
 CARD_SUFFIX = ".card.json"
 SCHEMA_VERSION = 1
@@ -441,9 +442,6 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         extra=extra,
         format=model_format,
     )
-    # Imported here: decoders import this module for the card types.
-    from .decoders import validate_decoder_params
-
     validate_decoder_params(card)
     return card
 

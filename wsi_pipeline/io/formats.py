@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..summary import SUMMARY_FILE
 
 DETECTIONS, OVERLAY, HEATMAP, HEATMAP_FILE = "detections", "overlay", "heatmap", "heatmap-file"
 
@@ -204,7 +205,7 @@ def chosen(names: Iterable[str], kind: str | None = None) -> list[OutputFormat]:
 def output_files(names: Iterable[str], heatmap: bool = True) -> list[str]:
     """The files (or folders: ``ome-zarr``, ``dicom-heatmap``) a slide folder holds for formats
     ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap output)."""
-    return [f.filename for f in chosen(names) if heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)] + ["summary.json"]
+    return [f.filename for f in chosen(names) if heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)] + [SUMMARY_FILE]
 
 
 def detection_notes(names: Iterable[str], dets) -> dict[str, int]:

@@ -21,7 +21,7 @@ from ..inference.card import read_card_json
 from ..io.detections import DETECTION_DTYPE, load_geojson, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
-from ..summary import load_summary
+from ..summary import SUMMARY_FILE, load_summary
 
 RGB = tuple[int, int, int]
 
@@ -226,7 +226,7 @@ def _slide_folder(run_dir: Path) -> Path:
     from ..batch_folder import slides_dir
 
     batch = slides_dir(run_dir)
-    if (run_dir / "summary.json").exists() or not batch.is_dir():
+    if (run_dir / SUMMARY_FILE).exists() or not batch.is_dir():
         return run_dir
     names = sorted(p.name for p in batch.iterdir() if p.is_dir() and not p.name.startswith("."))
     if len(names) == 1:

@@ -87,10 +87,9 @@ class TileGrid(Sequence[Tile]):
             geometry = TilingGeometry.for_slide(slide, tile_size, overlap, level=level, mpp=mpp)
         self.slide = slide
         self.geometry = geometry
-        g = geometry
+        g = geometry  # a frozen value: its numbers are copied for the grid's hot paths
         self.tile_size, self.overlap, self.step = g.tile, g.overlap, g.step
         self.level, self.downsample, self.read_size = g.level, g.downsample, g.read_size
-        self.width_grid, self.height_grid = g.width_grid, g.height_grid
         self.n_cols, self.n_rows = g.n_cols, g.n_rows
 
     def __len__(self) -> int:
