@@ -95,6 +95,35 @@ def test_streaming_blend_equals_whole_canvas_blend_out_of_order(kind):
     np.testing.assert_allclose(results[0], results[1], atol=1e-6)
 
 
+def test_skipping_a_run_of_tiles_equals_skipping_each():
+    rng = np.random.default_rng(2)
+    geom = BlendGeometry(n_rows=4, n_cols=7, tile_size_out=16, step_out=12, out_height=50, out_width=80)
+    weights = tile_weights(16, "gaussian")
+    skipped = {(0, c) for c in range(7)} | {(1, c) for c in range(2, 6)} | {(3, 6)}
+    tiles = {
+        (r, c): rng.random((1, 16, 16)).astype(np.float32) for r in range(4) for c in range(7) if (r, c) not in skipped
+    }
+    sink = Collect(1, geom.out_height, geom.out_width)
+    blender = HeatmapBlender(geom, 1, weights, sink, window_rows=2)
+    blender.skip(0, 0, 7)
+    for r in range(1, 4):
+        c = 0
+        while c < 7:
+            if (r, c) in skipped:
+                stop = c
+                while stop < 7 and (r, stop) in skipped:
+                    stop += 1
+                blender.skip(r, c, stop)
+                c = stop
+            else:
+                blender.add(r, c, tiles[(r, c)])
+                c += 1
+    blender.close()
+    np.testing.assert_allclose(sink.out, naive_blend(geom, tiles, skipped, weights, 1), atol=1e-5)
+    with pytest.raises(WSIPipelineError, match=r"row 3, col 6\) arrived after the blender was closed"):
+        blender.skip(3, 6, 7)
+
+
 def tile_prediction(image: np.ndarray, stride: int) -> np.ndarray:
     """A translation-equivariant 'model': 2-channel sigmoid of s x s block means."""
     h, w = image.shape
@@ -228,7 +257,7 @@ def test_band_memory_does_not_grow_with_height():
 
     shapes_short, peak_short = run(4)
     shapes_tall, peak_tall = run(60)
-    assert shapes_short == shapes_tall == ((3, 120, 228), (120, 228))  # twice the 60-row band
+    assert shapes_short == shapes_tall == ((3, 120, 228), (32, 228))  # twice the 60-row band; one row of weights
     assert peak_tall < peak_short * 1.2 + 50_000
 
 

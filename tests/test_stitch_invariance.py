@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import cv2
 import numpy as np
+import pytest
 
 from wsi_pipeline.stitch import global_nms, merge_boxes, owned_by_tile
 
@@ -126,3 +127,16 @@ def test_merge_recovers_objects_larger_than_the_overlap():
     merged, _, _ = merge_boxes(boxes, scores, iou_threshold=0.5, metric="ios", method="nmm")
     precision, recall = precision_recall(merged, truth)
     assert precision >= 0.99 and recall >= 0.99
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000])
+def test_reading_order_equals_lexsort(n):
+    from wsi_pipeline.stitch.stitcher import reading_order
+
+    rng = np.random.default_rng(n)
+    boxes = rng.uniform(0, 50, (n, 4)).round(0).astype(np.float32)  # many ties
+    if n > 3:
+        boxes[0, 1], boxes[1, 0], boxes[2, 1] = -0.0, np.nan, np.nan
+    np.testing.assert_array_equal(reading_order(boxes), np.lexsort((boxes[:, 0], boxes[:, 1])))
+    boxes[:, 0] -= 25  # negative coordinates take the general sort
+    np.testing.assert_array_equal(reading_order(boxes), np.lexsort((boxes[:, 0], boxes[:, 1])))

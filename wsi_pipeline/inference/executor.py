@@ -238,8 +238,8 @@ class _CudaWorker:
         self.stream = torch.cuda.Stream(self.device)
         self.runner = backend.create_runner(self.stream)
         self.max_batch = int(self.runner.max_batch)
-        h, w = backend.card.input.size_hw
-        self.pinned_in = torch.empty((self.max_batch, h, w, 3), dtype=torch.uint8, pin_memory=True)
+        self._input_hw = backend.card.input.size_hw
+        self._pinned_in: Any = None  # made on the first host batch that needs it: device batches never do
         self.copied = torch.cuda.Event()  # H2D done: pinned_in may be overwritten
         self.done = torch.cuda.Event()  # D2H done: pinned_out may be read
         self.pinned_out: dict[str, Any] = {}
@@ -250,6 +250,14 @@ class _CudaWorker:
         prepare = getattr(self.runner, "prepare", None)
         if prepare is not None:
             prepare()
+
+    @property
+    def pinned_in(self) -> Any:
+        """The pinned staging buffer of host batches that cannot be page-locked in place."""
+        if self._pinned_in is None:
+            h, w = self._input_hw
+            self._pinned_in = self.torch.empty((self.max_batch, h, w, 3), dtype=self.torch.uint8, pin_memory=True)
+        return self._pinned_in
 
     def _out_buffer(self, name: str, t) -> Any:
         buf = self.pinned_out.get(name)
@@ -324,6 +332,7 @@ class _CudaWorker:
     def close(self) -> None:
         self.stream.synchronize()
         self.runner = None
+        self._pinned_in = None
         self.pinned_out.clear()
 
 

@@ -8,12 +8,17 @@ for columns. Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
 cover it, with ``w`` the tile's position weights (:mod:`.weights`); a tile
 the tissue mask skipped counts as p = 0 with its weights.
 
+Every grid tile counts with its weights, added or skipped, so the weight
+sum depends on the grid alone: it is built from one tile row's weights
+(``tile_size_out x canvas_width``, made once) when rows are emitted, and a
+skipped tile costs no array work.
+
 Memory: only a band of tile rows is held, ``window_rows`` tile rows deep, in
-buffers twice its height (accumulators C x 2 band_height x canvas_width
-float32 plus a 2 band_height x canvas_width weight sum). Once every tile of rows <= r has arrived, canvas
-rows above ``(r + 1) * step_out`` are touched by no later tile: they are
-normalised, handed to the sink top to bottom, and the band moves down. Peak
-memory depends on the canvas width and the window, not on the slide height.
+an accumulator twice its height (C x 2 band_height x canvas_width float32).
+Once every tile of rows <= r has arrived, canvas rows above
+``(r + 1) * step_out`` are touched by no later tile: they are normalised,
+handed to the sink top to bottom, and the band moves down. Peak memory
+depends on the canvas width and the window, not on the slide height.
 """
 
 from __future__ import annotations
@@ -137,7 +142,10 @@ class HeatmapBlender:
         # reaches the bottom: one copy per band height of output, not one per tile row.
         buf_rows = 2 * self.band_height
         self._num = np.zeros((channels, buf_rows, g.canvas_width), dtype=np.float32)
-        self._den = np.zeros((buf_rows, g.canvas_width), dtype=np.float32)
+        # One tile row's weight sum, canvas_width wide: every tile row adds exactly this.
+        self._row_weights = np.zeros((g.tile_size_out, g.canvas_width), dtype=np.float32)
+        for c in range(g.n_cols):
+            self._row_weights[:, c * g.step_out : c * g.step_out + g.tile_size_out] += weights
         self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
         self._first_open_row = 0  # lowest tile row with tiles still to come
@@ -148,8 +156,8 @@ class HeatmapBlender:
 
     @property
     def buffer_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the two accumulators (weighted sum, weight sum)."""
-        return self._num.shape, self._den.shape
+        """Shapes of the weighted-sum accumulator and of the one tile row's weight sum."""
+        return self._num.shape, self._row_weights.shape
 
     def add(self, row: int, col: int, heatmap: np.ndarray) -> None:
         """Add tile (row, col)'s heatmap, C x tile_size_out x tile_size_out float."""
@@ -162,15 +170,18 @@ class HeatmapBlender:
         y, x = self._claim(row, col)
         t = g.tile_size_out
         self._num[:, y : y + t, x : x + t] += heatmap * self.weights
-        self._den[y : y + t, x : x + t] += self.weights
-        self._advance()
+        self._advance(row)
 
-    def skip(self, row: int, col: int) -> None:
-        """Record tile (row, col) as background (p = 0 with its weights), e.g. no tissue."""
-        y, x = self._claim(row, col)
-        t = self.geometry.tile_size_out
-        self._den[y : y + t, x : x + t] += self.weights
-        self._advance()
+    def skip(self, row: int, col: int, stop_col: int | None = None) -> None:
+        """Record tile (row, col) as background (p = 0 with its weights), e.g. no tissue.
+
+        With ``stop_col``: tiles ``col .. stop_col - 1`` of the row.
+        """
+        stop_col = col + 1 if stop_col is None else stop_col
+        if stop_col <= col:
+            return
+        self._claim(row, col, stop_col)
+        self._advance(row)
 
     def close(self) -> None:
         """Flush the last rows. Every tile must have been added or skipped."""
@@ -185,17 +196,20 @@ class HeatmapBlender:
             raise WSIPipelineError(msg)
         self._closed = True
 
-    def _claim(self, row: int, col: int) -> tuple[int, int]:
-        """Mark the tile done; return its top-left in band coordinates."""
+    def _claim(self, row: int, col: int, stop_col: int | None = None) -> tuple[int, int]:
+        """Mark tiles (row, col .. stop_col - 1) done; return the first one's top-left in band coordinates."""
         g = self.geometry
+        stop_col = col + 1 if stop_col is None else stop_col
         if self._closed:
             msg = f"tile (row {row}, col {col}) arrived after the blender was closed"
             raise WSIPipelineError(msg)
-        if not (0 <= row < g.n_rows and 0 <= col < g.n_cols):
-            msg = f"tile (row {row}, col {col}): outside the grid of {g.n_rows} x {g.n_cols} tiles"
+        if not (0 <= row < g.n_rows and 0 <= col < stop_col <= g.n_cols):
+            last = f"col {col}" if stop_col == col + 1 else f"cols {col}..{stop_col - 1}"
+            msg = f"tile (row {row}, {last}): outside the grid of {g.n_rows} x {g.n_cols} tiles"
             raise WSIPipelineError(msg)
-        if self._done[row, col]:
-            msg = f"tile (row {row}, col {col}) arrived twice"
+        if self._done[row, col:stop_col].any():
+            twice = col + int(np.argmax(self._done[row, col:stop_col]))
+            msg = f"tile (row {row}, col {twice}) arrived twice"
             raise WSIPipelineError(msg)
         if row < self._first_open_row:
             msg = f"tile (row {row}, col {col}) arrived after its rows were flushed"
@@ -206,12 +220,14 @@ class HeatmapBlender:
                 f"outside the window of {self.window_rows} tile rows; raise window_rows"
             )
             raise WSIPipelineError(msg)
-        self._done[row, col] = True
-        self._done_per_row[row] += 1
+        self._done[row, col:stop_col] = True
+        self._done_per_row[row] += stop_col - col
         return row * g.step_out - self._band_y0 + self._off, col * g.step_out
 
-    def _advance(self) -> None:
+    def _advance(self, row: int) -> None:
         g = self.geometry
+        if row != self._first_open_row or self._done_per_row[row] != g.n_cols:
+            return  # only completing the first open row moves the band
         r = self._first_open_row
         while r < g.n_rows and self._done_per_row[r] == g.n_cols:
             r += 1
@@ -225,13 +241,11 @@ class HeatmapBlender:
             # Move the band down by k rows: the rows below it in the buffer are still zero.
             self._off += k
             self._band_y0 = final_y
-            off, end = self._off, self._den.shape[0]
+            off, end = self._off, self._num.shape[1]
             if off + self.band_height > end:  # past the buffer's end: back to its top
                 n = end - off  # the band's rows that exist; the rest are zero
                 self._num[:, :n] = self._num[:, off:]
                 self._num[:, n:] = 0.0
-                self._den[:n] = self._den[off:]
-                self._den[n:] = 0.0
                 self._off = 0
 
     def _emit(self, k: int) -> None:
@@ -243,8 +257,18 @@ class HeatmapBlender:
         h = y1 - y0
         off = self._off
         num = self._num[:, off : off + h, : g.out_width]
-        den = self._den[off : off + h, : g.out_width]
         # Every finished canvas pixel lies under some tile, and every tile adds weights > 0.
-        rows = np.divide(num, den[None])
+        rows = np.divide(num, self._weight_sum(y0, y1)[None])
         self.sink(y0, rows)
         self._emitted = y1
+
+    def _weight_sum(self, y0: int, y1: int) -> np.ndarray:
+        """The weight sum of output rows [y0, y1): every tile row's weights that reach them."""
+        g = self.geometry
+        t, s = g.tile_size_out, g.step_out
+        den = np.zeros((y1 - y0, g.out_width), dtype=np.float32)
+        for r in range(max(0, (y0 - t) // s), min(g.n_rows, (y1 - 1) // s + 1)):
+            a, b = max(y0, r * s), min(y1, r * s + t)
+            if a < b:
+                den[a - y0 : b - y0] += self._row_weights[a - r * s : b - r * s, : g.out_width]
+        return den

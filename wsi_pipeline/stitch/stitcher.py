@@ -66,11 +66,14 @@ class Stitcher:
             )
 
     def _skip_to(self, index: int) -> None:
+        """Skip grid tiles ``_next .. index - 1`` (no tissue), a row's run at a time."""
         n_cols = self.geometry.n_cols
         while self._next < index:
+            row, col = divmod(self._next, n_cols)
+            stop = min(index, (row + 1) * n_cols)
             if self.blender is not None:
-                self.blender.skip(self._next // n_cols, self._next % n_cols)
-            self._next += 1
+                self.blender.skip(row, col, stop - row * n_cols)
+            self._next = stop
 
     def add_batch(self, tiles: Sequence[Tile], dets: Sequence[TileDetections]) -> None:
         """A batch's detections (tile pixels), tiles in grid order: heatmaps per tile, boxes per grid row."""
@@ -131,8 +134,23 @@ class Stitcher:
         if self.blender is not None:
             self.blender.close()
         boxes, scores, labels = self.policy.finish()
-        order = np.lexsort((boxes[:, 0], boxes[:, 1]))
+        order = reading_order(boxes)
         return boxes[order], scores[order], labels[order]
 
 
-__all__ = ["Stitcher"]
+def reading_order(boxes: np.ndarray) -> np.ndarray:
+    """Indices sorting N x 4 boxes (x0, y0, ...; float32, >= 0 or NaN) by y0, then x0; ties keep their order.
+
+    Non-negative float32 values order as their bit patterns do, so one stable
+    sort of (y0 bits << 32 | x0 bits) does what ``np.lexsort((x0, y0))`` does,
+    several times faster on a slide's hundreds of thousands of boxes.
+    """
+    x0 = np.ascontiguousarray(boxes[:, 0], np.float32) + np.float32(0)  # -0.0 -> 0.0
+    y0 = np.ascontiguousarray(boxes[:, 1], np.float32) + np.float32(0)
+    if (x0 < 0).any() or (y0 < 0).any():
+        return np.lexsort((x0, y0))
+    key = (y0.view(np.uint32).astype(np.uint64) << np.uint64(32)) | x0.view(np.uint32)
+    return np.argsort(key, kind="stable")
+
+
+__all__ = ["Stitcher", "reading_order"]
