@@ -263,3 +263,21 @@ def test_a_failed_write_job_raises_after_every_job_ended(tmp_path, processes):
         assert jobs.done() and json.loads((tmp_path / "b.json").read_text()) == {"ok": 1}
     finally:
         pool.close()
+
+
+def test_a_script_without_a_main_guard_gets_told_why_writing_failed(slide_path, tmp_path):
+    """Writer processes import the main script first: one without a guard must fail there at once, and say why."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from wsi_pipeline import Pipeline\n"
+        "pipe = Pipeline.from_card(backend='ort', tissue='all')\n"
+        f"pipe.run({str(slide_path)!r}, out_dir={str(tmp_path / 'out')!r})\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "a pipeline was started while a new process imported the main script" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr.splitlines()[-1]
+    assert not (tmp_path / "out" / "summary.json").exists()

@@ -43,7 +43,7 @@ from .inference.service import TileService
 from .inference.shipped import shipped_card
 from .io.detections import make_detections
 from .io.writer_pool import DEFAULT_PROCESSES as DEFAULT_WRITER_PROCESSES
-from .io.writer_pool import WriterPool
+from .io.writer_pool import WriterPool, check_not_importing_main
 from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import Result
 from .slide import Slide, as_slide
@@ -97,6 +97,7 @@ class Pipeline:
         writer_processes: int = DEFAULT_WRITER_PROCESSES,
         **overrides: Any,
     ):
+        check_not_importing_main()
         config = (config or RunConfig()).replace(**overrides) if overrides else (config or RunConfig())
         if card is None:
             card = config.model or DEFAULT_MODEL

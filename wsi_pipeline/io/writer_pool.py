@@ -22,9 +22,26 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from ..errors import WSIPipelineError
+from ..errors import ConfigError, WSIPipelineError
 
 DEFAULT_PROCESSES = 3
+
+
+_MAIN_GUARD = (
+    "writer processes start by importing the main script: a script must run the pipeline "
+    'under `if __name__ == "__main__":`'
+)
+
+
+def check_not_importing_main() -> None:
+    """Raise :class:`ConfigError` in a writer process that is importing the user's main script.
+
+    A process started with ``spawn`` imports ``__main__`` first; a script that
+    builds a pipeline at its top level (no main guard) would otherwise run a
+    whole slide there before failing.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(f"a pipeline was started while a new process imported the main script; {_MAIN_GUARD}")
 
 
 def _ready() -> None:
@@ -48,7 +65,9 @@ class WriteJobs:
             try:
                 fut.result()
             except BrokenProcessPool as exc:
-                first = first or WSIPipelineError(f"writing {name}: the writer process died ({exc})")
+                first = first or WSIPipelineError(
+                    f"writing {name}: the writer process died ({exc}); if this runs from a script, {_MAIN_GUARD}"
+                )
             except BaseException as exc:
                 first = first or exc
         if first is not None:
