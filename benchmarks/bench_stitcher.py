@@ -72,7 +72,9 @@ def main() -> int:
         for i in range(0, len(tiles), 64):
             part = tiles[i : i + 64]
             stitcher.add_batch(part, [pool[(i + j) % len(pool)] for j in range(len(part))])
-        return len(stitcher.finish()[0])
+        n = len(stitcher.finish()[0])
+        outputs.close_heatmap()  # the sinks' thread done too
+        return n
 
     print(f"{len(tiles)} of {len(grid)} tiles")
     for _ in range(args.rounds):

@@ -277,3 +277,29 @@ def test_arrival_errors_name_the_tile():
         blender.skip(0, 1)
     with pytest.raises(WSIPipelineError, match=r"row 1, col 0"):
         blender.close()
+
+
+def test_background_sink_keeps_order_and_raises_the_sinks_failure():
+    from wsi_pipeline.errors import ClosedError
+    from wsi_pipeline.stitch.sinks import BackgroundSink
+
+    seen = []
+    bg = BackgroundSink(lambda y0, rows: seen.append((y0, rows.shape[1])), max_pending=2)
+    for y0 in range(0, 50, 5):
+        bg(y0, np.zeros((1, 5, 3), np.float32))
+    bg.close()
+    bg.close()
+    assert seen == [(y0, 5) for y0 in range(0, 50, 5)]
+    with pytest.raises(ClosedError):
+        bg(50, np.zeros((1, 5, 3), np.float32))
+
+    def failing(y0, rows):
+        if y0 >= 10:
+            raise OSError("disk full")
+
+    bg = BackgroundSink(failing, max_pending=1)
+    with pytest.raises(OSError, match="disk full"):
+        for y0 in range(0, 1000, 5):  # the failure reaches the caller while it still hands rows over
+            bg(y0, np.zeros((1, 5, 3), np.float32))
+    with pytest.raises(OSError, match="disk full"):
+        bg.close()

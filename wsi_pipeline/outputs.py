@@ -1,10 +1,13 @@
 """One slide's outputs: the heatmap sinks the stitcher feeds, and the files written after it.
 
 :class:`SlideOutputs` is built per slide by the pipeline and hands the
-stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out to the
-OME-TIFF writer (with an output folder), an in-memory array (when asked),
-per-class statistics over the tissue and a reduced copy for the overlay (and
-the OME-Zarr writer where ``ome-zarr`` is chosen).
+stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out, from a
+thread of its own (:class:`~.stitch.sinks.BackgroundSink`), to the OME-TIFF
+writer (with an output folder), an in-memory array (when asked), per-class
+statistics over the tissue and a reduced copy for the overlay (and the
+OME-Zarr writer where ``ome-zarr`` is chosen). Whatever reads them
+(:meth:`SlideOutputs.heatmap_scores`, the overlay, :meth:`SlideOutputs.close_heatmap`)
+waits for that thread first; :meth:`SlideOutputs.abort` ends it too.
 After stitching, :meth:`SlideOutputs.write` sends the detection files and
 overlay of ``config.formats`` (:mod:`.io.formats`) to the writer processes
 and returns the step that closes the heatmap file; ``summary.json``, the
@@ -39,7 +42,7 @@ from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide
 from .stitch.blend import Sink
-from .stitch.sinks import ArraySink, HeatmapStats, ReducedCopy, fan_out
+from .stitch.sinks import ArraySink, BackgroundSink, HeatmapStats, ReducedCopy, fan_out
 from .stitch.weights import tile_weights
 from .summary import SUMMARY_FILE
 from .tiling.tissue import TissueMask
@@ -80,6 +83,7 @@ class SlideOutputs:
         self.reduced: ReducedCopy | None = None
         self.stats: HeatmapStats | None = None
         self.heatmap_sink: Sink | None = None
+        self._background: BackgroundSink | None = None
         self.heatmap_weights: np.ndarray | None = None
         hm = card.heatmap
         if hm is None:
@@ -110,7 +114,8 @@ class SlideOutputs:
             c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
         )
         sinks.append(self.reduced)
-        self.heatmap_sink = fan_out(*sinks)
+        self._background = BackgroundSink(fan_out(*sinks))
+        self.heatmap_sink = self._background
         self.heatmap_weights = tile_weights(
             g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
         )
@@ -119,8 +124,14 @@ class SlideOutputs:
     def heatmap_channels(self) -> int:
         return len(self.card.heatmap.classes) if self.card.heatmap is not None else 0
 
+    def drain_heatmap(self) -> None:
+        """Wait until every heatmap row handed over has reached the sinks (raises their failure)."""
+        if self._background is not None:
+            self._background.close()
+
     def close_heatmap(self) -> np.ndarray | HeatmapFile | None:
         """Finish the heatmap file; the heatmap in memory, the file's lazy reader, or None."""
+        self.drain_heatmap()
         if self.reduced is not None:
             self.reduced.close()
         if self.zarr_writer is not None:
@@ -132,6 +143,10 @@ class SlideOutputs:
 
     def abort(self) -> None:
         """Remove what was begun (the heatmap files' partial data)."""
+        try:
+            self.drain_heatmap()
+        except Exception:  # the run failed already; its own error is the one raised
+            pass
         for writer in (self.writer, self.zarr_writer):
             if writer is not None:
                 writer.abort()
@@ -140,11 +155,13 @@ class SlideOutputs:
         """Per-class statistics over the tissue (see :class:`~.stitch.sinks.HeatmapStats`)."""
         if self.stats is None:
             return None
+        self.drain_heatmap()
         mm2 = mm2_per_px0 * self.geometry.heatmap_scale_level0**2 if mm2_per_px0 else None
         return self.stats.summary(list(self.card.heatmap.classes), mm2)
 
     def overlay_inputs(self, dets: np.ndarray) -> tuple:
         """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes, colours."""
+        self.drain_heatmap()
         thumb = self.slide.get_thumbnail(self.config.overlay_size)
         thumb_ds = self.slide.dimensions[0] / thumb.shape[1]
         heat = self.reduced.array if self.reduced is not None else None
