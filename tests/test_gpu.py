@@ -129,7 +129,7 @@ def test_gpu_error_names_tiles_and_stops(card512, slide_and_grid):
 
 
 def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
-    from helpers import smooth_rgb, write_pyramid_tiff
+    from helpers import smooth_rgb, stored_tiles_per_batch, write_pyramid_tiff
 
     from wsi_pipeline.slide.tiff_backend import TiffSlide
     from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
@@ -141,12 +141,21 @@ def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
     ref = np.stack([grid.read(t) for t in grid])
     gpu = {}
     for decoder in ("threads", "nvjpeg"):
-        got = {}
-        for b in GpuTileLoader(slide, list(grid), batch_size=5, jpeg_decoder=decoder):
-            b.ready.synchronize()
-            for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True):
-                got[t.index] = img
-        gpu[decoder] = np.stack([got[t.index] for t in grid])
+        for batch_size in (3, 5, 7):
+            got = {}
+            loader = GpuTileLoader(slide, list(grid), batch_size=batch_size, jpeg_decoder=decoder)
+            for b in loader:
+                b.ready.synchronize()
+                for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True):
+                    got[t.index] = img
+            # Stored tiles shared with the previous batch are copied on the device, the others decoded.
+            fresh, shared, _ = stored_tiles_per_batch(slide, list(grid), batch_size)
+            dec = loader.decoder
+            assert (dec.stored_tiles_decoded, dec.stored_tiles_reused) == (fresh, shared), (decoder, batch_size)
+            images = np.stack([got[t.index] for t in grid])
+            if decoder in gpu:  # any batch size: the same pixels
+                np.testing.assert_array_equal(images, gpu[decoder])
+            gpu[decoder] = images
     # libjpeg-turbo in threads: the CPU reader's pixels exactly.
     np.testing.assert_array_equal(gpu["threads"], ref)
     diff = np.abs(gpu["nvjpeg"].astype(np.int16) - ref.astype(np.int16))
@@ -204,6 +213,8 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
         assert gpu.batch_size >= 8  # from the device's memory
         res = gpu.run(pathology_slide, out_dir=tmp_path / "out")
     assert res.summary["tile_decode"]["where"] == "gpu", res.summary["tile_decode"]
+    assert res.summary["tile_decode"]["stored_tiles_decoded"] > 0, res.summary["tile_decode"]
+    assert res.summary["tile_decode"]["stored_tiles_reused"] >= 0
     assert ref.summary["tile_decode"]["where"] == "cpu"
     truth = load_truth(str(pathology_slide).replace(".tiff", ".truth.geojson"))
     for dets in (ref.detections, res.detections):

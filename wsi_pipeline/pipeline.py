@@ -316,7 +316,12 @@ class Pipeline:
                     report(len(br.tiles))
         run_info["tile_decode"] = {"where": where, "why": why}
         if where == "gpu":
-            run_info["tile_decode"]["cpu_fallback_batches"] = loader.decoder.cpu_fallback_batches
+            dec = loader.decoder
+            run_info["tile_decode"].update(
+                cpu_fallback_batches=dec.cpu_fallback_batches,
+                stored_tiles_decoded=dec.stored_tiles_decoded,
+                stored_tiles_reused=dec.stored_tiles_reused,
+            )
         timer.seconds["tile_reads_worker_s"] += read_seconds()
         slide.clear_cache()  # the decoded tiles are not needed for what follows
 

@@ -50,6 +50,16 @@ class TilesInfo(TypedDict):
     downsample: float  # level-0 pixels per grid pixel
 
 
+class TileDecodeInfo(TypedDict, total=False):
+    """Where a run decoded its stored tiles and why; the counts only where decoded on the GPU."""
+
+    where: str  # "gpu" or "cpu"
+    why: str
+    cpu_fallback_batches: int  # batches nvJPEG refused, decoded by libjpeg-turbo instead
+    stored_tiles_decoded: int  # stored JPEG tiles read and decoded
+    stored_tiles_reused: int  # stored tiles copied on the device from the previous batch instead
+
+
 class ModelInfo(TypedDict):
     name: str
     version: str
@@ -85,7 +95,7 @@ class Summary(TypedDict, total=False):
     reader_workers: int
     parameters: dict[str, Any]  # the run settings (RunConfig.as_dict)
     versions: dict[str, str]
-    tile_decode: dict[str, Any]  # where stored tiles were decoded and why
+    tile_decode: TileDecodeInfo
     run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
     files: list[str]  # the files the run wrote in its folder, summary.json last (docs/outputs.md)
     geojson_left_out: int  # boxes without area left out of the GeoJSON (with a GeoJSON format)

@@ -51,6 +51,33 @@ def write_pyramid_tiff(
                 tw.write(p, subfiletype=1, **kw)
 
 
+def stored_tiles_under(slide, tiles, stored: int = 256) -> set[tuple[int, int]]:
+    """The stored tiles ``(tx, ty)`` under the tiles' pixels inside their level (pixel by pixel, slowly)."""
+    out = set()
+    for t in tiles:
+        w, h = slide.level_dimensions[t.level]
+        ds = slide.level_downsamples[t.level]
+        x0, y0 = int(t.x0_level0 // ds), int(t.y0_level0 // ds)
+        xs, ys = np.arange(x0, x0 + t.size), np.arange(y0, y0 + t.size)
+        cols = np.unique(xs[(xs >= 0) & (xs < w)] // stored)
+        rows = np.unique(ys[(ys >= 0) & (ys < h)] // stored)
+        out.update((int(c), int(r)) for r in rows for c in cols)
+    return out
+
+
+def stored_tiles_per_batch(slide, tiles, batch_size: int, stored: int = 256) -> tuple[int, int, int]:
+    """Batches of ``tiles`` in order, each decoding what the previous batch's do not cover.
+
+    Returns (stored tiles to decode, stored tiles shared with the previous
+    batch, distinct stored tiles under all the tiles).
+    """
+    needs = [stored_tiles_under(slide, tiles[s : s + batch_size], stored) for s in range(0, len(tiles), batch_size)]
+    before = [set(), *needs[:-1]]
+    fresh = sum(len(n - p) for n, p in zip(needs, before, strict=True))
+    shared = sum(len(n & p) for n, p in zip(needs, before, strict=True))
+    return fresh, shared, len(set().union(*needs))
+
+
 def corrupt_stored_tile(path, index: int | None = None, page: int = 0) -> int:
     """Overwrite one stored tile of a TIFF page (default: the middle one) with a broken JPEG."""
     with tifffile.TiffFile(path) as tif:

@@ -1,13 +1,21 @@
 """GPU JPEG decoding of tile batches: stored JPEG tiles -> patches assembled on the device.
 
 For a JPEG-tiled TIFF (:class:`~..slide.tiff_backend.TiffSlide`), a batch of
-grid tiles is read as follows: the stored tiles covering the batch's
-patches (a 512 px patch on a 448 px step over 256 px stored tiles touches up
-to 3 x 3 of them; neighbouring patches share most) are fetched as
-standalone JPEG streams (``raw_tile_jpeg``: pread + JPEGTables spliced in),
-decoded ONCE each, laid out as one mosaic on the device, and every patch is
-gathered from the mosaic in one indexing kernel: the overlap of neighbouring
-patches is never decoded or copied twice, and the CPU does no per-patch work.
+grid tiles is read as follows: the stored tiles its patches touch (a 512 px
+patch on a 448 px step over 256 px stored tiles touches up to 3 x 3 of them;
+neighbouring patches share most; :func:`stored_tiles_touched`) are fetched
+as standalone JPEG streams (``raw_tile_jpeg``: pread + JPEGTables spliced
+in), decoded ONCE each, laid out as one mosaic on the device, and every
+patch is gathered from the mosaic in one indexing kernel: the overlap of
+neighbouring patches is never decoded or copied twice, and the CPU does no
+per-patch work. Only the stored tiles some patch touches are decoded, not
+the whole bounding box of the batch (the other mosaic slots are never read).
+
+:class:`GpuTileLoader` decodes each stored tile once per slide where it
+can: batches in grid order share stored tile rows, and a batch copies the
+stored tiles it shares with the previous batch from that batch's mosaic on
+the device instead of decoding them again (the previous mosaic is handed
+over in sequence order; only one is held at a time).
 
 Two stored-tile decoders (``jpeg_decoder``):
 
@@ -26,16 +34,19 @@ at a time (a global lock), so more loader threads do not help it.
 Pixels past the level's edge take the slide's background colour, as in the
 CPU readers. Only grids that read a level as it is are supported (no
 resize: ``tile.read_size == tile.size``), and only 3-sample JPEG levels.
+On a CPU device (``device="cpu"``, for tests) the same code runs without
+CUDA streams or events.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +68,8 @@ class DeviceBatch:
 
     ``images``: ``n x size x size x 3`` uint8 CUDA tensor (RGB); ``ready``:
     an event recorded after it was written (consumers on other streams wait
-    on it); ``tiles``, ``sequence``: as in :class:`~..tiling.loader.Batch`.
+    on it; None on a CPU device); ``tiles``, ``sequence``: as in
+    :class:`~..tiling.loader.Batch`.
     """
 
     images: Any
@@ -101,6 +113,42 @@ def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
     return None
 
 
+def stored_tiles_touched(
+    xs0: Iterable[int], ys0: Iterable[int], size: int, tile_w: int, tile_h: int, level_w: int, level_h: int
+) -> list[tuple[int, int]]:
+    """The stored tiles ``(tx, ty)`` that patches touch, row-major, clipped to the level.
+
+    ``xs0``, ``ys0``: the patches' level-pixel origins; ``size``: their side
+    in pixels; ``tile_w``, ``tile_h``: the stored tiles'; ``level_w``,
+    ``level_h``: the level's. A patch wholly past the level's edge touches none.
+    """
+    touched: set[tuple[int, int]] = set()
+    for x0, y0 in zip(xs0, ys0, strict=True):
+        x1, y1 = min(x0 + size, level_w), min(y0 + size, level_h)
+        x0, y0 = max(x0, 0), max(y0, 0)
+        if x0 >= x1 or y0 >= y1:
+            continue
+        for ty in range(y0 // tile_h, (y1 - 1) // tile_h + 1):
+            touched.update((tx, ty) for tx in range(x0 // tile_w, (x1 - 1) // tile_w + 1))
+    return sorted(touched, key=lambda c: (c[1], c[0]))
+
+
+@dataclass
+class StoredTiles:
+    """A batch's decoded stored tiles, which the next batch copies from.
+
+    ``pixels``: ``slots x tile_h x tile_w x 3`` uint8 on the device;
+    ``slots``: ``(tx, ty) -> slot`` of the tiles it holds (other slots are
+    uninitialised); ``ready``: an event recorded after they were written
+    (None on a CPU device).
+    """
+
+    level: int
+    pixels: Any
+    slots: dict[tuple[int, int], int]
+    ready: Any = None
+
+
 JPEG_DECODERS = ("threads", "nvjpeg")
 _POOL_LOCK = threading.Lock()
 
@@ -111,6 +159,10 @@ class GpuTileDecoder:
     ``jpeg_decoder``: ``"nvjpeg"`` or ``"threads"`` (module docstring);
     ``threads``: CPU decoding threads for ``"threads"`` (default: cores - 2).
     Thread-safe: each calling thread gets its own staging buffer.
+    Counters (thread-safe, for a run's record): ``stored_tiles_decoded``
+    (stored tiles read and decoded), ``stored_tiles_reused`` (copied from the
+    previous batch instead), ``cpu_fallback_batches`` (batches nvJPEG
+    refused, decoded by libjpeg-turbo instead).
     """
 
     def __init__(
@@ -128,9 +180,19 @@ class GpuTileDecoder:
                 f"reader, found the {slide.backend} reader"
             )
         self.slide = slide
-        self.cpu_fallback_batches = 0  # batches nvJPEG refused, decoded by libjpeg-turbo instead
+        self._counts_lock = threading.Lock()
+        self.cpu_fallback_batches = 0
+        self.stored_tiles_decoded = 0
+        self.stored_tiles_reused = 0
         self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
+
+    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0) -> None:
+        with self._counts_lock:
+            self.stored_tiles_decoded += decoded
+            self.stored_tiles_reused += reused
+            self.cpu_fallback_batches += fallback
 
     def _check(self, tiles: Sequence[Tile]) -> int:
         level = tiles[0].level
@@ -142,12 +204,26 @@ class GpuTileDecoder:
                 )
         return level
 
+    def _origins(self, tiles: Sequence[Tile], level: int) -> tuple[list[int], list[int]]:
+        """The tiles' level-pixel origins, as the CPU reader computes them."""
+        ds = self.slide.level_downsamples[level]
+        return [int(math.floor(t.x0_level0 / ds)) for t in tiles], [int(math.floor(t.y0_level0 / ds)) for t in tiles]
+
+    def stored_tiles(self, tiles: Sequence[Tile]) -> list[tuple[int, int]]:
+        """The stored tiles ``(tx, ty)`` that ``tiles`` touch (:func:`stored_tiles_touched`)."""
+        if not tiles:
+            return []
+        level = self._check(tiles)
+        tw, th, _, _ = self.slide.tile_grid_shape(level)
+        lw, lh = self.slide.level_dimensions[level]
+        return stored_tiles_touched(*self._origins(tiles, level), tiles[0].size, tw, th, lw, lh)
+
     def _fail(self, level: int, tx: int, ty: int, exc: Exception) -> TileReadError:
         return TileReadError(
             self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}", None, level
         )
 
-    def _decode_nvjpeg(self, level: int, slots: list, m: int, th: int, tw: int) -> torch.Tensor:
+    def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         data, where, empty = [], [], []
         for slot, tx, ty in slots:
             raw = self.slide.raw_tile_jpeg(level, tx, ty)
@@ -156,7 +232,6 @@ class GpuTileDecoder:
                 where.append(slot)
             else:
                 empty.append(slot)
-        stored = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
         if empty:
             stored[empty] = self.background
         if data:
@@ -165,8 +240,9 @@ class GpuTileDecoder:
             except RuntimeError:
                 # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
                 # batch instead and reports the tile that really cannot be decoded.
-                self.cpu_fallback_batches += 1
-                return self._decode_threads(level, slots, m, th, tw)
+                self._count(fallback=1)
+                self._decode_threads(stored, level, slots, th, tw)
+                return
             for d in decoded:
                 if d.shape != (3, th, tw):
                     raise TileReadError(
@@ -176,7 +252,6 @@ class GpuTileDecoder:
                         level,
                     )
             stored[where] = torch.stack(decoded).permute(0, 2, 3, 1)
-        return stored
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
@@ -184,30 +259,30 @@ class GpuTileDecoder:
         event = getattr(self._local, "event", None)
         if event is not None:
             event.synchronize()  # the previous H2D copy out of it has finished
-        cuda = self.device.type == "cuda"
         if buf is None or buf.shape[0] < m or tuple(buf.shape[1:]) != (th, tw, 3):
-            buf = torch.empty((max(m, 64), th, tw, 3), dtype=torch.uint8, pin_memory=cuda)
+            buf = torch.empty((max(m, 64), th, tw, 3), dtype=torch.uint8, pin_memory=self.cuda)
             self._local.staging = buf
-        if event is None and cuda:
+        if event is None and self.cuda:
             event = self._local.event = torch.cuda.Event()
         return buf, event
 
-    def _decode_threads(self, level: int, slots: list, m: int, th: int, tw: int) -> torch.Tensor:
+    def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         import imagecodecs
 
+        m = len(slots)
         staging, event = self._staging(m, th, tw)
         host = staging.numpy()
         slide = self.slide
         background = tuple(slide.background_rgb)
 
         def run(chunk: list) -> None:
-            for slot, tx, ty in chunk:
+            for i, (_, tx, ty) in chunk:
                 raw = slide.raw_tile_jpeg(level, tx, ty)
                 if not raw:
-                    host[slot] = background
+                    host[i] = background
                     continue
                 try:
-                    imagecodecs.jpeg8_decode(raw, out=host[slot])
+                    imagecodecs.jpeg8_decode(raw, out=host[i])
                 except Exception as exc:  # imagecodecs raises its own error types
                     raise self._fail(level, tx, ty, exc) from exc
 
@@ -217,15 +292,26 @@ class GpuTileDecoder:
                     self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="jpeg-decode")
         # Chunks rather than one task per tile: the per-tile Python work then
         # runs in the pool threads, which release the GIL while decoding.
-        n_chunks = min(len(slots), self.threads)
-        futures = [self._pool.submit(run, slots[i::n_chunks]) for i in range(n_chunks)]
+        items = list(enumerate(slots))
+        n_chunks = min(m, self.threads)
+        futures = [self._pool.submit(run, items[i::n_chunks]) for i in range(n_chunks)]
         for f in futures:
             f.result()
-        stored = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
-        stored.copy_(staging[:m], non_blocking=event is not None)
+        decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
+        decoded.copy_(staging[:m], non_blocking=event is not None)
         if event is not None:
             event.record(torch.cuda.current_stream(self.device))
-        return stored
+        stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
+
+    def _decode_into(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
+        """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
+        if not slots:
+            return
+        if self.jpeg_decoder == "nvjpeg":
+            self._decode_nvjpeg(stored, level, slots, th, tw)
+        else:
+            self._decode_threads(stored, level, slots, th, tw)
+        self._count(decoded=len(slots))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -233,39 +319,80 @@ class GpuTileDecoder:
             self._pool = None
 
     def decode(self, tiles: Sequence[Tile]) -> torch.Tensor:
-        """The tiles' pixels: ``n x size x size x 3`` uint8 on the device (current stream)."""
+        """The tiles' pixels: ``n x size x size x 3`` uint8 on the device (current stream).
+
+        Decodes every stored tile the tiles touch (nothing is reused).
+        """
+        return self.decode_after(tiles)[0]
+
+    def decode_after(
+        self,
+        tiles: Sequence[Tile],
+        previous_tiles: Sequence[Tile] = (),
+        take_previous: Callable[[], StoredTiles | None] | None = None,
+    ) -> tuple[torch.Tensor, StoredTiles | None]:
+        """:meth:`decode`, copying the stored tiles shared with the previous batch from its mosaic.
+
+        ``previous_tiles``: the previous batch's tiles (same level);
+        ``take_previous``: gives its :class:`StoredTiles` (waiting for them),
+        None where there are none (it failed): the shared stored tiles are
+        then decoded too. The stored tiles this batch alone needs are
+        decoded before ``take_previous`` is called, which is called even
+        when nothing is shared (a loader's batches then finish in order).
+        Returns the pixels and this batch's :class:`StoredTiles` (None when
+        no stored tile is touched).
+        """
         if not tiles:
             raise ConfigError("no tiles to decode")
         slide = self.slide
         level = self._check(tiles)
-        tw, th, across, down = slide.tile_grid_shape(level)
+        tw, th, _, _ = slide.tile_grid_shape(level)
         lw, lh = slide.level_dimensions[level]
-        ds = slide.level_downsamples[level]
         size = tiles[0].size
-        # Level-pixel origins, as the CPU reader computes them.
-        xs0 = [int(math.floor(t.x0_level0 / ds)) for t in tiles]
-        ys0 = [int(math.floor(t.y0_level0 / ds)) for t in tiles]
-        px0, py0 = min(xs0), min(ys0)
-        px1, py1 = max(xs0) + size, max(ys0) + size
-        tx0, ty0 = max(px0, 0) // tw, max(py0, 0) // th
-        tx1 = min(max(px1, 1) - 1, lw - 1) // tw
-        ty1 = min(max(py1, 1) - 1, lh - 1) // th
-        if tx0 > tx1 or ty0 > ty1 or px0 >= lw or py0 >= lh:  # wholly outside the level
+        xs0, ys0 = self._origins(tiles, level)
+        needed = stored_tiles_touched(xs0, ys0, size, tw, th, lw, lh)
+        if not needed:  # wholly outside the level
             out = torch.empty((len(tiles), size, size, 3), dtype=torch.uint8, device=self.device)
             out[...] = self.background
-            return out
+            return out, None
+        tx0, tx1 = min(tx for tx, _ in needed), max(tx for tx, _ in needed)
+        ty0, ty1 = needed[0][1], needed[-1][1]
         rows, cols = ty1 - ty0 + 1, tx1 - tx0 + 1
-        slots = [((ty - ty0) * cols + (tx - tx0), tx, ty) for ty in range(ty0, ty1 + 1) for tx in range(tx0, tx1 + 1)]
-        if self.jpeg_decoder == "nvjpeg":
-            stored = self._decode_nvjpeg(level, slots, rows * cols, th, tw)
-        else:
-            stored = self._decode_threads(level, slots, rows * cols, th, tw)
+        slots = {(tx, ty): (ty - ty0) * cols + (tx - tx0) for tx, ty in needed}
+        previous = set(self.stored_tiles(previous_tiles)) if previous_tiles else set()
+        shared = [c for c in needed if c in previous]
+        # Slots no patch touches stay uninitialised: no patch pixel inside the
+        # level lies in them, and the canvas below masks everything outside it.
+        stored = torch.empty((rows * cols, th, tw, 3), dtype=torch.uint8, device=self.device)
+        self._decode_into(stored, level, [(slots[c], *c) for c in needed if c not in previous], th, tw)
+        # Always taken (even when nothing is shared), so that batches publish in sequence order.
+        prev = take_previous() if take_previous is not None else None
+        if prev is not None and prev.level == level:
+            copy = [(slots[c], prev.slots[c]) for c in shared if c in prev.slots]
+            if copy:
+                if prev.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(prev.ready)
+                dst = torch.tensor([d for d, _ in copy], device=self.device)
+                src = torch.tensor([s for _, s in copy], device=self.device)
+                stored[dst] = prev.pixels[src]
+                if self.cuda:  # read on this stream: not to be reused before the copy is done
+                    prev.pixels.record_stream(torch.cuda.current_stream(self.device))
+                self._count(reused=len(copy))
+            shared = [c for c in shared if c not in prev.slots]
+        del prev
+        self._decode_into(stored, level, [(slots[c], *c) for c in shared], th, tw)
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        kept = StoredTiles(level, stored, slots, ready)
         # Mosaic of the stored tiles, in level pixels from (tx0*tw, ty0*th).
         mosaic = stored.view(rows, cols, th, tw, 3).permute(0, 2, 1, 3, 4).reshape(rows * th, cols * tw, 3)
         mx0, my0 = tx0 * tw, ty0 * th
         # Everything the patches touch, background outside the level.
-        canvas_w, canvas_h = px1 - px0, py1 - py0
-        canvas = torch.empty((canvas_h, canvas_w, 3), dtype=torch.uint8, device=self.device)
+        px0, py0 = min(xs0), min(ys0)
+        px1, py1 = max(xs0) + size, max(ys0) + size
+        canvas = torch.empty((py1 - py0, px1 - px0, 3), dtype=torch.uint8, device=self.device)
         canvas[...] = self.background
         sx0, sy0 = max(px0, mx0), max(py0, my0)
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
@@ -274,7 +401,47 @@ class GpuTileDecoder:
         ar = torch.arange(size, device=self.device)
         yy = (torch.tensor(ys0, device=self.device) - py0)[:, None] + ar[None, :]
         xx = (torch.tensor(xs0, device=self.device) - px0)[:, None] + ar[None, :]
-        return canvas[yy[:, :, None], xx[:, None, :]]
+        return canvas[yy[:, :, None], xx[:, None, :]], kept
+
+
+class _HandOff:
+    """Each batch's :class:`StoredTiles` passed to the next batch, in sequence order.
+
+    Holds one batch's at a time: the next batch takes it, then publishes its
+    own. A failed batch publishes None at once (its successor then decodes
+    everything; a predecessor publishing after it is ignored); :meth:`stop`
+    wakes any waiting thread, which then raises CancelledError.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._seq = -1  # the latest batch published
+        self._stored: StoredTiles | None = None
+        self._stopped = False
+
+    def publish(self, seq: int, stored: StoredTiles | None) -> None:
+        with self._cond:
+            if seq > self._seq:  # else a later batch failed first: nobody takes this one
+                self._seq, self._stored = seq, stored
+            self._cond.notify_all()
+
+    def take(self, seq: int) -> StoredTiles | None:
+        """Batch ``seq - 1``'s stored tiles, once published (None where it or a later batch failed)."""
+        with self._cond:
+            while self._seq < seq - 1:
+                if self._stopped:
+                    raise CancelledError("the loader is closing")
+                self._cond.wait(0.1)
+            if self._seq != seq - 1:
+                return None
+            stored, self._stored = self._stored, None
+            return stored
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._stored = None
+            self._cond.notify_all()
 
 
 class GpuTileLoader:
@@ -284,8 +451,15 @@ class GpuTileLoader:
     CUDA stream (``jpeg_decoder``, ``jpeg_threads``: see :class:`GpuTileDecoder`);
     ``prefetch`` batches are decoded ahead of the consumer
     (device memory: about ``(prefetch + 2) * batch_size`` tiles plus the
-    stored-tile mosaics). Errors stop the loader and are raised from the
-    iteration; breaking out of the loop shuts the threads down.
+    stored-tile mosaics). Each batch decodes the stored tiles it does not
+    share with the previous batch, then waits for that batch's mosaic and
+    copies the shared ones from it on the device (its stream waits on the
+    previous batch's event): with tiles in grid order each stored tile is
+    decoded about once per slide (counted in ``decoder.stored_tiles_decoded``
+    and ``decoder.stored_tiles_reused``). One previous mosaic is held at a
+    time. Errors stop the loader and are raised from the iteration; breaking
+    out of the loop shuts the threads down. On a CPU device (tests) there
+    are no CUDA streams and ``DeviceBatch.ready`` is None.
     """
 
     def __init__(
@@ -310,23 +484,40 @@ class GpuTileLoader:
         self.decode_threads = int(decode_threads)
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
+        self._handoff: _HandOff | None = None
 
     @property
     def n_batches(self) -> int:
         return (len(self.tiles) + self.batch_size - 1) // self.batch_size
 
-    def _decode_batch(self, seq: int, tiles: list[Tile]) -> DeviceBatch:
+    def _stream(self) -> Any:
+        """This thread's CUDA stream (a null context on a CPU device)."""
+        if not self.decoder.cuda:
+            return contextlib.nullcontext()
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.decoder.device)
-        with torch.cuda.stream(stream):
-            images = self.decoder.decode(tiles)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+        return torch.cuda.stream(stream)
+
+    def _decode_batch(self, seq: int, start: int, handoff: _HandOff) -> DeviceBatch:
+        tiles = self.tiles[start : start + self.batch_size]
+        previous = self.tiles[max(0, start - self.batch_size) : start]
+        try:
+            with self._stream():
+                images, stored = self.decoder.decode_after(tiles, previous, lambda: handoff.take(seq))
+                ready = None
+                if self.decoder.cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(self.decoder.device))
+        except BaseException:
+            handoff.publish(seq, None)  # the next batch decodes what it shares with this one
+            raise
+        handoff.publish(seq, stored if seq + 1 < self.n_batches else None)
         return DeviceBatch(images, tiles, seq, ready)
 
     def __iter__(self) -> Iterator[DeviceBatch]:
         self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="gpu-decode")
+        handoff = self._handoff = _HandOff()
         pending: deque[Future] = deque()
         starts = iter(enumerate(range(0, len(self.tiles), self.batch_size)))
 
@@ -334,7 +525,7 @@ class GpuTileLoader:
             item = next(starts, None)
             if item is not None:
                 seq, start = item
-                pending.append(self._pool.submit(self._decode_batch, seq, self.tiles[start : start + self.batch_size]))
+                pending.append(self._pool.submit(self._decode_batch, seq, start, handoff))
 
         try:
             for _ in range(self.prefetch):
@@ -344,11 +535,15 @@ class GpuTileLoader:
                 submit()
                 yield batch
         finally:
+            handoff.stop()
             pool, self._pool = self._pool, None
-            pool.shutdown(wait=True, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             self.decoder.close()
 
     def close(self) -> None:
+        if self._handoff is not None:
+            self._handoff.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

@@ -22,7 +22,8 @@ from .grid import Tile, read_tile
 from .loader import TileLoader
 
 # A GPU-decoded loader batch holds this many executor batches: the stored tiles that
-# neighbouring patches share are decoded once per loader batch, so larger is cheaper.
+# neighbouring patches share are decoded once per loader batch (and those shared with the
+# previous loader batch copied from it), in one nvJPEG call per loader batch.
 GPU_DECODE_BATCHES = 4
 # Loader batches assembled at once (each thread on its own CUDA stream).
 GPU_DECODE_THREADS = 2

@@ -1,0 +1,187 @@
+"""The GPU tile loader's assembly run on the CPU device: pixels, stored tiles decoded once, errors, early exit.
+
+On ``device="cpu"`` the loader runs its own code without CUDA streams:
+``jpeg_decoder="threads"`` (libjpeg-turbo) gives the CPU reader's pixels
+exactly, ``"nvjpeg"`` there is torchvision's CPU decoder.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import smooth_rgb, stored_tiles_per_batch, stored_tiles_under, write_pyramid_tiff
+
+from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.slide.tiff_backend import TiffSlide
+from wsi_pipeline.tiling import TileGrid
+from wsi_pipeline.tiling.grid import read_tile
+
+pytest.importorskip("torchvision")
+from wsi_pipeline.tiling.gpu_loader import GpuTileLoader  # noqa: E402
+
+STORED = 256  # write_pyramid_tiff's stored tile side
+
+
+@pytest.fixture(scope="module")
+def slide_path(tmp_path_factory):
+    """2,100 x 1,700 px: a 512 px / 448 px step grid of 5 x 4 tiles whose last row and column pass the edge."""
+    path = tmp_path_factory.mktemp("gpu_loader") / "s.tif"
+    write_pyramid_tiff(str(path), smooth_rgb(1700, 2100, seed=7), levels=2, tile=STORED)
+    return path
+
+
+def _tissue_with_gaps(grid: TileGrid) -> list:
+    return [t for i, t in enumerate(grid) if i % 3 != 1]
+
+
+def _read_all(loader) -> dict[int, np.ndarray]:
+    got = {}
+    for b in loader:
+        assert b.ready is None  # no CUDA events on the CPU device
+        for t, img in zip(b.tiles, b.images.numpy(), strict=True):
+            got[t.index] = img
+    return got
+
+
+def _in_thread(fn, timeout: float = 120.0):
+    """Run ``fn`` in a thread; fail if it has not ended within ``timeout`` s; return its result or raise its error."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            box["error"] = exc
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout)
+    assert not th.is_alive(), "the loader hangs"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def _decode_threads_alive() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(("gpu-decode", "jpeg-decode"))]
+
+
+@pytest.mark.parametrize("level", [0, 1])
+@pytest.mark.parametrize("decode_threads", [1, 2])
+@pytest.mark.parametrize("batch_size", [3, 5, 7, 6])
+def test_loader_on_cpu_gives_the_cpu_readers_pixels_decoding_each_stored_tile_once(
+    slide_path, batch_size, decode_threads, level
+):
+    slide = TiffSlide(slide_path)
+    grid = TileGrid(slide, level=level)
+    tiles = _tissue_with_gaps(grid)
+    loader = GpuTileLoader(
+        slide, tiles, batch_size=batch_size, device="cpu", decode_threads=decode_threads, jpeg_decoder="threads"
+    )
+    got = _in_thread(lambda: _read_all(loader))
+    assert sorted(got) == sorted(t.index for t in tiles)
+    for t in tiles:
+        np.testing.assert_array_equal(got[t.index], read_tile(slide, t), err_msg=f"tile {t.index}")
+    # Each batch decodes what it does not share with the previous one and copies the rest.
+    fresh, shared, distinct = stored_tiles_per_batch(slide, tiles, batch_size, STORED)
+    dec = loader.decoder
+    assert (dec.stored_tiles_decoded, dec.stored_tiles_reused) == (fresh, shared)
+    if batch_size > grid.n_cols:
+        # Batches longer than a grid row: no stored tile is shared past the next batch, each is decoded once.
+        assert dec.stored_tiles_decoded == distinct
+    assert dec.cpu_fallback_batches == 0
+    assert not _decode_threads_alive()
+
+
+def test_direct_decode_decodes_every_needed_stored_tile_once(slide_path):
+    slide = TiffSlide(slide_path)
+    tiles = _tissue_with_gaps(TileGrid(slide))
+    loader = GpuTileLoader(slide, tiles, device="cpu", jpeg_decoder="threads")
+    try:
+        images = loader.decoder.decode(tiles).numpy()
+    finally:
+        loader.close()
+    for t, img in zip(tiles, images, strict=True):
+        np.testing.assert_array_equal(img, read_tile(slide, t))
+    assert loader.decoder.stored_tiles_decoded == len(stored_tiles_under(slide, tiles, STORED))
+    assert loader.decoder.stored_tiles_reused == 0
+
+
+def test_past_the_edge_stays_background(slide_path):
+    slide = TiffSlide(slide_path)
+    grid = TileGrid(slide)
+    corner = grid[len(grid) - 1]
+    got = _in_thread(lambda: _read_all(GpuTileLoader(slide, [corner], device="cpu", jpeg_decoder="threads")))
+    w, h = slide.dimensions
+    img = got[corner.index]
+    assert (img[h - corner.y0_level0 :, :] == 255).all() and (img[:, w - corner.x0_level0 :] == 255).all()
+
+
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_nvjpeg_path_on_cpu_matches_the_cpu_reader(slide_path, decode_threads):
+    slide = TiffSlide(slide_path)
+    grid = TileGrid(slide)
+    tiles = _tissue_with_gaps(grid)
+    loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", decode_threads=decode_threads)
+    got = _in_thread(lambda: _read_all(loader))
+    ref = np.stack([read_tile(slide, t) for t in tiles]).astype(np.int16)
+    diff = np.abs(np.stack([got[t.index] for t in tiles]).astype(np.int16) - ref)
+    assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 16, (diff.mean(), np.percentile(diff, 99))
+    assert loader.decoder.stored_tiles_decoded + loader.decoder.stored_tiles_reused > 0
+    assert loader.decoder.cpu_fallback_batches == 0
+
+
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_breaking_out_early_ends_the_loader(slide_path, decode_threads):
+    slide = TiffSlide(slide_path)
+    tiles = list(TileGrid(slide))
+    loader = GpuTileLoader(slide, tiles, batch_size=2, device="cpu", decode_threads=decode_threads, prefetch=4)
+
+    def first_two():
+        seen = []
+        for b in loader:
+            seen.append(b.sequence)
+            if len(seen) == 2:
+                break
+        return seen
+
+    assert _in_thread(first_two) == [0, 1]
+    assert not _decode_threads_alive()
+    _in_thread(loader.close)
+
+
+@pytest.mark.parametrize("jpeg_decoder", ["threads", "nvjpeg"])
+@pytest.mark.parametrize("decode_threads", [1, 2])
+@pytest.mark.parametrize("failure", ["raises", "damaged"])
+def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
+    slide_path, monkeypatch, failure, decode_threads, jpeg_decoder
+):
+    slide = TiffSlide(slide_path)
+    grid = TileGrid(slide)
+    tiles = list(grid)
+    bad = (3, 3)  # under patches of the grid's 2nd and 3rd rows: batches in the middle
+    real = slide.raw_tile_jpeg
+
+    def raw_tile_jpeg(level, tx, ty):
+        if (tx, ty) == bad:
+            if failure == "raises":
+                raise OSError("read failed")
+            return real(level, tx, ty)[:200] + b"\x00" * 100  # a cut stream
+        return real(level, tx, ty)
+
+    monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
+    loader = GpuTileLoader(
+        slide, tiles, batch_size=3, device="cpu", decode_threads=decode_threads, jpeg_decoder=jpeg_decoder
+    )
+    seen = []
+
+    def consume():
+        for b in loader:
+            seen.append(b.sequence)
+
+    with pytest.raises(OSError if failure == "raises" else TileReadError):
+        _in_thread(consume)
+    assert seen and len(seen) < loader.n_batches  # the batches before the failing one came through
+    assert not _decode_threads_alive()
