@@ -19,7 +19,7 @@ import numpy as np
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.inference.card import load_card
-from wsi_pipeline.inference.decoders import TileDetections
+from wsi_pipeline.inference.decoders import BatchDetections, TileDetections
 from wsi_pipeline.outputs import SlideOutputs
 from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.stitch.policies import merge_policy
@@ -65,13 +65,17 @@ def main() -> int:
         )
 
     pool = [detections() for _ in range(256)]
+    # As the executor hands them over: one BatchDetections per batch of 64.
+    batches = [
+        BatchDetections.from_tiles([pool[(i + j) % len(pool)] for j in range(len(tiles[i : i + 64]))])
+        for i in range(0, len(tiles), 64)
+    ]
 
     def run() -> int:
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, None, False)
         stitcher = Stitcher(geometry, merge_policy("nms"), None, outputs.heatmap_sink, outputs.heatmap_weights, 2)
-        for i in range(0, len(tiles), 64):
-            part = tiles[i : i + 64]
-            stitcher.add_batch(part, [pool[(i + j) % len(pool)] for j in range(len(part))])
+        for k, i in enumerate(range(0, len(tiles), 64)):
+            stitcher.add_batch(tiles[i : i + 64], batches[k])
         n = len(stitcher.finish()[0])
         outputs.close_heatmap()  # the sinks' thread done too
         return n

@@ -239,3 +239,74 @@ def test_bad_decoder_params_are_config_errors(params, message):
 def test_empty_tile_detections():
     empty = TileDetections.empty()
     assert len(empty) == 0 and empty.boxes.shape == (0, 4) and empty.labels.dtype == np.int64
+
+
+def _reference_ranked(boxes, scores, labels, valid, iou=None, limit=None):
+    """Slow reference: each tile on its own, as a per-tile decoder would do it."""
+    from wsi_pipeline.inference.decoders import nms_per_class
+
+    out = []
+    for i in range(boxes.shape[0]):
+        keep = np.flatnonzero(valid[i])
+        keep = keep[np.argsort(-scores[i][keep], kind="stable")]
+        if iou is not None and keep.size > 1:
+            keep = keep[nms_per_class(boxes[i][keep], scores[i][keep], labels[i][keep], iou)]
+        if limit is not None:
+            keep = keep[:limit]
+        out.append((boxes[i][keep], scores[i][keep], labels[i][keep]))
+    return out
+
+
+@pytest.mark.parametrize("iou, limit", [(None, None), (None, 3), (0.3, None), (0.3, 2)])
+def test_batched_centernet_equals_a_per_tile_reference(iou, limit):
+    from wsi_pipeline.inference.decoders import decode_batch
+
+    rng = np.random.default_rng(7)
+    n, k = 9, 40
+    xy = rng.uniform(0, 50, (n, k, 2)).astype(np.float32)
+    boxes = np.concatenate([xy, xy + rng.uniform(2, 14, (n, k, 2)).astype(np.float32)], axis=2)
+    scores = rng.choice([0.2, 0.35, 0.5, 0.8, np.nan], (n, k)).astype(np.float32)  # ties, NaN
+    scores[3] = 0.1  # a tile with nothing kept
+    labels = rng.integers(0, 2, (n, k)).astype(np.int32)
+    params = {"score_threshold": 0.3, "iou_threshold": iou, "max_detections": limit}
+    card = make_card("centernet", CENTERNET_OUTPUTS[:3], **params)
+    outputs = {"boxes": boxes, "scores": scores, "labels": labels}
+    want = _reference_ranked(boxes, scores, labels, scores >= 0.3, iou, limit)
+    got = decode(outputs, card)
+    batch = decode_batch(outputs, card)
+    assert batch.counts.tolist() == [len(w[0]) for w in want] and batch.counts[3] == 0
+    for g, (b, s, lab) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.boxes, b)
+        np.testing.assert_array_equal(g.scores, s)
+        np.testing.assert_array_equal(g.labels, lab)
+        assert g.boxes.dtype == np.float32 and g.scores.dtype == np.float32 and g.labels.dtype == np.int64
+
+
+def test_batched_boxes_scores_labels_equals_a_per_tile_reference():
+    rng = np.random.default_rng(8)
+    n, k = 6, 30
+    boxes = rng.uniform(0, 60, (n, k, 4)).astype(np.float32)
+    boxes[0, 2, 1] = np.nan
+    scores = rng.choice([0.0, 0.4, 0.6, 0.9], (n, k)).astype(np.float32)
+    labels = rng.integers(0, 3, (n, k)).astype(np.int64)  # label_offset -1: 0 becomes padding
+    num = rng.integers(0, k + 1, n).astype(np.int64)
+    outputs = {"boxes": boxes, "scores": scores, "labels": labels, "num": num}
+    card = make_card(
+        "boxes_scores_labels",
+        (
+            OutputSpec("boxes", ("b", k, 4)),
+            OutputSpec("scores", ("b", k)),
+            OutputSpec("labels", ("b", k), "int64"),
+            OutputSpec("num", ("b",), "int64"),
+        ),
+        num_detections="num",
+        score_threshold=0.4,
+        label_offset=-1,
+    )
+    lab = labels - 1
+    valid = (scores >= 0.4) & (lab >= 0) & np.isfinite(boxes).all(axis=2) & (np.arange(k)[None] < num[:, None])
+    want = _reference_ranked(boxes, scores, lab, valid)
+    for g, (b, s, lb) in zip(decode(outputs, card), want, strict=True):
+        np.testing.assert_array_equal(g.boxes, b)
+        np.testing.assert_array_equal(g.scores, s)
+        np.testing.assert_array_equal(g.labels, lb)

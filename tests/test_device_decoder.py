@@ -62,7 +62,7 @@ def _device_path(card, raw: dict[str, np.ndarray], device: str):
     outs = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}
     n = next(iter(raw.values())).shape[0]
     red = dec.reduce(outs, n)
-    return dec.finish({k: v.cpu().numpy() for k, v in red.items()}, n)
+    return dec.finish({k: v.cpu().numpy() for k, v in red.items()}, n).tiles()
 
 
 def _cards():

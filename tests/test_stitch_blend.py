@@ -303,3 +303,32 @@ def test_background_sink_keeps_order_and_raises_the_sinks_failure():
             bg(y0, np.zeros((1, 5, 3), np.float32))
     with pytest.raises(OSError, match="disk full"):
         bg.close()
+
+
+@pytest.mark.parametrize("step", [12, 7])  # 7: tiles two columns apart overlap, one add per tile
+def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
+    rng = np.random.default_rng(3)
+    n_cols = 11
+    geom = BlendGeometry(
+        n_rows=3,
+        n_cols=n_cols,
+        tile_size_out=16,
+        step_out=step,
+        out_height=2 * step + 16,
+        out_width=(n_cols - 1) * step + 16,
+    )
+    weights = tile_weights(16, "gaussian")
+    present = {0: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1: [1, 2, 4, 5, 6, 9], 2: [3, 7]}
+    tiles = {(r, c): rng.random((2, 16, 16)).astype(np.float32) for r, cs in present.items() for c in cs}
+    skipped = {(r, c) for r in range(3) for c in range(n_cols) if (r, c) not in tiles}
+    sink = Collect(2, geom.out_height, geom.out_width)
+    blender = HeatmapBlender(geom, 2, weights, sink, window_rows=2)
+    for r, cs in present.items():
+        for c in range(n_cols):
+            if (r, c) in skipped:
+                blender.skip(r, c)
+        blender.add_run(r, np.array(cs), np.stack([tiles[(r, c)] for c in cs]))
+    blender.close()
+    np.testing.assert_allclose(sink.out, naive_blend(geom, tiles, skipped, weights, 2), atol=1e-5)
+    with pytest.raises(WSIPipelineError, match="expected heatmaps of shape"):
+        HeatmapBlender(geom, 2, weights, sink).add_run(0, np.array([0, 1]), np.zeros((2, 1, 16, 16), np.float32))

@@ -73,7 +73,85 @@ class TileDetections:
         return cls(np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64), heatmap)
 
 
+@dataclass
+class BatchDetections:
+    """Detections of a batch of tiles, as arrays: what the executor hands the stitcher.
+
+    ``boxes``: ``Mx4 float32`` (x0, y0, x1, y1, tile pixels of the model
+    input), ``scores``: ``M float32``, ``labels``: ``M int64``: the rows of
+    every tile, tile after tile; ``counts``: ``n int64``, each tile's rows;
+    ``heatmaps``: ``n x C x H x W float32`` or None. :meth:`tiles` gives the
+    per-tile view (:class:`TileDetections`, arrays sharing this memory).
+    """
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    labels: np.ndarray
+    counts: np.ndarray
+    heatmaps: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``n + 1`` int64: tile i's rows are ``offsets[i]:offsets[i + 1]``."""
+        out = np.zeros(len(self.counts) + 1, np.int64)
+        np.cumsum(self.counts, out=out[1:])
+        return out
+
+    def tiles(self) -> list[TileDetections]:
+        off = self.offsets
+        hm = self.heatmaps
+        return [
+            TileDetections(
+                self.boxes[off[i] : off[i + 1]],
+                self.scores[off[i] : off[i + 1]],
+                self.labels[off[i] : off[i + 1]],
+                None if hm is None else hm[i],
+            )
+            for i in range(len(self))
+        ]
+
+    @classmethod
+    def from_tiles(cls, dets: Sequence[TileDetections]) -> BatchDetections:
+        """The batch form of per-tile detections (copies)."""
+        hms = [d.heatmap for d in dets]
+        return cls(
+            np.concatenate([np.asarray(d.boxes, np.float32).reshape(-1, 4) for d in dets] or [np.zeros((0, 4))]).astype(
+                np.float32, copy=False
+            ),
+            np.concatenate([np.asarray(d.scores, np.float32).reshape(-1) for d in dets] or [np.zeros(0)]).astype(
+                np.float32, copy=False
+            ),
+            np.concatenate([np.asarray(d.labels).reshape(-1) for d in dets] or [np.zeros(0)]).astype(
+                np.int64, copy=False
+            ),
+            np.array([len(d) for d in dets], np.int64),
+            np.stack(hms).astype(np.float32, copy=False) if hms and all(h is not None for h in hms) else None,
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[BatchDetections]) -> BatchDetections:
+        """Batches one after the other."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls(
+                np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+            )
+        hms = [p.heatmaps for p in parts]
+        return cls(
+            np.concatenate([p.boxes for p in parts]),
+            np.concatenate([p.scores for p in parts]),
+            np.concatenate([p.labels for p in parts]),
+            np.concatenate([p.counts for p in parts]),
+            np.concatenate(hms) if all(h is not None for h in hms) else None,
+        )
+
+
 Decoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], list[TileDetections]]
+BatchDecoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], BatchDetections]
 
 _PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
     "centernet": {
@@ -162,9 +240,10 @@ def _get(outputs: Mapping[str, np.ndarray], name: str, card: ModelCard) -> np.nd
         ) from None
 
 
-def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> list[np.ndarray | None]:
+def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> np.ndarray | None:
+    """The heatmap output after the card's activation, ``batch x C x H x W float32`` (its own memory)."""
     if card.heatmap is None:
-        return [None] * batch
+        return None
     raw = _get(outputs, card.heatmap.output, card).astype(np.float32, copy=False)
     if raw.ndim != 4 or raw.shape[0] != batch or raw.shape[1] != len(card.heatmap.classes):
         raise ModelError(
@@ -176,7 +255,7 @@ def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) ->
     elif card.heatmap.activation == "softmax":
         e = np.exp(raw - raw.max(axis=1, keepdims=True))
         raw = e / e.sum(axis=1, keepdims=True)
-    return [np.ascontiguousarray(raw[i], dtype=np.float32) for i in range(batch)]
+    return np.array(raw, dtype=np.float32, order="C", copy=True) if raw is outputs[card.heatmap.output] else raw
 
 
 def _as_batched(a: np.ndarray, rank: int) -> np.ndarray:
@@ -222,7 +301,33 @@ def _check_labels(card: ModelCard, labels: np.ndarray) -> None:
         )
 
 
-def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+def _ranked(
+    boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, valid: np.ndarray, limit: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each tile's valid rows by descending score (ties in row order), at most ``limit`` a tile.
+
+    ``boxes`` ``[B,N,4]``, ``scores``, ``labels``, ``valid`` ``[B,N]``. Returns
+    the kept rows of all tiles, tile after tile (boxes float32, scores
+    float32, labels int64), and each tile's count: one sort for the batch.
+    """
+    key = np.where(valid, -scores.astype(np.float64), np.inf)
+    order = np.argsort(key, axis=1, kind="stable")
+    counts = valid.sum(axis=1, dtype=np.int64)
+    if limit is not None:
+        counts = np.minimum(counts, limit)
+    k = int(counts.max(initial=0))
+    order = order[:, :k]
+    rows = np.arange(len(order))[:, None]
+    take = np.arange(k)[None, :] < counts[:, None]
+    return (
+        boxes[rows, order][take].astype(np.float32, copy=False),
+        scores[rows, order][take].astype(np.float32, copy=False),
+        labels[rows, order][take].astype(np.int64, copy=False),
+        counts,
+    )
+
+
+def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
     """Fixed-size peak outputs -> detections with ``score >= score_threshold``."""
     p = decoder_params(card)
     boxes = _as_batched(_get(outputs, p["boxes"], card), 3)
@@ -230,24 +335,28 @@ def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list
     labels = _as_batched(_get(outputs, p["labels"], card), 2)
     _check_rows(card, boxes, scores, labels)
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    results = []
-    for i in range(boxes.shape[0]):
-        keep = np.flatnonzero(scores[i] >= p["score_threshold"])
-        keep = keep[np.argsort(-scores[i][keep], kind="stable")]
-        if p["iou_threshold"] is not None and keep.size > 1:
-            keep = keep[nms_per_class(boxes[i][keep], scores[i][keep], labels[i][keep], p["iou_threshold"])]
-        if p["max_detections"] is not None:
-            keep = keep[: p["max_detections"]]
-        _check_labels(card, labels[i][keep])
-        results.append(
-            TileDetections(
-                boxes[i][keep].astype(np.float32),
-                scores[i][keep].astype(np.float32),
-                labels[i][keep].astype(np.int64),
-                heatmaps[i],
-            )
-        )
-    return results
+    valid = scores >= p["score_threshold"]
+    if p["iou_threshold"] is None:
+        b, s, lab, counts = _ranked(boxes, scores, labels, valid, p["max_detections"])
+    else:  # per-tile NMS between the ranking and the limit
+        b, s, lab, counts = _ranked(boxes, scores, labels, valid)
+        off = np.concatenate([[0], np.cumsum(counts)])
+        keep = []
+        for i in range(len(counts)):
+            rows = np.arange(off[i], off[i + 1])
+            if rows.size > 1:
+                rows = rows[nms_per_class(b[rows], s[rows], lab[rows], p["iou_threshold"])]
+            keep.append(rows[: p["max_detections"]])
+        counts = np.array([len(k) for k in keep], np.int64)
+        keep_all = np.concatenate(keep) if keep else np.zeros(0, np.int64)
+        b, s, lab = b[keep_all], s[keep_all], lab[keep_all]
+    _check_labels(card, lab)
+    return BatchDetections(b, s, lab, counts, heatmaps)
+
+
+def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """:func:`decode_centernet_batch`, per tile."""
+    return decode_centernet_batch(outputs, card).tiles()
 
 
 def _to_xyxy(boxes: np.ndarray, box_format: str) -> np.ndarray:
@@ -264,7 +373,7 @@ def _to_xyxy(boxes: np.ndarray, box_format: str) -> np.ndarray:
     return out
 
 
-def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+def decode_boxes_scores_labels_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
     """torchvision-style ``boxes/scores/labels`` outputs -> detections (padding and low scores dropped)."""
     p = decoder_params(card)
     boxes = _as_batched(_get(outputs, p["boxes"], card), 3).astype(np.float32)
@@ -284,16 +393,17 @@ def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCar
                 f"[{boxes.shape[0]}], found {list(counts.shape)}"
             )
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    results = []
-    for i in range(boxes.shape[0]):
-        valid = (scores[i] >= p["score_threshold"]) & (labels[i] >= 0) & np.isfinite(boxes[i]).all(axis=1)
-        if counts is not None:
-            valid[counts[i] :] = False
-        keep = np.flatnonzero(valid)
-        keep = keep[np.argsort(-scores[i][keep], kind="stable")]
-        _check_labels(card, labels[i][keep])
-        results.append(TileDetections(boxes[i][keep], scores[i][keep], labels[i][keep], heatmaps[i]))
-    return results
+    valid = (scores >= p["score_threshold"]) & (labels >= 0) & np.isfinite(boxes).all(axis=2)
+    if counts is not None:
+        valid &= np.arange(boxes.shape[1])[None, :] < counts[:, None]
+    b, s, lab, kept = _ranked(boxes, scores, labels, valid)
+    _check_labels(card, lab)
+    return BatchDetections(b, s, lab, kept, heatmaps)
+
+
+def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
+    """:func:`decode_boxes_scores_labels_batch`, per tile."""
+    return decode_boxes_scores_labels_batch(outputs, card).tiles()
 
 
 def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
@@ -321,8 +431,9 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
         labels = cls_scores.argmax(axis=1)
         scores = cls_scores[np.arange(rows.shape[0]), labels]
         cand = np.flatnonzero(scores >= p["score_threshold"])
+        hm = None if heatmaps is None else heatmaps[i]
         if cand.size == 0:
-            results.append(TileDetections.empty(heatmaps[i]))
+            results.append(TileDetections.empty(hm))
             continue
         boxes = _to_xyxy(rows[cand, :4], "cxcywh")
         keep = nms_per_class(boxes, scores[cand], labels[cand], p["iou_threshold"])[: p["max_detections"]]
@@ -331,7 +442,7 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
                 boxes[keep].astype(np.float32),
                 scores[cand][keep].astype(np.float32),
                 labels[cand][keep].astype(np.int64),
-                heatmaps[i],
+                hm,
             )
         )
     return results
@@ -344,6 +455,13 @@ DECODERS: dict[str, Decoder] = {
 }
 
 
+BATCH_DECODERS: dict[str, BatchDecoder] = {
+    "centernet": decode_centernet_batch,
+    "boxes_scores_labels": decode_boxes_scores_labels_batch,
+    "yolo": lambda outputs, card: BatchDetections.from_tiles(decode_yolo(outputs, card)),
+}
+
+
 def get_decoder(card: ModelCard) -> Decoder:
     """The decoder function named by the card."""
     return DECODERS[card.decoder.type]
@@ -352,6 +470,11 @@ def get_decoder(card: ModelCard) -> Decoder:
 def decode(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
     """Decode one batch of raw outputs with the card's decoder: one TileDetections per tile."""
     return get_decoder(card)(outputs, card)
+
+
+def decode_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
+    """:func:`decode` as arrays for the whole batch (:class:`BatchDetections`): the same detections."""
+    return BATCH_DECODERS[card.decoder.type](outputs, card)
 
 
 def decode_names(card: ModelCard) -> Sequence[str]:

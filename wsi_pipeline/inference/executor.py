@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ClosedError, ConfigError, InferenceError, WSIPipelineError
 from .backend import Backend
 from .card import ModelCard, load_card
-from .decoders import TileDetections, decode, decode_names, decoder_params
+from .decoders import BatchDetections, TileDetections, decode_batch, decode_names, decoder_params
 
 if TYPE_CHECKING:  # the executor reads only a tile's ``index``
     from ..tiling.grid import Tile
@@ -67,11 +67,16 @@ _COUNT = "\0rows kept"  # the compacted row count per tile, beside the model out
 
 @dataclass
 class BatchResult:
-    """One batch's detections: ``detections[i]`` belongs to ``tiles[i]`` (tile pixels)."""
+    """One batch's detections as arrays (``batch``, tile pixels), in the order of ``tiles``."""
 
     tiles: list[Tile]
-    detections: list[TileDetections]
+    batch: BatchDetections
     sequence: int
+
+    @property
+    def detections(self) -> list[TileDetections]:
+        """Per tile: ``detections[i]`` belongs to ``tiles[i]``."""
+        return self.batch.tiles()
 
 
 def _is_cuda_backend(backend: Any) -> bool:
@@ -140,7 +145,7 @@ class _DeviceDecoder:
             red[card.heatmap.output] = hm.contiguous()
         return red
 
-    def finish(self, host: dict[str, np.ndarray], n: int) -> list[TileDetections]:
+    def finish(self, host: dict[str, np.ndarray], n: int) -> BatchDetections:
         """Host arrays (views of reused pinned buffers: the decoder copies what it keeps) -> detections."""
         outputs = dict(host)
         if self.compacts:
@@ -149,11 +154,7 @@ class _DeviceDecoder:
                 outputs[name] = outputs[name][:, :k]
             if self.kind == "boxes_scores_labels" and self.p["num_detections"] is not None:
                 outputs[self.p["num_detections"]] = np.full(n, k, np.int64)
-        dets = decode(outputs, self.host_card)
-        if self.card.heatmap is not None:
-            for d in dets:  # the decoder slices the reused buffer: keep a copy
-                d.heatmap = d.heatmap.copy() if d.heatmap is not None else None
-        return dets
+        return decode_batch(outputs, self.host_card)
 
 
 def _card_without_activation(card: ModelCard) -> ModelCard:
@@ -266,7 +267,7 @@ class _CudaWorker:
             self.pinned_out[name] = buf
         return buf[: t.shape[0]]
 
-    def process(self, images: Any, release: Any = None, ready: Any = None) -> list[TileDetections]:
+    def process(self, images: Any, release: Any = None, ready: Any = None) -> BatchDetections:
         """Detections of ``images`` (host ``n x H x W x 3 uint8`` array, or a CUDA tensor).
 
         ``release`` is called once the pixels are copied (host) or queued (device);
@@ -274,7 +275,7 @@ class _CudaWorker:
         """
         torch = self.torch
         n_total = int(images.shape[0])
-        results: list[TileDetections] = []
+        results: list[BatchDetections] = []
         on_device = isinstance(images, torch.Tensor) and images.is_cuda
         direct = False
         if not on_device and isinstance(images, np.ndarray):
@@ -323,11 +324,11 @@ class _CudaWorker:
                     release()
                     released = True
                 self.done.synchronize()
-                results.extend(self.decoder.finish({k: v.numpy() for k, v in host.items()}, n))
+                results.append(self.decoder.finish({k: v.numpy() for k, v in host.items()}, n))
         finally:
             if not released and release is not None:
                 release()
-        return results
+        return BatchDetections.concat(results)
 
     def close(self) -> None:
         self.stream.synchronize()
@@ -344,13 +345,13 @@ class _CpuWorker:
         self.card = backend.card
         self.lock = threading.Lock()
 
-    def process(self, images: np.ndarray, release: Any = None, ready: Any = None) -> list[TileDetections]:
+    def process(self, images: np.ndarray, release: Any = None, ready: Any = None) -> BatchDetections:
         try:
             outs = self.backend.infer(images)
         finally:
             if release is not None:
                 release()
-        return decode(outs, self.card)
+        return decode_batch(outs, self.card)
 
     def close(self) -> None:
         pass
@@ -445,14 +446,14 @@ class Executor:
         for w in self._workers:
             if w.lock.acquire(blocking=False):
                 try:
-                    return w.process(images)
+                    return w.process(images).tiles()
                 finally:
                     w.lock.release()
         with self._rr_lock:
             w = self._workers[self._rr % len(self._workers)]
             self._rr += 1
         with w.lock:
-            return w.process(images)
+            return w.process(images).tiles()
 
     # -- streaming ---------------------------------------------------------------
     def run(self, batches: Iterable[TileBatch], ordered: bool = False) -> Iterator[BatchResult]:

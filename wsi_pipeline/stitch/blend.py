@@ -172,6 +172,47 @@ class HeatmapBlender:
         self._num[:, y : y + t, x : x + t] += heatmap * self.weights
         self._advance(row)
 
+    def add_run(self, row: int, cols: np.ndarray, heatmaps: np.ndarray) -> None:
+        """Add tiles (row, cols[i])'s heatmaps ``heatmaps[i]`` (``k x C x t x t``), cols increasing.
+
+        The same as :meth:`add` for each; tiles two columns apart do not
+        overlap when ``2 * step_out >= tile_size_out``, so the even and the odd
+        columns are each added in one operation (fewer, larger array
+        operations than one per tile).
+        """
+        g = self.geometry
+        cols = np.asarray(cols, np.int64)
+        heatmaps = np.asarray(heatmaps, dtype=np.float32)
+        t, s = g.tile_size_out, g.step_out
+        if heatmaps.shape != (len(cols), self.channels, t, t):
+            msg = (
+                f"tiles (row {row}, cols {cols.tolist()}): expected heatmaps of shape "
+                f"{(len(cols), self.channels, t, t)}, found {heatmaps.shape}"
+            )
+            raise WSIPipelineError(msg)
+        if len(cols) == 0:
+            return
+        if len(cols) < 4 or 2 * s < t or np.any(np.diff(cols) <= 0):
+            for c, hm in zip(cols, heatmaps, strict=True):
+                self.add(row, int(c), hm)
+            return
+        for c in cols:  # checks each tile, marks it done
+            y, _ = self._claim(row, int(c))
+        weighted = heatmaps * self.weights
+        band = self._num[:, y : y + t]
+        for parity in (0, 1):
+            sel = (cols % 2) == parity
+            if not sel.any():
+                continue
+            n = (g.n_cols - parity + 1) // 2  # the row's columns of this parity
+            view = np.lib.stride_tricks.as_strided(
+                band[:, :, parity * s :],
+                shape=(self.channels, t, n, t),
+                strides=(band.strides[0], band.strides[1], 2 * s * band.strides[2], band.strides[2]),
+            )
+            view[:, :, cols[sel] // 2] += weighted[sel].transpose(1, 2, 0, 3)
+        self._advance(row)
+
     def skip(self, row: int, col: int, stop_col: int | None = None) -> None:
         """Record tile (row, col) as background (p = 0 with its weights), e.g. no tissue.
 

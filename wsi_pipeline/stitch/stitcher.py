@@ -21,7 +21,7 @@ from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
 from wsi_pipeline.stitch.policies import MergePolicy
 
 if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
-    from wsi_pipeline.inference.decoders import TileDetections
+    from wsi_pipeline.inference.decoders import BatchDetections, TileDetections
     from wsi_pipeline.tiling.grid import Tile
 
 
@@ -75,40 +75,54 @@ class Stitcher:
                 self.blender.skip(row, col, stop - row * n_cols)
             self._next = stop
 
-    def add_batch(self, tiles: Sequence[Tile], dets: Sequence[TileDetections]) -> None:
-        """A batch's detections (tile pixels), tiles in grid order: heatmaps per tile, boxes per grid row."""
+    def add_batch(self, tiles: Sequence[Tile], dets: BatchDetections | Sequence[TileDetections]) -> None:
+        """A batch's detections (tile pixels), tiles in grid order: heatmaps and boxes a grid row's run at a time.
+
+        ``dets``: a :class:`~wsi_pipeline.inference.decoders.BatchDetections`
+        (as the executor gives it), or one TileDetections per tile.
+        """
+        from wsi_pipeline.inference.decoders import BatchDetections
+
+        batch = dets if isinstance(dets, BatchDetections) else BatchDetections.from_tiles(dets)
+        if len(batch) != len(tiles):
+            raise WSIPipelineError(f"{len(batch)} results for {len(tiles)} tiles")
+        if self.blender is not None and batch.heatmaps is None and len(tiles):
+            raise WSIPipelineError(f"{self.source}: the card names a heatmap, the model gave none")
+        off = batch.offsets
         start = 0
         while start < len(tiles):
             stop = start + 1
             while stop < len(tiles) and tiles[stop].row == tiles[start].row:
                 stop += 1
-            self._add_row_run(tiles[start:stop], dets[start:stop])
+            self._add_row_run(tiles[start:stop], batch, start, stop, off)
             start = stop
 
-    def _add_row_run(self, tiles: Sequence[Tile], dets: Sequence[TileDetections]) -> None:
-        """Tiles of one grid row, in order: blend their heatmaps, then map and merge their boxes at once."""
-        for tile, det in zip(tiles, dets, strict=True):
+    def _add_row_run(
+        self, tiles: Sequence[Tile], batch: BatchDetections, start: int, stop: int, off: np.ndarray
+    ) -> None:
+        """Tiles ``start:stop`` of ``batch``, of one grid row, in order: blend their heatmaps, then map
+        and merge their boxes at once."""
+        row = tiles[0].row
+        for tile in tiles:  # the gaps between them (no tissue) are skipped; the tiles are claimed below
             if tile.index < self._next:
                 raise WSIPipelineError(f"tile {tile.index} arrived out of grid order (expected >= {self._next})")
             self._skip_to(tile.index)
-            if self.blender is not None:
-                if det.heatmap is None:
-                    raise WSIPipelineError(f"{self.source}: the card names a heatmap, the model gave none")
-                self.blender.add(tile.row, tile.col, det.heatmap)
             self._next = tile.index + 1
-        row = tiles[0].row
+        cols = np.fromiter((t.col for t in tiles), np.int64, len(tiles))
+        if self.blender is not None:
+            self.blender.add_run(row, cols, batch.heatmaps[start:stop])
         if row != self._row:
             self.policy.row_started(self.geometry.row_y0_level0(row))
         self._row = row
-        counts = np.array([len(d.boxes) for d in dets], np.int64)
+        counts = batch.counts[start:stop]
         if not counts.any():
             return
-        boxes = np.concatenate([np.asarray(d.boxes, np.float32).reshape(-1, 4) for d in dets])
-        scores = np.concatenate([np.asarray(d.scores, np.float32).reshape(-1) for d in dets])
-        labels = np.concatenate([np.asarray(d.labels).reshape(-1) for d in dets])
+        boxes = batch.boxes[off[start] : off[stop]]
+        scores = batch.scores[off[start] : off[stop]]
+        labels = batch.labels[off[start] : off[stop]]
         owner = np.repeat(np.arange(len(tiles)), counts)  # each box's tile in ``tiles``
         rows = np.full(len(boxes), row)
-        cols = np.array([t.col for t in tiles])[owner]
+        cols = cols[owner]
         keep = self.policy.keep_in_tile(boxes, rows, cols, self.geometry)
         if self.score_threshold is not None:
             keep &= scores >= self.score_threshold
