@@ -111,7 +111,7 @@ def bench_executor_host(backend, streams: int, host_batches, register_host: bool
         best = 0.0
         for _ in range(2):
             t0 = time.perf_counter()
-            count = sum(len(r.detections) for r in ex.run(host_batches))
+            count = sum(len(r.batch) for r in ex.run(host_batches))
             dt = time.perf_counter() - t0
             assert count == n
             best = max(best, n / dt)
@@ -196,9 +196,7 @@ def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: s
             with TiffSlide(slide_path) as slide:
                 tiles = list(TileGrid(slide))
                 t0 = time.perf_counter()
-                n = sum(
-                    len(r.detections) for r in ex.run(make_loader(kind, slide, tiles, batch, streams, reader_workers))
-                )
+                n = sum(len(r.batch) for r in ex.run(make_loader(kind, slide, tiles, batch, streams, reader_workers)))
                 dt = time.perf_counter() - t0
             if best is None or dt < best:
                 best = dt

@@ -311,7 +311,7 @@ class Pipeline:
         )
         with loader:
             for br in self.executor.run(loader, ordered=True):
-                stitcher.add_batch(br.tiles, br.detections)
+                stitcher.add_batch(br.tiles, br.batch)
                 if report is not None:
                     report(len(br.tiles))
         run_info["tile_decode"] = {"where": where, "why": why}

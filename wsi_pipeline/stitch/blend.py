@@ -146,6 +146,7 @@ class HeatmapBlender:
         self._row_weights = np.zeros((g.tile_size_out, g.canvas_width), dtype=np.float32)
         for c in range(g.n_cols):
             self._row_weights[:, c * g.step_out : c * g.step_out + g.tile_size_out] += weights
+        self._weight_sums: dict[tuple, np.ndarray] = {}  # band layout -> its weight sum (read only)
         self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
         self._first_open_row = 0  # lowest tile row with tiles still to come
@@ -304,12 +305,23 @@ class HeatmapBlender:
         self._emitted = y1
 
     def _weight_sum(self, y0: int, y1: int) -> np.ndarray:
-        """The weight sum of output rows [y0, y1): every tile row's weights that reach them."""
+        """The weight sum of output rows [y0, y1): every tile row's weights that reach them.
+
+        Bands inside the slide repeat the same few layouts, so each is built once.
+        """
         g = self.geometry
         t, s = g.tile_size_out, g.step_out
-        den = np.zeros((y1 - y0, g.out_width), dtype=np.float32)
-        for r in range(max(0, (y0 - t) // s), min(g.n_rows, (y1 - 1) // s + 1)):
-            a, b = max(y0, r * s), min(y1, r * s + t)
-            if a < b:
-                den[a - y0 : b - y0] += self._row_weights[a - r * s : b - r * s, : g.out_width]
+        parts = tuple(
+            (max(y0, r * s) - y0, max(y0, r * s) - r * s, min(y1, r * s + t) - max(y0, r * s))
+            for r in range(max(0, (y0 - t) // s), min(g.n_rows, (y1 - 1) // s + 1))
+            if max(y0, r * s) < min(y1, r * s + t)
+        )
+        key = (y1 - y0, parts)
+        den = self._weight_sums.get(key)
+        if den is None:
+            den = np.zeros((y1 - y0, g.out_width), dtype=np.float32)
+            for at, src, h in parts:
+                den[at : at + h] += self._row_weights[src : src + h, : g.out_width]
+            if len(self._weight_sums) < 8:
+                self._weight_sums[key] = den
         return den
