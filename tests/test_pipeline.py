@@ -214,6 +214,8 @@ def test_corrupt_tile_fails_the_run_and_leaves_no_outputs(tmp_path):
     assert "broken.tiff" in str(info.value)
     assert not any(p.name.endswith((".tif", ".geojson", ".json", ".png", ".csv")) for p in out.iterdir())
     assert list(out.iterdir()) == []  # no spool either
+    stitching = [t.name for t in threading.enumerate() if t.name in ("box-merge", "heatmap-sink") and t.is_alive()]
+    assert stitching == []  # the failed run's stitching threads have ended
 
 
 def test_tile_size_must_match_the_model():

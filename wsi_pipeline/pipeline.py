@@ -281,6 +281,7 @@ class Pipeline:
                     wait_written,
                 )
         except BaseException:
+            stitcher.close()
             outputs.abort()
             raise
         finally:

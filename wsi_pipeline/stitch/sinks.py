@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import cv2
 import numpy as np
 
-from wsi_pipeline.errors import ClosedError
+from wsi_pipeline.stitch.background import BackgroundCalls
 from wsi_pipeline.stitch.blend import Sink
 
 if TYPE_CHECKING:  # statistics read the mask's array and downsample only
@@ -139,7 +137,7 @@ class ReducedCopy:
 
 
 class BackgroundSink:
-    """Calls ``sink`` from a thread of its own, so the stitching thread only hands rows over.
+    """Calls ``sink`` from a thread of its own (:class:`~.background.BackgroundCalls`).
 
     The statistics, reduced copy and file writers work on whole bands of
     rows: large numpy operations that mostly run without the interpreter
@@ -150,38 +148,14 @@ class BackgroundSink:
 
     def __init__(self, sink: Sink, max_pending: int = 8, name: str = "heatmap-sink"):
         self._sink = sink
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if self._error is None:
-                try:
-                    self._sink(*item)
-                except BaseException as exc:  # raised in the stitching thread
-                    self._error = exc
+        self._calls = BackgroundCalls(max_pending, name)
 
     def __call__(self, y0: int, rows: np.ndarray) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closed:
-            raise ClosedError("heatmap sink: rows after close")
-        self._queue.put((y0, rows))
+        self._calls.call(self._sink, y0, rows)
 
     def close(self) -> None:
         """Wait until every band handed over is through ``sink``; raise its failure. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
-            self._thread.join()
-        if self._error is not None:
-            raise self._error
+        self._calls.close()
 
 
 def fan_out(*sinks: Sink | None) -> Sink:

@@ -17,6 +17,7 @@ import numpy as np
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
+from wsi_pipeline.stitch.background import BackgroundCalls
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
 from wsi_pipeline.stitch.policies import MergePolicy
 
@@ -55,6 +56,8 @@ class Stitcher:
     ):
         self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
         self.source = source
+        # The merge policy sees the mapped boxes on a thread of its own, in order.
+        self._merge = BackgroundCalls(name="box-merge")
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
@@ -112,7 +115,7 @@ class Stitcher:
         if self.blender is not None:
             self.blender.add_run(row, cols, batch.heatmaps[start:stop])
         if row != self._row:
-            self.policy.row_started(self.geometry.row_y0_level0(row))
+            self._merge.call(self.policy.row_started, self.geometry.row_y0_level0(row))
         self._row = row
         counts = batch.counts[start:stop]
         if not counts.any():
@@ -136,7 +139,14 @@ class Stitcher:
         b = b[inside]
         b[:, [0, 2]] = b[:, [0, 2]].clip(0, w0)
         b[:, [1, 3]] = b[:, [1, 3]].clip(0, h0)
-        self.policy.add(b, scores[keep][inside], labels[keep][inside])
+        self._merge.call(self.policy.add, b, scores[keep][inside], labels[keep][inside])
+
+    def close(self) -> None:
+        """End the merging thread without finishing (a failed run); :meth:`finish` does it too."""
+        try:
+            self._merge.close()
+        except Exception:  # the run failed already; its own error is the one raised
+            pass
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Skip the tiles after the last one read, close the heatmap; the merged boxes.
@@ -147,6 +157,7 @@ class Stitcher:
         self._skip_to(self.geometry.n_rows * self.geometry.n_cols)
         if self.blender is not None:
             self.blender.close()
+        self._merge.close()
         boxes, scores, labels = self.policy.finish()
         order = reading_order(boxes)
         return boxes[order], scores[order], labels[order]
