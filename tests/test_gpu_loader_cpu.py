@@ -14,6 +14,7 @@ import pytest
 from helpers import smooth_rgb, stored_tiles_per_batch, stored_tiles_under, write_pyramid_tiff
 
 from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.slide.base import Slide
 from wsi_pipeline.slide.tiff_backend import TiffSlide
 from wsi_pipeline.tiling import TileGrid
 from wsi_pipeline.tiling.grid import read_tile
@@ -172,6 +173,8 @@ def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
         return real(level, tx, ty)
 
     monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
+    # Batched reads through the per-tile reads above (the generic definition).
+    monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(
         slide, tiles, batch_size=3, device="cpu", decode_threads=decode_threads, jpeg_decoder=jpeg_decoder
     )

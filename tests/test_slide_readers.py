@@ -221,3 +221,24 @@ def test_no_warnings_on_good_slide(pyramid_tiff):
         warnings.simplefilter("error")
         with open_slide(pyramid_tiff) as s:
             s.read_region((0, 0), 0, (10, 10))
+
+
+def test_stored_tiles_read_at_once_equal_each_read_alone(tmp_path):
+    """TiffSlide.raw_tiles_jpeg (one read of the span) against the per-tile definition, every level."""
+    from wsi_pipeline.slide.base import Slide
+    from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.synthetic import write_synthetic_slide
+
+    path = tmp_path / "s.tiff"
+    write_synthetic_slide(path, 2048, 1536, seed=3, kind="pathology")
+    with TiffSlide(path) as slide:
+        for level in range(slide.level_count):
+            _, _, across, down = slide.tile_grid_shape(level)
+            coords = [(x, y) for y in range(down) for x in range(across)]
+            for pick in (coords, coords[::3], coords[::-1], coords[:1]):
+                buf, lengths = slide.raw_tiles_jpeg(level, pick)
+                each = [slide.raw_tile_jpeg(level, x, y) for x, y in pick]
+                assert lengths.tolist() == [len(b) for b in each]
+                assert buf.tobytes() == b"".join(each)
+                ref_buf, ref_lengths = Slide.raw_tiles_jpeg(slide, level, pick)
+                assert ref_buf.tobytes() == buf.tobytes() and ref_lengths.tolist() == lengths.tolist()

@@ -963,8 +963,9 @@ class TorchBackend:
         self._capture_lock = threading.Lock()
         self._runner: TorchRunner | None = None
         self._infer_lock = threading.Lock()
-        if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+        # cuDNN picks its kernels by heuristics (torch's default): timing them for every batch bucket
+        # (torch.backends.cudnn.benchmark) loaded ~140 MB more host memory and was not faster here
+        # (benchmarks/probe_setup_memory.py, BENCHMARKS.md).
 
     @property
     def is_cuda(self) -> bool:

@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import cv2
@@ -166,6 +166,16 @@ class Slide(abc.ABC):
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
         """Stored tile (tx, ty) of ``level`` as a self-contained JPEG stream (empty: no data)."""
         raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
+
+    def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`raw_tile_jpeg` of many stored tiles ``(tx, ty)``, back to back.
+
+        Returns one uint8 array holding the streams one after the other and
+        their lengths (int64, 0 for a tile without data), in the order given.
+        """
+        streams = [self.raw_tile_jpeg(level, tx, ty) for tx, ty in tiles]
+        lengths = np.fromiter((len(b) for b in streams), np.int64, len(streams))
+        return np.frombuffer(bytearray(b"".join(streams)), np.uint8), lengths
 
     # -- decoded-tile cache (readers that keep one override these) ------------
     def clear_cache(self) -> None:  # noqa: B027  (no cache: nothing to free)

@@ -224,14 +224,12 @@ class GpuTileDecoder:
         )
 
     def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        data, where, empty = [], [], []
-        for slot, tx, ty in slots:
-            raw = self.slide.raw_tile_jpeg(level, tx, ty)
-            if raw:
-                data.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-                where.append(slot)
-            else:
-                empty.append(slot)
+        # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
+        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
+        sizes = lengths.tolist()
+        where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
+        empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
+        data = list(torch.split(torch.from_numpy(buf), [n for n in sizes if n])) if where else []
         if empty:
             stored[empty] = self.background
         if data:
