@@ -9,6 +9,7 @@ notebooks and the demo. Keys only ever get added, so older folders still read.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -102,7 +103,12 @@ class Summary(TypedDict, total=False):
 
 
 def package_versions() -> dict[str, str]:
-    """Versions of the packages that decide a run's result."""
+    """Versions of the packages that decide a run's result (looked up once a process)."""
+    return dict(_package_versions())
+
+
+@functools.cache
+def _package_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in (
         "wsi-pipeline",
