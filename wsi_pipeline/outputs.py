@@ -114,8 +114,7 @@ class SlideOutputs:
             c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
         )
         sinks.append(self.reduced)
-        self._background = BackgroundSink(fan_out(*sinks))
-        self.heatmap_sink = self._background
+        self.heatmap_sink = self._background = BackgroundSink(fan_out(*sinks))
         self.heatmap_weights = tile_weights(
             g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
         )
@@ -143,10 +142,8 @@ class SlideOutputs:
 
     def abort(self) -> None:
         """Remove what was begun (the heatmap files' partial data)."""
-        try:
-            self.drain_heatmap()
-        except Exception:  # the run failed already; its own error is the one raised
-            pass
+        if self._background is not None:
+            self._background.abandon()
         for writer in (self.writer, self.zarr_writer):
             if writer is not None:
                 writer.abort()

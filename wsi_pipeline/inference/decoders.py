@@ -96,9 +96,7 @@ class BatchDetections:
     @property
     def offsets(self) -> np.ndarray:
         """``n + 1`` int64: tile i's rows are ``offsets[i]:offsets[i + 1]``."""
-        out = np.zeros(len(self.counts) + 1, np.int64)
-        np.cumsum(self.counts, out=out[1:])
-        return out
+        return _offsets(self.counts)
 
     def tiles(self) -> list[TileDetections]:
         off = self.offsets
@@ -148,6 +146,13 @@ class BatchDetections:
             np.concatenate([p.counts for p in parts]),
             np.concatenate(hms) if all(h is not None for h in hms) else None,
         )
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """``n + 1`` int64 starts of ``n`` runs of ``counts`` rows laid back to back."""
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 Decoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], list[TileDetections]]
@@ -244,7 +249,8 @@ def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) ->
     """The heatmap output after the card's activation, ``batch x C x H x W float32`` (its own memory)."""
     if card.heatmap is None:
         return None
-    raw = _get(outputs, card.heatmap.output, card).astype(np.float32, copy=False)
+    given = _get(outputs, card.heatmap.output, card)
+    raw = given.astype(np.float32, copy=False)
     if raw.ndim != 4 or raw.shape[0] != batch or raw.shape[1] != len(card.heatmap.classes):
         raise ModelError(
             f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
@@ -255,7 +261,8 @@ def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) ->
     elif card.heatmap.activation == "softmax":
         e = np.exp(raw - raw.max(axis=1, keepdims=True))
         raw = e / e.sum(axis=1, keepdims=True)
-    return np.array(raw, dtype=np.float32, order="C", copy=True) if raw is outputs[card.heatmap.output] else raw
+    # Activations and conversions made new arrays; the caller's own array (a reused buffer) is copied.
+    return np.array(raw, order="C", copy=True) if raw is given else raw
 
 
 def _as_batched(a: np.ndarray, rank: int) -> np.ndarray:
@@ -340,7 +347,7 @@ def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -
         b, s, lab, counts = _ranked(boxes, scores, labels, valid, p["max_detections"])
     else:  # per-tile NMS between the ranking and the limit
         b, s, lab, counts = _ranked(boxes, scores, labels, valid)
-        off = np.concatenate([[0], np.cumsum(counts)])
+        off = _offsets(counts)
         keep = []
         for i in range(len(counts)):
             rows = np.arange(off[i], off[i + 1])

@@ -358,12 +358,10 @@ class TiffSlide(Slide):
         Stored tiles usually lie in the file in row order: the byte span of
         the ones asked for is read with one ``pread`` when it is at most
         twice their bytes (and 256 MiB), else each tile on its own; the
-        streams are then assembled in one concatenation, without a Python
-        object per tile.
+        streams are then assembled from slices of that read in one
+        concatenation.
         """
-        lv = self._levels[level]
-        if lv.page.compression != tifffile.COMPRESSION.JPEG:
-            raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
+        lv = self._jpeg_level(level)
         if not tiles:
             return np.zeros(0, np.uint8), np.zeros(0, np.int64)
         idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
@@ -380,16 +378,12 @@ class TiffSlide(Slide):
         if len(buf) < span:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
         tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
-        rel = offsets - start
-        pieces = [
-            piece
-            for o, n in zip(rel.tolist(), counts.tolist(), strict=True)
-            if n
-            for piece in _stream_parts(tables, buf[o : o + n])
+        parts = [
+            _stream_parts(tables, buf[o : o + n]) if n else ()
+            for o, n in zip((offsets - start).tolist(), counts.tolist(), strict=True)
         ]
-        extra = len(tables) - 4 if tables is not None and len(tables) >= 4 else 0
-        lengths = np.where(counts >= 2, counts + extra, counts)
-        return np.concatenate(pieces), lengths
+        lengths = np.fromiter((sum(len(p) for p in tile) for tile in parts), np.int64, len(parts))
+        return np.concatenate([p for tile in parts for p in tile]), lengths
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
         """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in).
@@ -397,10 +391,14 @@ class TiffSlide(Slide):
         TIFF JPEG tiles usually share their tables in the JPEGTables tag;
         a standalone decoder (such as a GPU one) needs them inside the stream.
         """
+        return _with_tables(self._jpeg_level(level).jpegtables, self.raw_tile(level, tx, ty))
+
+    def _jpeg_level(self, level: int) -> _Level:
+        """``level``'s record, or SlideError where its tiles are not JPEG."""
         lv = self._levels[level]
         if lv.page.compression != tifffile.COMPRESSION.JPEG:
             raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
-        return _with_tables(lv.jpegtables, self.raw_tile(level, tx, ty))
+        return lv
 
     def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
         """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper.

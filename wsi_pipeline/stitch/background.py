@@ -59,5 +59,12 @@ class BackgroundCalls:
         if self._error is not None:
             raise self._error
 
+    def abandon(self) -> None:
+        """:meth:`close` for a run that failed already: its own error is the one raised, not this one's."""
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 __all__ = ["BackgroundCalls"]

@@ -157,6 +157,10 @@ class BackgroundSink:
         """Wait until every band handed over is through ``sink``; raise its failure. Idempotent."""
         self._calls.close()
 
+    def abandon(self) -> None:
+        """End the thread after a failed run, raising nothing."""
+        self._calls.abandon()
+
 
 def fan_out(*sinks: Sink | None) -> Sink:
     """One sink that calls each of ``sinks`` in turn."""

@@ -143,10 +143,7 @@ class Stitcher:
 
     def close(self) -> None:
         """End the merging thread without finishing (a failed run); :meth:`finish` does it too."""
-        try:
-            self._merge.close()
-        except Exception:  # the run failed already; its own error is the one raised
-            pass
+        self._merge.abandon()
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Skip the tiles after the last one read, close the heatmap; the merged boxes.
