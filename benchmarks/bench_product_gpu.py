@@ -18,7 +18,9 @@ shipped pathology model with the torch backend, it prints:
   (``benchmarks/profile_memory_stages.py``, its own process);
 - a batch: ``wsi-pipeline run`` over ``--batch-slides`` copies of the slide
   (hard links under distinct names), every output written, in its own
-  process: tiles/s over the batch and its peak host and GPU memory;
+  process: tiles/s over the batch (process start included), when the
+  first slide's folder was complete and the pace of the rest (from the
+  times their ``summary.json`` files were written), peak host and GPU memory;
 - MONAI's ``sliding_window_inference`` on the same slide and model (the
   level read whole by tifffile, moved to the GPU, Gaussian blend, heatmap
   output, every window of the level, no tissue skipping), where MONAI is
@@ -232,7 +234,7 @@ def batch_cli(slide_path: str, n: int, work: Path) -> dict:
     for i in range(n):
         os.link(slide_path, folder / f"slide_{i}.tiff")
     out = work / "batch_out"
-    t0 = time.perf_counter()
+    t0, t0_epoch = time.perf_counter(), time.time()
     proc = subprocess.run(
         [
             sys.executable,
@@ -254,13 +256,21 @@ def batch_cli(slide_path: str, n: int, work: Path) -> dict:
     if proc.returncode != 0:
         log(proc.stdout[-3000:] + proc.stderr[-3000:])
         return {"returncode": proc.returncode}
-    summaries = [json.loads(p.read_text()) for p in sorted(out.rglob("summary.json"))]
+    paths = sorted(out.rglob("summary.json"))
+    summaries = [json.loads(p.read_text()) for p in paths]
     tiles = sum(s["tiles"]["read"] for s in summaries)
+    # When each slide's folder was complete (summary.json is written last): the first one after the
+    # process start, then the steady pace of the rest.
+    done = sorted(p.stat().st_mtime - t0_epoch for p in paths)
+    steady = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else None
     return {
         "slides": len(summaries),
         "seconds": round(wall, 2),
         "tiles": tiles,
         "tiles_per_s": round(tiles / wall, 1),
+        "first_slide_done_s": round(done[0], 2),
+        "seconds_per_slide_after_the_first": round(steady, 3) if steady else None,
+        "tiles_per_s_after_the_first": round(tiles / len(done) / steady, 1) if steady else None,
         "per_slide_write_s": [s["seconds"].get("write") for s in summaries],
         "per_slide_total_s": [s["seconds"]["total"] for s in summaries],
         "peak_host_memory_mb": max(s["peak_host_memory_mb"] for s in summaries),

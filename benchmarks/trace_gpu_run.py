@@ -3,6 +3,8 @@
 Run on a CUDA machine::
 
     python benchmarks/trace_gpu_run.py SLIDE [--runs 2]
+    python benchmarks/trace_gpu_run.py SLIDE --batch 6 --out DIR
+
 
 Wraps the calls that carry a run (nvJPEG decoding, a loader batch's assembly,
 the hand-off wait, reading stored tiles, a worker's batch, waiting on CUDA
@@ -12,6 +14,14 @@ pipeline (torch backend, no outputs) once to warm up and ``--runs`` times
 measured. Prints, for the last run, each thread's seconds per call site next
 to the run's wall time. Nested calls are counted in both (a batch's
 assembly includes its nvJPEG call).
+
+``--batch N --out DIR`` traces a batch instead: N runs of the slide with
+every output, each started while the previous one's files are still being
+written, the way the batch's slide process runs them (``start_slide`` with
+``wait_written=False``, the folder finished on a thread of its own). The
+output call sites are timed too, and every thread's stack is sampled; it
+prints each slide's start, end of stitching and end of writing. The pipeline
+is not warmed up first, as in a batch.
 """
 
 from __future__ import annotations
@@ -19,16 +29,22 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import re
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torchvision.io
 
-from wsi_pipeline import Pipeline
+from wsi_pipeline import Pipeline, outputs, pipeline
+from wsi_pipeline.batch import run_key
+from wsi_pipeline.batch_jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import executor, torch_backend
-from wsi_pipeline.slide import tiff_backend
+from wsi_pipeline.io import ome_tiff, writer_pool
+from wsi_pipeline.slide import base, tiff_backend
 from wsi_pipeline.stitch import stitcher
 from wsi_pipeline.tiling import gpu_loader
 
@@ -75,13 +91,83 @@ def install() -> None:
         _timed(owner, name, label)
 
 
+def install_outputs() -> None:
+    for owner, name, label in [
+        (pipeline, "tissue_mask", "tissue mask"),
+        (pipeline, "build_summary", "summary"),
+        (outputs.SlideOutputs, "write", "outputs: start the files"),
+        (outputs.SlideOutputs, "overlay_inputs", "outputs: overlay inputs"),
+        (outputs.SlideOutputs, "heatmap_scores", "outputs: heatmap statistics"),
+        (outputs.SlideOutputs, "close_heatmap", "outputs: close the heatmap"),
+        (base.Slide, "get_thumbnail", "thumbnail"),
+        (ome_tiff.OmeTiffHeatmapWriter, "write_rows", "heatmap file: rows"),
+        (ome_tiff.OmeTiffHeatmapWriter, "close", "heatmap file: pyramid, write"),
+        (writer_pool.WriterPool, "submit", "writer pool: submit"),
+        (writer_pool.WriteJobs, "wait", "writer pool: wait"),
+        (StartedSlide, "finish", "slide folder: finish"),
+    ]:
+        _timed(owner, name, label)
+
+
+def _print_totals(wall: float) -> None:
+    for (thread, label), (sec, calls) in sorted(_totals.items(), key=lambda kv: (kv[0][0], -kv[1][0])):
+        print(f"  {thread:<16} {label:<30} {sec:7.3f} s {sec / wall:6.1%} of the run  {calls:6d} calls")
+
+
+def trace_batch(pipe: Pipeline, slide: str, n: int, out: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_product_gpu import StackSampler
+
+    key = run_key(pipe.config, pipe.card)
+    marks: dict[str, list[float]] = {}
+    finishing: list[threading.Thread] = []
+    _totals.clear()
+    t0 = time.perf_counter()
+
+    def finish(started: StartedSlide) -> None:
+        outcome = started.finish()
+        marks[started.name].append(time.perf_counter() - t0)
+        if outcome.status != "done":
+            print(f"{started.name}: {outcome.status} {outcome.error}")
+
+    with StackSampler(0.005) as sampler:
+        for i in range(n):
+            name = f"slide_{i}"
+            marks[name] = [time.perf_counter() - t0]
+            started = start_slide(pipe, slide, name, out, key, wait_written=False)
+            marks[name].append(time.perf_counter() - t0)
+            t = threading.Thread(target=finish, args=(started,), name="finish-slide", daemon=True)
+            t.start()
+            finishing.append(t)
+        for t in finishing:
+            t.join()
+    wall = time.perf_counter() - t0
+    tiles = 0
+    for name, (begin, stitched, written) in marks.items():
+        summary = json.loads((out / "slides" / name / "summary.json").read_text())
+        tiles += summary["tiles"]["read"]
+        secs = {k: round(v, 2) for k, v in summary["seconds"].items() if isinstance(v, (int, float)) and v >= 0.05}
+        print(f"{name}: start {begin:6.2f} s, stitched {stitched:6.2f} s, written {written:6.2f} s; {secs}")
+    print(f"batch: {n} slides, {wall:.2f} s, {tiles / wall:,.0f} tiles/s")
+    _print_totals(wall)
+    for name, v in sampler.summary(top=10).items():
+        print(f"  thread {name} ({v['samples']} samples): " + "; ".join(f"{k} {p:.0%}" for k, p in v["top"]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("slide")
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=0, help="trace a batch of this many runs with outputs")
+    ap.add_argument("--out", type=Path, help="the batch's output folder")
+    ap.add_argument("--backend", default="torch", help="the backend (ort tries the script without a GPU)")
     args = ap.parse_args()
     install()
-    with Pipeline.from_card(backend="torch") as pipe:
+    with Pipeline.from_card(backend=args.backend) as pipe:
+        if args.batch:  # no warm-up: a batch's first slide is its process's first
+            install_outputs()
+            trace_batch(pipe, args.slide, args.batch, args.out)
+            return 0
         pipe.run(args.slide)
         for _ in range(args.runs):
             _totals.clear()
@@ -90,8 +176,7 @@ def main() -> int:
             wall = time.perf_counter() - t0
             tiles = r.summary["tiles"]["read"]
             print(f"run: {wall:.3f} s, {tiles / wall:,.0f} tiles/s; tile_decode {r.summary.get('tile_decode')}")
-        for (thread, label), (sec, calls) in sorted(_totals.items(), key=lambda kv: (kv[0][0], -kv[1][0])):
-            print(f"  {thread:<16} {label:<30} {sec:7.3f} s {sec / wall:6.1%} of the run  {calls:6d} calls")
+        _print_totals(wall)
     return 0
 
 

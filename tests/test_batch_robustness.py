@@ -61,10 +61,28 @@ class _Result:
         self.summary = {"counts": counts}
 
 
+class _SlowWrittenResult(_Result):
+    """A result whose files take 2 s to write; the batch folder's ``events.log`` says when they are."""
+
+    def __init__(self, counts, name: str, log: Path):
+        super().__init__(counts)
+        self.name, self.log = name, log
+
+    def wait_written(self):
+        time.sleep(2)
+        _event(self.log, f"written {self.name}")
+
+
+def _event(log: Path, what: str) -> None:
+    with open(log, "a") as f:
+        f.write(f"{what}\n")
+
+
 class FakePipeline:
     """Writes every output file (summary with the batch's entries); by slide file name: ``hang*``
     sleeps for good, ``crash*`` kills its process, ``ctrlc*`` raises KeyboardInterrupt, ``full*``
-    fails with a full disk."""
+    fails with a full disk, ``slowwrite*`` takes 2 s to write its files (``wait_written=False``).
+    Each run is noted in the batch folder's ``events.log``."""
 
     def __init__(self):
         self.closed = False
@@ -73,6 +91,8 @@ class FakePipeline:
         name = Path(path).name
         out = Path(out_dir)
         out.mkdir(parents=True)
+        log = out.parent.parent / "events.log"
+        _event(log, f"run {name}")
         (out / "detections.csv").write_text("partial")
         if name.startswith("hang"):
             time.sleep(3600)
@@ -87,6 +107,8 @@ class FakePipeline:
         (out / "summary.json").write_text(
             json.dumps({"counts": {"nucleus": 1}, "heatmap_scores": {}, **(extra_summary or {})})
         )
+        if name.startswith("slowwrite") and not wait_written:
+            return _SlowWrittenResult({"nucleus": 1}, name, log)
         return _Result({"nucleus": 1})
 
     def close(self):
@@ -133,6 +155,18 @@ def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path):
     assert good1.status == "done" and good2.status == "done", (good1, good2)
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
     assert sorted(p.name for p in (tmp_path / "out" / "slides").iterdir()) == ["good1", "good2"]
+
+
+def test_the_child_runs_two_slides_ahead_while_files_are_written(tmp_path):
+    """While the first slide's files take 2 s to write, the child already runs the next two
+    slides (the parent asks for the second only once the first is written); all end done."""
+    paths = _slides(tmp_path / "in", "slowwrite.tiff", "b.tiff", "c.tiff", "d.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
+    report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
+    assert [o.status for o in report.outcomes] == ["done"] * 4
+    events = (tmp_path / "out" / "events.log").read_text().split("\n")
+    assert events.index("run c.tiff") < events.index("written slowwrite.tiff") < events.index("run d.tiff")
+    assert events.count("run b.tiff") == events.count("run c.tiff") == 1
 
 
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,9 @@ log = logging.getLogger("wsi_pipeline")
 # Default limit: this much, plus as much again per GiB of slide file.
 BASE_LIMIT_S = 3600.0
 LIMIT_S_PER_GIB = 3600.0
+# Slides the child runs ahead of the one asked for, while earlier slides' files are written: with
+# two, the GPU keeps working while one slide's files take longer to write than the next slide runs.
+RUN_AHEAD = 2
 # Loggers whose levels the child copies from the parent.
 _LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile")
 
@@ -84,7 +87,7 @@ class InProcessRunner:
         out_dir: Path,
         key: Any,
         limit_s: float | None = None,
-        next_slide: tuple[Path, str] | None = None,
+        next_slides: Sequence[tuple[Path, str]] = (),
     ):
         from .batch_jobs import process_slide
 
@@ -183,10 +186,10 @@ class ChildProcessRunner:
         out_dir: Path,
         key: Any,
         limit_s: float | None = None,
-        next_slide: tuple[Path, str] | None = None,
+        next_slides: Sequence[tuple[Path, str]] = (),
     ):
-        """The slide's outcome. ``next_slide`` (path, name): the slide that will be asked for next,
-        which the child starts while this one's files are written."""
+        """The slide's outcome. ``next_slides`` ((path, name), at most :data:`RUN_AHEAD`): the slides
+        that will be asked for next, in order, which the child runs while this one's files are written."""
         from .batch_jobs import SlideOutcome
 
         self.prepare()
@@ -197,7 +200,7 @@ class ChildProcessRunner:
         inferred = False
         try:
             try:
-                self.send_conn.send(("run", path, name, out_dir, key, next_slide))
+                self.send_conn.send(("run", path, name, out_dir, key, list(next_slides[:RUN_AHEAD])))
             except (BrokenPipeError, ConnectionResetError):
                 reply = None  # the child died running this slide ahead, while the last one was written
             else:
@@ -222,8 +225,8 @@ class ChildProcessRunner:
         if reply is None or reply[0] != "outcome":
             code = self._stop()
             self._remove_partials(out_dir, name, pid)
-            if inferred and next_slide is not None:
-                # The child died after this slide's inference, most likely in the next slide it had
+            if inferred and next_slides:
+                # The child died after this slide's inference, most likely in a slide it had
                 # started ahead: run this one again, alone.
                 log.warning(
                     "%s: the process running slides died (exit code %s) while writing this slide; running it again",
@@ -338,9 +341,9 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
         return
     send_conn.send(("ready",))
     # While slide k's files are written (a thread waits for them, moves its folder into place and
-    # sends its outcome), the next slide the parent named is already run here; when the parent
-    # asks for it, its result is taken (or, if it asks for another, thrown away).
-    ahead: tuple[tuple[str, str], Any] | None = None
+    # sends its outcome), the next slides the parent named are already run here, in order; when the
+    # parent asks for one, its result is taken (slides run ahead that it no longer names are thrown away).
+    ahead: dict[tuple[str, str], Any] = {}
     finishing: list[threading.Thread] = []
 
     def finish(started: Any) -> None:
@@ -356,29 +359,25 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
                 return
             if msg[0] == "stop":
                 return
-            _, path, name, out_dir, key, next_slide = msg
-            if ahead is not None and ahead[0] == (str(path), name):
-                started = ahead[1]
-            else:
-                if ahead is not None:
-                    ahead[1].discard()
+            _, path, name, out_dir, key, next_slides = msg
+            started = ahead.pop((str(path), name), None)
+            if started is None:
                 started = start_slide(pipeline, path, name, out_dir, key, progress, wait_written=False)
-            ahead = None
             with handler.send_lock:
                 send_conn.send(("inferred", name))
             finishing = [t for t in finishing if t.is_alive()]
             t = threading.Thread(target=finish, args=(started,), name="finish-slide", daemon=True)
             t.start()
             finishing.append(t)
-            if next_slide is not None:
-                next_path, next_name = next_slide
-                ahead = (
-                    (str(next_path), next_name),
-                    start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False),
-                )
+            named = [(str(p), n) for p, n in next_slides]
+            for k in [k for k in ahead if k not in named]:
+                ahead.pop(k).discard()
+            for (next_path, next_name), k in zip(next_slides, named, strict=True):
+                if k not in ahead:
+                    ahead[k] = start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False)
     finally:
-        if ahead is not None:
-            ahead[1].discard()
+        for started in ahead.values():
+            started.discard()
         for t in finishing:
             t.join()
         pipeline.close()

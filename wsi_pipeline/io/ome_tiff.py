@@ -76,6 +76,23 @@ def quantise(values: np.ndarray, dtype: np.dtype, value_scale: float) -> np.ndar
     return np.clip(np.rint(scaled), info.min, info.max).astype(dtype)
 
 
+def halve(band: np.ndarray) -> np.ndarray:
+    """2x2 mean of a ``C x h x w`` band, ``C x ceil(h/2) x ceil(w/2)``, in the band's dtype.
+
+    Odd sizes repeat the last row / column; integer results are rounded to
+    nearest (ties to even). Each reduced level of the heatmap files is made by it.
+    """
+    c, h, w = band.shape
+    h2, w2 = math.ceil(h / 2), math.ceil(w / 2)
+    data = band.astype(np.float32)
+    if (2 * h2, 2 * w2) != (h, w):
+        data = np.pad(data, ((0, 0), (0, 2 * h2 - h), (0, 2 * w2 - w)), mode="edge")
+    # The four pixels of each 2x2 block summed as strided views: several times faster than a mean over two
+    # axes of a 5-D reshape, and exact for stored integers.
+    mean = (data[:, 0::2, 0::2] + data[:, 1::2, 0::2] + data[:, 0::2, 1::2] + data[:, 1::2, 1::2]) * np.float32(0.25)
+    return (mean if band.dtype.kind == "f" else np.rint(mean)).astype(band.dtype)
+
+
 def pyramid_shapes(height: int, width: int, tile: int, levels: int | str = "auto") -> list[tuple[int, int]]:
     """(height, width) of each pyramid level, level 0 first, each half the previous (rounded up).
 
@@ -303,20 +320,13 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         """2x2 mean of ``src`` (C x H x W) into a new memmap of ``shape``, band by band."""
         h, w = shape
         dst = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=(self.channels, h, w))
-        src_h, src_w = src.shape[1:]
-        for c in range(self.channels):
-            for y in range(0, h, _BAND_ROWS):
-                y1 = min(y + _BAND_ROWS, h)
-                band = np.asarray(src[c, 2 * y : min(2 * y1, src_h)], dtype=np.float32)
-                # Odd sizes: repeat the last row / column so every output pixel has 2x2 inputs.
-                need_h, need_w = 2 * (y1 - y), 2 * w
-                if band.shape[0] < need_h or src_w < need_w:
-                    band = np.pad(band, ((0, need_h - band.shape[0]), (0, need_w - src_w)), mode="edge")
-                mean = band.reshape(y1 - y, 2, w, 2).mean(axis=(1, 3))
-                dst[c, y:y1] = mean if self.dtype.kind == "f" else np.rint(mean)
-                if (y // _BAND_ROWS) % 64 == 63:
-                    _drop_pages(src)
-                    _drop_pages(dst)
+        src_h = src.shape[1]
+        for y in range(0, h, _BAND_ROWS):
+            y1 = min(y + _BAND_ROWS, h)
+            dst[:, y:y1] = halve(np.asarray(src[:, 2 * y : min(2 * y1, src_h)]))[:, :, :w]
+            if (y // _BAND_ROWS) % 64 == 63:
+                _drop_pages(src)
+                _drop_pages(dst)
         _drop_pages(src)
         _drop_pages(dst)
         return dst

@@ -37,7 +37,6 @@ reads as a complete image. :meth:`abort` deletes it.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -51,28 +50,11 @@ from ome_zarr.writer import write_multiscales_metadata
 
 from wsi_pipeline.io.atomic import partial_name, replace_tree
 from wsi_pipeline.io.detections import parse_color
-from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, pyramid_shapes, quantise
+from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, halve, pyramid_shapes, quantise
 
 NGFF_VERSIONS = ("0.4", "0.5")
 # Colours given to channels without one (hex RGB, as the omero metadata wants them).
 _PALETTE = ("FF0000", "00FF00", "0000FF", "FFFF00", "FF00FF", "00FFFF", "FF8000", "8000FF")
-
-
-def halve(band: np.ndarray) -> np.ndarray:
-    """2x2 mean of a ``C x h x w`` band, ``C x ceil(h/2) x ceil(w/2)``, in the band's dtype.
-
-    Odd sizes repeat the last row / column (as :class:`OmeTiffHeatmapWriter`'s
-    pyramid does); integer results are rounded to nearest.
-    """
-    c, h, w = band.shape
-    h2, w2 = math.ceil(h / 2), math.ceil(w / 2)
-    data = band.astype(np.float32)
-    if (2 * h2, 2 * w2) != (h, w):
-        data = np.pad(data, ((0, 0), (0, 2 * h2 - h), (0, 2 * w2 - w)), mode="edge")
-    # The four pixels of each 2x2 block summed as strided views: several times faster than a mean over two
-    # axes of a 5-D reshape, and exact for stored integers.
-    mean = (data[:, 0::2, 0::2] + data[:, 1::2, 0::2] + data[:, 0::2, 1::2] + data[:, 1::2, 1::2]) * np.float32(0.25)
-    return (mean if band.dtype.kind == "f" else np.rint(mean)).astype(band.dtype)
 
 
 class _Level:

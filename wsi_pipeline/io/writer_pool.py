@@ -16,6 +16,7 @@ cluster runners use) or ``processes=0``, jobs run in the calling thread.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -24,7 +25,16 @@ from typing import Any
 
 from ..errors import ConfigError, WSIPipelineError
 
-DEFAULT_PROCESSES = 3
+
+def default_processes(cpus: int | None = None) -> int:
+    """Writer processes for a machine of ``cpus`` CPUs (default: this one's): 3, or a quarter of
+    the CPUs where that is more, at most 6: on a large machine the detection files and overlays
+    are then written about as fast as a GPU runs slides, while most CPUs stay with tile loading."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return max(3, min(6, cpus // 4))
+
+
+DEFAULT_PROCESSES = default_processes()
 
 
 _MAIN_GUARD = (
