@@ -145,16 +145,19 @@ def _key(config: RunConfig) -> RunKey:
 # -- time limit, crashes, Ctrl-C ---------------------------------------------------------------------
 
 
-def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path):
+@pytest.mark.parametrize("first", ["good1", "slowwrite1"])
+def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path, first):
     """The child runs the next slide while the previous one's files are written: when that next slide
-    kills it, the previous slide is run again and done, the crashing one failed, the rest done."""
-    paths = _slides(tmp_path / "in", "good1.tiff", "crash.tiff", "good2.tiff")
+    kills it, the previous slide is run again and done, the crashing one failed, the rest done, and
+    no half-written folder is left (the first slide's files written slowly: the child surely dies
+    before it reports the first slide)."""
+    paths = _slides(tmp_path / "in", f"{first}.tiff", "crash.tiff", "good2.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
     report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
     good1, crash, good2 = report.outcomes
     assert good1.status == "done" and good2.status == "done", (good1, good2)
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
-    assert sorted(p.name for p in (tmp_path / "out" / "slides").iterdir()) == ["good1", "good2"]
+    assert sorted(p.name for p in (tmp_path / "out" / "slides").iterdir()) == sorted([first, "good2"])
 
 
 def test_the_child_runs_two_slides_ahead_while_files_are_written(tmp_path):

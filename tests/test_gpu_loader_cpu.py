@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import smooth_rgb, stored_tiles_per_batch, stored_tiles_under, write_pyramid_tiff
 
-from wsi_pipeline.errors import ConfigError, TileReadError
+from wsi_pipeline.errors import TileReadError
 from wsi_pipeline.slide.base import Slide
 from wsi_pipeline.slide.tiff_backend import TiffSlide
 from wsi_pipeline.tiling import TileGrid
@@ -134,35 +134,6 @@ def test_nvjpeg_path_on_cpu_matches_the_cpu_reader(slide_path, decode_threads):
     assert loader.decoder.cpu_fallback_batches == 0
 
 
-@pytest.mark.parametrize("cpu_share", [0.5, 1.0])
-def test_nvjpeg_with_a_share_for_threads_matches_the_cpu_reader(slide_path, cpu_share):
-    """Each batch's last stored tiles go to libjpeg-turbo threads while nvJPEG decodes the rest; with
-    all of them on the threads the pixels are the CPU reader's exactly."""
-    slide = TiffSlide(slide_path)
-    tiles = _tissue_with_gaps(TileGrid(slide))
-    loader = GpuTileLoader(
-        slide, tiles, batch_size=5, device="cpu", decode_threads=2, jpeg_threads=2, cpu_share=cpu_share
-    )
-    got = _in_thread(lambda: _read_all(loader))
-    ref = np.stack([read_tile(slide, t) for t in tiles]).astype(np.int16)
-    diff = np.abs(np.stack([got[t.index] for t in tiles]).astype(np.int16) - ref)
-    dec = loader.decoder
-    if cpu_share == 1.0:
-        assert diff.max() == 0
-        assert dec.stored_tiles_decoded_on_cpu == dec.stored_tiles_decoded
-    else:
-        assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 16, (diff.mean(), np.percentile(diff, 99))
-        assert 0 < dec.stored_tiles_decoded_on_cpu < dec.stored_tiles_decoded
-    fresh, shared, _ = stored_tiles_per_batch(slide, tiles, 5, STORED)
-    assert (dec.stored_tiles_decoded, dec.stored_tiles_reused) == (fresh, shared)
-    assert not _decode_threads_alive()
-
-
-def test_cpu_share_is_checked(slide_path):
-    with pytest.raises(ConfigError, match="cpu_share: expected a share from 0 to 1, found 1.5"):
-        GpuTileLoader(TiffSlide(slide_path), [], device="cpu", cpu_share=1.5)
-
-
 @pytest.mark.parametrize("decode_threads", [1, 2])
 def test_breaking_out_early_ends_the_loader(slide_path, decode_threads):
     slide = TiffSlide(slide_path)
@@ -182,7 +153,7 @@ def test_breaking_out_early_ends_the_loader(slide_path, decode_threads):
     _in_thread(loader.close)
 
 
-@pytest.mark.parametrize("jpeg_decoder", ["threads", "nvjpeg", "nvjpeg+threads"])
+@pytest.mark.parametrize("jpeg_decoder", ["threads", "nvjpeg"])
 @pytest.mark.parametrize("decode_threads", [1, 2])
 @pytest.mark.parametrize("failure", ["raises", "damaged"])
 def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
@@ -205,14 +176,7 @@ def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
     # Batched reads through the per-tile reads above (the generic definition).
     monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(
-        slide,
-        tiles,
-        batch_size=3,
-        device="cpu",
-        decode_threads=decode_threads,
-        jpeg_decoder=jpeg_decoder.split("+")[0],
-        jpeg_threads=2,
-        cpu_share=0.5 if jpeg_decoder.endswith("+threads") else 0.0,
+        slide, tiles, batch_size=3, device="cpu", decode_threads=decode_threads, jpeg_decoder=jpeg_decoder
     )
     seen = []
 

@@ -198,9 +198,12 @@ class ChildProcessRunner:
         t0 = time.perf_counter()
         deadline = None if limit_s is None else time.monotonic() + limit_s
         inferred = False
+        next_slides = list(next_slides[:RUN_AHEAD])
+        # The folders a stopped or dead child may have begun: this slide's and those it ran ahead.
+        begun = [name, *(n for _, n in next_slides)]
         try:
             try:
-                self.send_conn.send(("run", path, name, out_dir, key, list(next_slides[:RUN_AHEAD])))
+                self.send_conn.send(("run", path, name, out_dir, key, next_slides))
             except (BrokenPipeError, ConnectionResetError):
                 reply = None  # the child died running this slide ahead, while the last one was written
             else:
@@ -210,7 +213,7 @@ class ChildProcessRunner:
                 reply = self._receive(deadline)
         except TimeoutError:
             self._stop()
-            self._remove_partials(out_dir, name, pid)
+            self._remove_partials(out_dir, begun, pid)
             return SlideOutcome(
                 name,
                 str(path),
@@ -220,11 +223,11 @@ class ChildProcessRunner:
             )
         except BaseException:  # Ctrl-C: the caller records the slide as interrupted
             self._stop()
-            self._remove_partials(out_dir, name, pid)
+            self._remove_partials(out_dir, begun, pid)
             raise
         if reply is None or reply[0] != "outcome":
             code = self._stop()
-            self._remove_partials(out_dir, name, pid)
+            self._remove_partials(out_dir, begun, pid)
             if inferred and next_slides:
                 # The child died after this slide's inference, most likely in a slide it had
                 # started ahead: run this one again, alone.
@@ -245,9 +248,10 @@ class ChildProcessRunner:
         return reply[1]
 
     @staticmethod
-    def _remove_partials(out_dir: Path, name: str, pid: int) -> None:
-        for p in slides_dir(out_dir).glob(f".{glob.escape(name)}.partial-{pid}-*"):
-            remove_or_warn(p, "the outputs of a stopped slide")
+    def _remove_partials(out_dir: Path, names: Sequence[str], pid: int) -> None:
+        for name in names:
+            for p in slides_dir(out_dir).glob(f".{glob.escape(name)}.partial-{pid}-*"):
+                remove_or_warn(p, "the outputs of a stopped slide")
 
     def close(self) -> None:
         if self.proc is not None and self.send_conn is not None:

@@ -41,13 +41,12 @@ CUDA streams or events.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,10 +150,6 @@ class StoredTiles:
 
 
 JPEG_DECODERS = ("threads", "nvjpeg")
-# With nvJPEG, the share of each batch's stored tiles that libjpeg-turbo threads decode meanwhile
-# (where there are at least MIN_CPU_SHARE_THREADS of them); see BENCHMARKS.md.
-CPU_SHARE = 0.35
-MIN_CPU_SHARE_THREADS = 4
 _POOL_LOCK = threading.Lock()
 
 
@@ -163,35 +158,20 @@ class GpuTileDecoder:
 
     ``jpeg_decoder``: ``"nvjpeg"`` or ``"threads"`` (module docstring);
     ``threads``: CPU decoding threads for ``"threads"`` (default: cores - 2).
-    ``cpu_share``: with ``"nvjpeg"``, the share of each batch's stored tiles
-    (its last ones) decoded by those threads while nvJPEG decodes the rest
-    (default :data:`CPU_SHARE` with at least :data:`MIN_CPU_SHARE_THREADS`
-    threads, else 0).
     Thread-safe: each calling thread gets its own staging buffer.
     Counters (thread-safe, for a run's record): ``stored_tiles_decoded``
-    (stored tiles read and decoded), ``stored_tiles_decoded_on_cpu`` (of those,
-    by the threads), ``stored_tiles_reused`` (copied from the previous batch
-    instead), ``cpu_fallback_batches`` (batches nvJPEG
+    (stored tiles read and decoded), ``stored_tiles_reused`` (copied from the
+    previous batch instead), ``cpu_fallback_batches`` (batches nvJPEG
     refused, decoded by libjpeg-turbo instead).
     """
 
     def __init__(
-        self,
-        slide: Any,
-        device: str | torch.device = "cuda",
-        jpeg_decoder: str = "nvjpeg",
-        threads: int | None = None,
-        cpu_share: float | None = None,
+        self, slide: Any, device: str | torch.device = "cuda", jpeg_decoder: str = "nvjpeg", threads: int | None = None
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
-        if cpu_share is None:
-            cpu_share = CPU_SHARE if self.threads >= MIN_CPU_SHARE_THREADS else 0.0
-        if not 0.0 <= cpu_share <= 1.0:
-            raise ConfigError(f"cpu_share: expected a share from 0 to 1, found {cpu_share!r}")
-        self.cpu_share = float(cpu_share) if jpeg_decoder == "nvjpeg" else 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         if slide.stored_tile_format(0) is None:
@@ -204,15 +184,13 @@ class GpuTileDecoder:
         self.cpu_fallback_batches = 0
         self.stored_tiles_decoded = 0
         self.stored_tiles_reused = 0
-        self.stored_tiles_decoded_on_cpu = 0
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
 
-    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0, on_cpu: int = 0) -> None:
+    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0) -> None:
         with self._counts_lock:
             self.stored_tiles_decoded += decoded
-            self.stored_tiles_decoded_on_cpu += on_cpu
             self.stored_tiles_reused += reused
             self.cpu_fallback_batches += fallback
 
@@ -249,53 +227,29 @@ class GpuTileDecoder:
         # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
         buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
         sizes = lengths.tolist()
-        offsets = [0, *itertools.accumulate(sizes)]
-        # The batch's last stored tiles go to libjpeg-turbo threads, which decode them while nvJPEG
-        # (one call at a time in torchvision) decodes the rest.
-        m = len(slots)
-        k = m - round(m * self.cpu_share)
-        finish_cpu = None
-        if k < m:
-            streams = [buf[offsets[i] : offsets[i + 1]] for i in range(k, m)]
-            finish_cpu = self._start_threads(stored, level, slots[k:], th, tw, streams)
-            self._count(on_cpu=m - k)
-        try:
-            gpu_slots, gpu_sizes = slots[:k], sizes[:k]
-            where = [slot for (slot, _, _), n in zip(gpu_slots, gpu_sizes, strict=True) if n]
-            empty = [slot for (slot, _, _), n in zip(gpu_slots, gpu_sizes, strict=True) if not n]
-            data = list(torch.split(torch.from_numpy(buf[: offsets[k]]), [n for n in gpu_sizes if n])) if where else []
-            if empty:
-                stored[empty] = self.background
-            if data:
-                try:
-                    decoded = torchvision.io.decode_jpeg(
-                        data, mode=torchvision.io.ImageReadMode.RGB, device=self.device
+        where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
+        empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
+        data = list(torch.split(torch.from_numpy(buf), [n for n in sizes if n])) if where else []
+        if empty:
+            stored[empty] = self.background
+        if data:
+            try:
+                decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+            except RuntimeError:
+                # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
+                # batch instead and reports the tile that really cannot be decoded.
+                self._count(fallback=1)
+                self._decode_threads(stored, level, slots, th, tw)
+                return
+            for d in decoded:
+                if d.shape != (3, th, tw):
+                    raise TileReadError(
+                        self.slide.path,
+                        f"stored tile decoded to {list(d.shape)}, expected [3, {th}, {tw}]",
+                        None,
+                        level,
                     )
-                except RuntimeError:
-                    # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
-                    # batch instead and reports the tile that really cannot be decoded.
-                    self._count(fallback=1)
-                    if finish_cpu is not None:  # its staging buffer is needed again
-                        finish_cpu, done = None, finish_cpu
-                        done()
-                    self._decode_threads(stored, level, gpu_slots, th, tw)
-                    return
-                for d in decoded:
-                    if d.shape != (3, th, tw):
-                        raise TileReadError(
-                            self.slide.path,
-                            f"stored tile decoded to {list(d.shape)}, expected [3, {th}, {tw}]",
-                            None,
-                            level,
-                        )
-                stored[where] = torch.stack(decoded).permute(0, 2, 3, 1)
-        except BaseException:
-            if finish_cpu is not None:  # the threads write into the staging buffer: let them end
-                with contextlib.suppress(Exception):
-                    finish_cpu()
-            raise
-        if finish_cpu is not None:
-            finish_cpu()
+            stored[where] = torch.stack(decoded).permute(0, 2, 3, 1)
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
@@ -311,14 +265,6 @@ class GpuTileDecoder:
         return buf, event
 
     def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        self._start_threads(stored, level, slots, th, tw)()
-
-    def _start_threads(
-        self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int, streams: Sequence | None = None
-    ) -> Callable[[], None]:
-        """Start decoding ``slots`` with libjpeg-turbo threads; returns the call that waits for them
-        and puts the pixels in their slots of ``stored``. ``streams``: the slots' JPEG streams, where
-        already read (else each is read by its thread)."""
         import imagecodecs
 
         m = len(slots)
@@ -329,8 +275,8 @@ class GpuTileDecoder:
 
         def run(chunk: list) -> None:
             for i, (_, tx, ty) in chunk:
-                raw = slide.raw_tile_jpeg(level, tx, ty) if streams is None else streams[i]
-                if not len(raw):
+                raw = slide.raw_tile_jpeg(level, tx, ty)
+                if not raw:
                     host[i] = background
                     continue
                 try:
@@ -347,18 +293,13 @@ class GpuTileDecoder:
         items = list(enumerate(slots))
         n_chunks = min(m, self.threads)
         futures = [self._pool.submit(run, items[i::n_chunks]) for i in range(n_chunks)]
-
-        def finish() -> None:
-            wait(futures)  # every thread has let go of the staging buffer before any error is raised
-            for f in futures:
-                f.result()
-            decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
-            decoded.copy_(staging[:m], non_blocking=event is not None)
-            if event is not None:
-                event.record(torch.cuda.current_stream(self.device))
-            stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
-
-        return finish
+        for f in futures:
+            f.result()
+        decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
+        decoded.copy_(staging[:m], non_blocking=event is not None)
+        if event is not None:
+            event.record(torch.cuda.current_stream(self.device))
+        stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
 
     def _decode_into(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
@@ -505,7 +446,7 @@ class GpuTileLoader:
     """Yield :class:`DeviceBatch` es of ``tiles`` decoded on the GPU, in grid order.
 
     ``decode_threads`` batches are assembled at once, each thread on its own
-    CUDA stream (``jpeg_decoder``, ``jpeg_threads``, ``cpu_share``: see :class:`GpuTileDecoder`);
+    CUDA stream (``jpeg_decoder``, ``jpeg_threads``: see :class:`GpuTileDecoder`);
     ``prefetch`` batches are decoded ahead of the consumer
     (device memory: about ``(prefetch + 2) * batch_size`` tiles plus the
     stored-tile mosaics). Each batch decodes the stored tiles it does not
@@ -529,13 +470,10 @@ class GpuTileLoader:
         decode_threads: int = 2,
         jpeg_decoder: str = "nvjpeg",
         jpeg_threads: int | None = None,
-        cpu_share: float | None = None,
     ):
         if batch_size < 1 or prefetch < 1 or decode_threads < 1:
             raise ValueError("batch_size, prefetch and decode_threads must be at least 1")
-        self.decoder = GpuTileDecoder(
-            slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads, cpu_share=cpu_share
-        )
+        self.decoder = GpuTileDecoder(slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads)
         self.tiles = list(tiles)
         if self.tiles:
             self.decoder._check(self.tiles)
