@@ -103,3 +103,42 @@ def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatc
         assert dec.cpu_fallback_batches == 1
         for t, img in zip(tiles, got, strict=True):
             np.testing.assert_array_equal(img, read_tile(slide, t))
+
+
+def test_the_gpu_loader_is_imported_ahead_on_a_thread_and_a_failure_is_left_to_the_real_import(monkeypatch):
+    import sys
+
+    from wsi_pipeline import tiling
+    from wsi_pipeline.tiling import slide_loader
+
+    real_torchvision = sys.modules["torchvision"]
+    monkeypatch.delitem(sys.modules, "wsi_pipeline.tiling.gpu_loader", raising=False)
+    monkeypatch.delattr(tiling, "gpu_loader", raising=False)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if torchvision were not installed
+    slide_loader.import_gpu_loader_ahead().join(60)
+    assert "wsi_pipeline.tiling.gpu_loader" not in sys.modules  # failed, quietly
+    monkeypatch.setitem(sys.modules, "torchvision", real_torchvision)
+    thread = slide_loader.import_gpu_loader_ahead()
+    thread.join(120)
+    assert not thread.is_alive() and "wsi_pipeline.tiling.gpu_loader" in sys.modules
+
+
+def test_a_pipeline_imports_the_gpu_loader_ahead_only_where_it_may_decode_on_the_gpu(monkeypatch):
+    from wsi_pipeline import pipeline
+
+    started = []
+    monkeypatch.setattr(pipeline, "import_gpu_loader_ahead", lambda: started.append(True))
+    monkeypatch.setattr(pipeline, "cuda_may_be_present", lambda: True)
+    with pipeline.Pipeline(backend="ort", writer_processes=0):
+        pass
+    with pipeline.Pipeline(backend="auto", decode="cpu", writer_processes=0):
+        pass
+    assert started == []
+    monkeypatch.setattr(pipeline, "make_executor", _fail_after_the_import)
+    with pytest.raises(RuntimeError, match="stop here"):
+        pipeline.Pipeline(backend="torch", writer_processes=0)
+    assert started == [True]
+
+
+def _fail_after_the_import(*args, **kwargs):
+    raise RuntimeError("stop here")

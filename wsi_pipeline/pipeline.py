@@ -37,6 +37,7 @@ import numpy as np
 from .config import RunConfig
 from .errors import ClosedError, ConfigError
 from .geometry import TilingGeometry, check_tiling
+from .inference.backend import cuda_may_be_present
 from .inference.card import ModelCard, load_card
 from .inference.choice import default_batch_size, default_reader_workers, make_executor
 from .inference.service import TileService
@@ -61,9 +62,11 @@ from .summary import (
 )
 from .tiling import TileGrid, tissue_mask
 from .tiling.grid import Tile, read_tile
-from .tiling.slide_loader import choose_tile_decode, make_slide_loader
+from .tiling.slide_loader import choose_tile_decode, import_gpu_loader_ahead, make_slide_loader
 
 log = logging.getLogger("wsi_pipeline")
+# Backends that may decode tiles on the GPU.
+GPU_BACKENDS = ("torch", "tensorrt")
 
 # Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
 DEFAULT_MODEL = shipped_card()
@@ -105,6 +108,8 @@ class Pipeline:
         self.config = config.replace(model=str(self.card.card_path or config.model or ""))
         self._check_card_config()
         requested = backend if backend != "auto" else config.backend
+        if config.decode != "cpu" and requested in ("auto", *GPU_BACKENDS) and cuda_may_be_present():
+            import_gpu_loader_ahead()  # while the model loads
         self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
         self.batch_size = config.batch_size or min(
             default_batch_size(self.card, self.executor.is_cuda), self.executor.max_batch

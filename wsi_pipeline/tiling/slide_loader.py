@@ -29,6 +29,25 @@ GPU_DECODE_BATCHES = 4
 GPU_DECODE_THREADS = 2
 
 
+def import_gpu_loader_ahead() -> threading.Thread:
+    """Import the GPU loader (torch and torchvision) on a thread of its own; returns the thread.
+
+    Importing torchvision took 7 s of a GPU machine's first slide where its files were slow to
+    read (BENCHMARKS.md); started while the model loads, it is done or under way when the first
+    slide asks (Python's import lock makes that wait for it). A failure is left to that import.
+    """
+
+    def run() -> None:
+        try:
+            from . import gpu_loader  # noqa: F401
+        except Exception:  # raised again, with its message, where the loader is needed
+            pass
+
+    thread = threading.Thread(target=run, name="import-gpu-loader", daemon=True)
+    thread.start()
+    return thread
+
+
 def choose_tile_decode(
     slide: Slide, tiles: Sequence[Tile], decode: str, on_damaged_tile: str, backend: str, on_cuda: bool
 ) -> tuple[str, str]:
@@ -113,4 +132,4 @@ def make_slide_loader(
     return loader, lambda: read.seconds
 
 
-__all__ = ["GPU_DECODE_BATCHES", "choose_tile_decode", "make_slide_loader"]
+__all__ = ["GPU_DECODE_BATCHES", "choose_tile_decode", "import_gpu_loader_ahead", "make_slide_loader"]
