@@ -1,5 +1,6 @@
 """Detection writers on a slide's worth of boxes: the row-template GeoJSON and CSV writers
-against ``json.dump`` of the same FeatureCollection as nested dicts and ``csv.writer`` row by row.
+against ``json.dump`` of the same FeatureCollection as nested dicts and ``csv.writer`` row by row;
+and the overlay of the same boxes on a 2048 x 2048 thumbnail with a 512 x 512 heatmap.
 
     python benchmarks/bench_writers.py [--n 117513]
 """
@@ -15,7 +16,8 @@ import time
 
 import numpy as np
 
-from wsi_pipeline.io.detections import make_detections, to_geojson, write_csv, write_geojson
+from wsi_pipeline.io.detections import detection_boxes, make_detections, to_geojson, write_csv, write_geojson
+from wsi_pipeline.io.overlay import write_overlay
 
 CLASSES = [{"name": "nucleus", "color": "#7b2cbf"}]
 
@@ -63,9 +65,19 @@ def main() -> None:
     t_dict = _best_of(dict_geojson)
     t_csv = _best_of(lambda: write_csv(os.path.join(tmp, "d.csv"), dets, CLASSES))
     t_rows = _best_of(row_csv)
+    thumb = rng.integers(0, 256, (2048, 2048, 3), dtype=np.uint8)
+    heat = rng.integers(0, 256, (1, 512, 512), dtype=np.uint8)
+    boxes, labels = detection_boxes(dets), dets["label"]
+    downsample = 24576 / 2048
+    t_overlay = _best_of(
+        lambda: write_overlay(
+            os.path.join(tmp, "overlay.png"), thumb, downsample, heat, 4 * downsample, boxes, labels, [(123, 44, 191)]
+        )
+    )
     print(f"{args.n} detections, best of 3")
     print(f"GeoJSON: write_geojson {t_geo:.3f} s, json.dump of dicts {t_dict:.3f} s ({t_dict / t_geo:.1f}x)")
     print(f"CSV:     write_csv     {t_csv:.3f} s, csv.writer per row {t_rows:.3f} s ({t_rows / t_csv:.1f}x)")
+    print(f"overlay: write_overlay {t_overlay:.3f} s")
 
 
 if __name__ == "__main__":
