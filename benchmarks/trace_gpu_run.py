@@ -74,38 +74,39 @@ def _timed(owner, name: str, label: str) -> None:
     setattr(owner, name, wrapped)
 
 
-def install() -> None:
-    for owner, name, label in [
-        (torchvision.io, "decode_jpeg", "nvJPEG decode_jpeg"),
-        (gpu_loader.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
-        (gpu_loader._HandOff, "take", "loader hand-off wait"),
-        (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
-        (executor._CudaWorker, "process", "worker batch (all of it)"),
-        (executor._DeviceDecoder, "reduce", "device output reduction"),
-        (executor._DeviceDecoder, "finish", "host decoder"),
-        (torch.cuda.Event, "synchronize", "CUDA event wait"),
-        (torch_backend.TorchRunner, "run", "model launch (graph replay)"),
-        (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
-        (stitcher.Stitcher, "finish", "stitcher finish"),
-    ]:
-        _timed(owner, name, label)
+# (owner, attribute, label) of the calls timed in a run, and of those added for a batch's outputs.
+RUN_SITES = [
+    (torchvision.io, "decode_jpeg", "nvJPEG decode_jpeg"),
+    (gpu_loader.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
+    (gpu_loader._HandOff, "take", "loader hand-off wait"),
+    (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
+    (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
+    (executor._CudaWorker, "process", "worker batch (all of it)"),
+    (executor._DeviceDecoder, "reduce", "device output reduction"),
+    (executor._DeviceDecoder, "finish", "host decoder"),
+    (torch.cuda.Event, "synchronize", "CUDA event wait"),
+    (torch_backend.TorchRunner, "run", "model launch (graph replay)"),
+    (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
+    (stitcher.Stitcher, "finish", "stitcher finish"),
+]
+OUTPUT_SITES = [
+    (pipeline, "tissue_mask", "tissue mask"),
+    (pipeline, "build_summary", "summary"),
+    (outputs.SlideOutputs, "write", "outputs: start the files"),
+    (outputs.SlideOutputs, "overlay_inputs", "outputs: overlay inputs"),
+    (outputs.SlideOutputs, "heatmap_scores", "outputs: heatmap statistics"),
+    (outputs.SlideOutputs, "close_heatmap", "outputs: close the heatmap"),
+    (base.Slide, "get_thumbnail", "thumbnail"),
+    (ome_tiff.OmeTiffHeatmapWriter, "write_rows", "heatmap file: rows"),
+    (ome_tiff.OmeTiffHeatmapWriter, "close", "heatmap file: pyramid, write"),
+    (writer_pool.WriterPool, "submit", "writer pool: submit"),
+    (writer_pool.WriteJobs, "wait", "writer pool: wait"),
+    (StartedSlide, "finish", "slide folder: finish"),
+]
 
 
-def install_outputs() -> None:
-    for owner, name, label in [
-        (pipeline, "tissue_mask", "tissue mask"),
-        (pipeline, "build_summary", "summary"),
-        (outputs.SlideOutputs, "write", "outputs: start the files"),
-        (outputs.SlideOutputs, "overlay_inputs", "outputs: overlay inputs"),
-        (outputs.SlideOutputs, "heatmap_scores", "outputs: heatmap statistics"),
-        (outputs.SlideOutputs, "close_heatmap", "outputs: close the heatmap"),
-        (base.Slide, "get_thumbnail", "thumbnail"),
-        (ome_tiff.OmeTiffHeatmapWriter, "write_rows", "heatmap file: rows"),
-        (ome_tiff.OmeTiffHeatmapWriter, "close", "heatmap file: pyramid, write"),
-        (writer_pool.WriterPool, "submit", "writer pool: submit"),
-        (writer_pool.WriteJobs, "wait", "writer pool: wait"),
-        (StartedSlide, "finish", "slide folder: finish"),
-    ]:
+def install(sites: list) -> None:
+    for owner, name, label in sites:
         _timed(owner, name, label)
 
 
@@ -162,10 +163,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="the batch's output folder")
     ap.add_argument("--backend", default="torch", help="the backend (ort tries the script without a GPU)")
     args = ap.parse_args()
-    install()
+    install(RUN_SITES)
     with Pipeline.from_card(backend=args.backend) as pipe:
         if args.batch:  # no warm-up: a batch's first slide is its process's first
-            install_outputs()
+            install(OUTPUT_SITES)
             trace_batch(pipe, args.slide, args.batch, args.out)
             return 0
         pipe.run(args.slide)

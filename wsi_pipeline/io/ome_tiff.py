@@ -82,7 +82,7 @@ def halve(band: np.ndarray) -> np.ndarray:
     Odd sizes repeat the last row / column; integer results are rounded to
     nearest (ties to even). Each reduced level of the heatmap files is made by it.
     """
-    c, h, w = band.shape
+    _, h, w = band.shape
     h2, w2 = math.ceil(h / 2), math.ceil(w / 2)
     data = band.astype(np.float32)
     if (2 * h2, 2 * w2) != (h, w):

@@ -28,8 +28,8 @@ from ..errors import ConfigError, WSIPipelineError
 
 def default_processes(cpus: int | None = None) -> int:
     """Writer processes for a machine of ``cpus`` CPUs (default: this one's): 3, or a quarter of
-    the CPUs where that is more, at most 6: on a large machine the detection files and overlays
-    are then written about as fast as a GPU runs slides, while most CPUs stay with tile loading."""
+    the CPUs where that is more, at most 6: a batch on a large machine writes several slides'
+    files at once while it runs the next ones, and most CPUs stay with tile loading."""
     cpus = cpus if cpus is not None else (os.cpu_count() or 1)
     return max(3, min(6, cpus // 4))
 
