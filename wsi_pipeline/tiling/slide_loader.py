@@ -32,7 +32,7 @@ GPU_DECODE_THREADS = 2
 def import_gpu_loader_ahead() -> threading.Thread:
     """Import the GPU loader (torch and torchvision) on a thread of its own; returns the thread.
 
-    Importing torchvision took 7 s of a GPU machine's first slide where its files were slow to
+    Importing torchvision took 6.9 s of a GPU machine's first slide where its files were slow to
     read (BENCHMARKS.md); started while the model loads, it is done or under way when the first
     slide asks (Python's import lock makes that wait for it). A failure is left to that import.
     """
