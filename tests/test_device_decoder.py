@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from wsi_pipeline.errors import ModelError
 from wsi_pipeline.inference.card import HeatmapSpec, OutputSpec, load_card
 from wsi_pipeline.inference.decoders import decode
 
@@ -57,12 +58,18 @@ def _raw_outputs(card, n: int, rng: np.random.Generator) -> dict[str, np.ndarray
     return out
 
 
-def _device_path(card, raw: dict[str, np.ndarray], device: str):
+def _device_path(card, raw: dict[str, np.ndarray], device: str, heatmaps_stay: bool = False):
+    """The executor's steps; ``heatmaps_stay``: the heatmaps are left on the device (then copied here to compare)."""
     dec = _DeviceDecoder(card)
     outs = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}
     n = next(iter(raw.values())).shape[0]
     red = dec.reduce(outs, n)
-    return dec.finish({k: v.cpu().numpy() for k, v in red.items()}, n).tiles()
+    kept = red.pop(card.heatmap.output) if heatmaps_stay and card.heatmap is not None else None
+    batch = dec.finish({k: v.cpu().numpy() for k, v in red.items()}, n, kept)
+    if kept is not None:
+        assert batch.heatmaps is kept
+        batch = dataclasses.replace(batch, heatmaps=kept.cpu().numpy())
+    return batch.tiles()
 
 
 def _cards():
@@ -99,16 +106,17 @@ def _cards():
 CARDS = _cards()
 
 
+@pytest.mark.parametrize("heatmaps_stay", [False, True], ids=["heatmaps-copied", "heatmaps-on-device"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(CARDS))
-def test_device_compaction_then_decoder_equals_cpu_decoder(name, device):
+def test_device_compaction_then_decoder_equals_cpu_decoder(name, device, heatmaps_stay):
     card = CARDS[name]
     rng = np.random.default_rng(3)
     raw = _raw_outputs(card, 12, rng)
     if card.decoder.type == "boxes_scores_labels":
         raw["num"] = rng.integers(0, raw["scores"].shape[1] + 1, 12).astype(np.int64)
     want = decode({k: v.copy() for k, v in raw.items()}, card)
-    got = _device_path(card, raw, device)
+    got = _device_path(card, raw, device, heatmaps_stay)
     assert len(got) == len(want) == 12
     assert sum(len(d) for d in want) > 0
     for g, w in zip(got, want, strict=True):
@@ -132,3 +140,27 @@ def test_per_tile_nms_is_applied_on_the_device_path():
     raw = {"boxes": boxes, "scores": scores, "labels": np.zeros((1, k), np.int32)}
     got = _device_path(card, raw, "cpu")[0]
     assert got.scores.tolist() == pytest.approx([0.9, 0.7])
+
+
+def test_a_heatmap_left_on_the_device_is_checked_like_a_copied_one():
+    card = CARDS["nuclei"]
+    raw = _raw_outputs(card, 4, np.random.default_rng(0))
+    dec = _DeviceDecoder(card)
+    red = dec.reduce({k: torch.from_numpy(v) for k, v in raw.items()}, 4)
+    kept = red.pop(card.heatmap.output)
+    with pytest.raises(ModelError, match=r"heatmap output .*expected \[4, 2, H, W\], found \[3, 2"):
+        dec.finish({k: v.numpy() for k, v in red.items()}, 4, kept[:3])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["none", "sigmoid", "softmax"])
+def test_the_reduced_heatmap_does_not_share_the_model_outputs_memory(device, activation):
+    """A heatmap left on the device outlives the batch: the runner's output buffers are reused."""
+    card = CARDS["nuclei"]
+    card = dataclasses.replace(card, heatmap=dataclasses.replace(card.heatmap, activation=activation))
+    raw = _raw_outputs(card, 4, np.random.default_rng(1))
+    outs = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}
+    hm = _DeviceDecoder(card).reduce(outs, 4)[card.heatmap.output]
+    before = hm.clone()
+    outs[card.heatmap.output].fill_(7.0)
+    assert torch.equal(hm, before)

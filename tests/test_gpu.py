@@ -230,6 +230,11 @@ def test_pipeline_auto_uses_the_gpu_and_matches_the_cpu_run(pathology_slide, tmp
     tumour_cpu = ref.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
     tumour_gpu = res.summary["heatmap_scores"]["tumour"]["fraction_of_tissue_above_0.5"]
     assert tumour_gpu == pytest.approx(tumour_cpu, abs=0.01)
+    # The heatmap blended on the device equals the one blended on the host, within fp16 and decoder rounding.
+    assert res.summary["heatmap_blended_on"].startswith("cuda"), res.summary["heatmap_blended_on"]
+    assert ref.summary["heatmap_blended_on"] == "host"
+    diff = np.abs(np.asarray(res.heatmap) - np.asarray(ref.heatmap))
+    assert diff.mean() < 5e-3 and np.percentile(diff, 99.9) < 0.1, (diff.mean(), np.percentile(diff, 99.9))
     assert res.summary["peak_gpu_memory_mb"] > 0
 
 

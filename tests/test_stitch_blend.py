@@ -332,3 +332,70 @@ def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
     np.testing.assert_allclose(sink.out, naive_blend(geom, tiles, skipped, weights, 2), atol=1e-5)
     with pytest.raises(WSIPipelineError, match="expected heatmaps of shape"):
         HeatmapBlender(geom, 2, weights, sink).add_run(0, np.array([0, 1]), np.zeros((2, 1, 16, 16), np.float32))
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_cuda() -> bool:
+    if not _has_torch():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+BLEND_DEVICES = [
+    None,
+    pytest.param("cpu", marks=pytest.mark.skipif(not _has_torch(), reason="needs torch")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("device", BLEND_DEVICES)
+@pytest.mark.parametrize("step", [12, 7])
+def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step):
+    """Numpy on the host, torch on the CPU and on CUDA: runs with gaps, single tiles, skips, all alike."""
+    rng = np.random.default_rng(5)
+    n_rows, n_cols = 5, 13
+    geom = BlendGeometry(
+        n_rows=n_rows,
+        n_cols=n_cols,
+        tile_size_out=16,
+        step_out=step,
+        out_height=(n_rows - 1) * step + 11,
+        out_width=(n_cols - 1) * step + 9,
+    )
+    weights = tile_weights(16, "hann")
+    present = {
+        0: list(range(n_cols)),
+        1: [0, 1, 2, 4, 5, 6, 7, 9, 12],
+        2: [5],
+        3: [1, 2, 3, 4, 8, 9, 10, 11],
+        4: [],
+    }
+    tiles = {(r, c): rng.random((3, 16, 16)).astype(np.float32) for r, cs in present.items() for c in cs}
+    skipped = {(r, c) for r in range(n_rows) for c in range(n_cols) if (r, c) not in tiles}
+    sink = Collect(3, geom.out_height, geom.out_width)
+    blender = HeatmapBlender(geom, 3, weights, sink, window_rows=2, device=device)
+    for r, cs in present.items():
+        for c in range(n_cols):
+            if (r, c) in skipped:
+                blender.skip(r, c)
+        hm = np.stack([tiles[(r, c)] for c in cs]) if cs else np.zeros((0, 3, 16, 16), np.float32)
+        if device is not None:
+            import torch
+
+            hm = torch.from_numpy(hm).to(device)
+        if r == 2:
+            blender.add(r, cs[0], hm[0])
+        else:
+            blender.add_run(r, np.array(cs, np.int64), hm)
+    blender.close()
+    assert sink.next_row == geom.out_height
+    np.testing.assert_allclose(sink.out, naive_blend(geom, tiles, skipped, weights, 3), atol=1e-5)

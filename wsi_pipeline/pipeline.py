@@ -252,9 +252,16 @@ class Pipeline:
             outputs.heatmap_sink,
             outputs.heatmap_weights,
             outputs.heatmap_channels,
+            # On a GPU, a slide's heatmaps are blended where the model made them.
+            heatmap_device=self.executor.backend.device if self.executor.is_cuda and not is_array else None,
             source=str(card.card_path or card.name),
         )
-        run_info: dict[str, Any] = {"tile_decode": {"where": "cpu", "why": "an array in memory"}}
+        run_info: dict[str, Any] = {
+            "tile_decode": {"where": "cpu", "why": "an array in memory"},
+            "heatmap_blended_on": None
+            if stitcher.blender is None
+            else ("host" if stitcher.heatmap_device is None else str(stitcher.heatmap_device)),
+        }
         bar = None
         if progress is True:
             from tqdm.auto import tqdm
@@ -316,7 +323,8 @@ class Pipeline:
             device=str(self.executor.backend.device) if cuda else None,
         )
         with loader:
-            for br in self.executor.run(loader, ordered=True):
+            on_device = stitcher.heatmap_device is not None
+            for br in self.executor.run(loader, ordered=True, heatmaps_on_device=on_device):
                 stitcher.add_batch(br.tiles, br.batch)
                 if report is not None:
                     report(len(br.tiles))

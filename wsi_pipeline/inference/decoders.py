@@ -80,7 +80,8 @@ class BatchDetections:
     ``boxes``: ``Mx4 float32`` (x0, y0, x1, y1, tile pixels of the model
     input), ``scores``: ``M float32``, ``labels``: ``M int64``: the rows of
     every tile, tile after tile; ``counts``: ``n int64``, each tile's rows;
-    ``heatmaps``: ``n x C x H x W float32`` or None. :meth:`tiles` gives the
+    ``heatmaps``: ``n x C x H x W float32`` or None (a numpy array, or a CUDA
+    tensor where the executor was asked to leave them on the device). :meth:`tiles` gives the
     per-tile view (:class:`TileDetections`, arrays sharing this memory).
     """
 
@@ -88,7 +89,7 @@ class BatchDetections:
     scores: np.ndarray
     labels: np.ndarray
     counts: np.ndarray
-    heatmaps: np.ndarray | None = None
+    heatmaps: Any = None
 
     def __len__(self) -> int:
         return int(self.counts.shape[0])
@@ -144,8 +145,17 @@ class BatchDetections:
             np.concatenate([p.scores for p in parts]),
             np.concatenate([p.labels for p in parts]),
             np.concatenate([p.counts for p in parts]),
-            np.concatenate(hms) if all(h is not None for h in hms) else None,
+            _concat_heatmaps(hms) if all(h is not None for h in hms) else None,
         )
+
+
+def _concat_heatmaps(hms: list[Any]) -> Any:
+    """numpy arrays, or device tensors (heatmaps left on the device), one after the other."""
+    if all(isinstance(h, np.ndarray) for h in hms):
+        return np.concatenate(hms)
+    import torch
+
+    return torch.cat([torch.as_tensor(h, device=hms[0].device) for h in hms])
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -245,17 +255,23 @@ def _get(outputs: Mapping[str, np.ndarray], name: str, card: ModelCard) -> np.nd
         ) from None
 
 
+def check_heatmap_shape(shape: Sequence[int], card: ModelCard, batch: int) -> None:
+    """Raise ModelError unless ``shape`` is the card's heatmap output for ``batch`` tiles: ``[batch, C, H, W]``."""
+    shape = list(shape)
+    if len(shape) != 4 or shape[0] != batch or shape[1] != len(card.heatmap.classes):
+        raise ModelError(
+            f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
+            f"[{batch}, {len(card.heatmap.classes)}, H, W], found {shape}"
+        )
+
+
 def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> np.ndarray | None:
     """The heatmap output after the card's activation, ``batch x C x H x W float32`` (its own memory)."""
     if card.heatmap is None:
         return None
     given = _get(outputs, card.heatmap.output, card)
     raw = given.astype(np.float32, copy=False)
-    if raw.ndim != 4 or raw.shape[0] != batch or raw.shape[1] != len(card.heatmap.classes):
-        raise ModelError(
-            f"{card.model_path}: heatmap output {card.heatmap.output!r}: expected "
-            f"[{batch}, {len(card.heatmap.classes)}, H, W], found {list(raw.shape)}"
-        )
+    check_heatmap_shape(raw.shape, card, batch)
     if card.heatmap.activation == "sigmoid":
         raw = 1.0 / (1.0 + np.exp(-raw))
     elif card.heatmap.activation == "softmax":

@@ -21,6 +21,7 @@ session with the intra-op threads split between them
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -35,7 +36,14 @@ import numpy as np
 from ..errors import ClosedError, ConfigError, InferenceError, WSIPipelineError
 from .backend import Backend
 from .card import ModelCard, load_card
-from .decoders import BatchDetections, TileDetections, decode_batch, decode_names, decoder_params
+from .decoders import (
+    BatchDetections,
+    TileDetections,
+    check_heatmap_shape,
+    decode_batch,
+    decode_names,
+    decoder_params,
+)
 
 if TYPE_CHECKING:  # the executor reads only a tile's ``index``
     from ..tiling.grid import Tile
@@ -101,7 +109,9 @@ class _DeviceDecoder:
     ``max_detections`` are applied by exactly the code the CPU path runs
     (row order is kept: the decoder's own stable sort leaves sorted rows as
     they are). ``yolo`` outputs are copied back whole. The heatmap's
-    activation is applied on the device (the host decoder is told so).
+    activation is applied on the device (the host decoder is told so); the
+    heatmap is copied back too, or, for a consumer that blends it on the
+    device, left there (:meth:`finish` ``heatmaps=``).
     """
 
     def __init__(self, card: ModelCard):
@@ -110,6 +120,7 @@ class _DeviceDecoder:
         self.p = decoder_params(card)
         self.compacts = self.kind in ("centernet", "boxes_scores_labels")
         self.host_card = _card_without_activation(card) if card.heatmap is not None else card
+        self.boxes_card = dataclasses.replace(card, heatmap=None)  # what the host decodes when the heatmap stays
 
     def reduce(self, outs: dict[str, Any], n: int) -> dict[str, Any]:
         """Device tensors to copy back: ``{name: tensor [n, ...]}``, ``count`` when compacting."""
@@ -137,16 +148,22 @@ class _DeviceDecoder:
                 if card.heatmap is None or name != card.heatmap.output:
                     red[name] = outs[name][:n].contiguous()
         if card.heatmap is not None:
-            hm = outs[card.heatmap.output][:n].float()
+            hm = outs[card.heatmap.output][:n]
             if card.heatmap.activation == "sigmoid":
-                hm = torch.sigmoid(hm)
+                hm = torch.sigmoid(hm.float())
             elif card.heatmap.activation == "softmax":
-                hm = torch.softmax(hm, dim=1)
+                hm = torch.softmax(hm.float(), dim=1)
+            else:  # its own memory: the runner's output buffer is rewritten by the next batch
+                hm = hm.to(torch.float32, copy=True)
             red[card.heatmap.output] = hm.contiguous()
         return red
 
-    def finish(self, host: dict[str, np.ndarray], n: int) -> BatchDetections:
-        """Host arrays (views of reused pinned buffers: the decoder copies what it keeps) -> detections."""
+    def finish(self, host: dict[str, np.ndarray], n: int, heatmaps: Any = None) -> BatchDetections:
+        """Host arrays (views of reused pinned buffers: the decoder copies what it keeps) -> detections.
+
+        ``heatmaps``: the batch's heatmaps left on the device (:meth:`reduce`'s,
+        not among ``host``): the detections carry that tensor as they are.
+        """
         outputs = dict(host)
         if self.compacts:
             k = max(1, int(outputs.pop(_COUNT)[:n].max(initial=0)))
@@ -154,12 +171,13 @@ class _DeviceDecoder:
                 outputs[name] = outputs[name][:, :k]
             if self.kind == "boxes_scores_labels" and self.p["num_detections"] is not None:
                 outputs[self.p["num_detections"]] = np.full(n, k, np.int64)
-        return decode_batch(outputs, self.host_card)
+        if heatmaps is None:
+            return decode_batch(outputs, self.host_card)
+        check_heatmap_shape(heatmaps.shape, self.card, n)
+        return dataclasses.replace(decode_batch(outputs, self.boxes_card), heatmaps=heatmaps)
 
 
 def _card_without_activation(card: ModelCard) -> ModelCard:
-    import dataclasses
-
     return dataclasses.replace(card, heatmap=dataclasses.replace(card.heatmap, activation="none"))
 
 
@@ -267,11 +285,15 @@ class _CudaWorker:
             self.pinned_out[name] = buf
         return buf[: t.shape[0]]
 
-    def process(self, images: Any, release: Any = None, ready: Any = None) -> BatchDetections:
+    def process(
+        self, images: Any, release: Any = None, ready: Any = None, heatmaps_on_device: bool = False
+    ) -> BatchDetections:
         """Detections of ``images`` (host ``n x H x W x 3 uint8`` array, or a CUDA tensor).
 
         ``release`` is called once the pixels are copied (host) or queued (device);
         ``ready`` is an event the device tensor's producer recorded.
+        ``heatmaps_on_device``: the detections' heatmaps stay a CUDA tensor
+        (complete when this returns), not copied back.
         """
         torch = self.torch
         n_total = int(images.shape[0])
@@ -312,6 +334,9 @@ class _CudaWorker:
                 with torch.cuda.stream(self.stream):
                     outs = self.runner.run(n)
                     red = self.decoder.reduce(outs, n)
+                    kept = None
+                    if heatmaps_on_device and self.decoder.card.heatmap is not None:
+                        kept = red.pop(self.decoder.card.heatmap.output)
                     host = {}
                     for k, v in red.items():
                         buf = self._out_buffer(k, v)
@@ -324,7 +349,7 @@ class _CudaWorker:
                     release()
                     released = True
                 self.done.synchronize()
-                results.append(self.decoder.finish({k: v.numpy() for k, v in host.items()}, n))
+                results.append(self.decoder.finish({k: v.numpy() for k, v in host.items()}, n, kept))
         finally:
             if not released and release is not None:
                 release()
@@ -345,7 +370,9 @@ class _CpuWorker:
         self.card = backend.card
         self.lock = threading.Lock()
 
-    def process(self, images: np.ndarray, release: Any = None, ready: Any = None) -> BatchDetections:
+    def process(
+        self, images: np.ndarray, release: Any = None, ready: Any = None, heatmaps_on_device: bool = False
+    ) -> BatchDetections:
         try:
             outs = self.backend.infer(images)
         finally:
@@ -456,7 +483,9 @@ class Executor:
             return w.process(images).tiles()
 
     # -- streaming ---------------------------------------------------------------
-    def run(self, batches: Iterable[TileBatch], ordered: bool = False) -> Iterator[BatchResult]:
+    def run(
+        self, batches: Iterable[TileBatch], ordered: bool = False, heatmaps_on_device: bool = False
+    ) -> Iterator[BatchResult]:
         """Yield a :class:`BatchResult` per batch of ``batches``.
 
         ``batches``: loader :class:`~..tiling.loader.Batch` es (``images``
@@ -473,6 +502,12 @@ class Executor:
         as :class:`~wsi_pipeline.errors.InferenceError` naming the batch's tile indices (a
         loader's own TileReadError passes through unchanged). Leaving the loop
         early stops the run the same way.
+
+        ``heatmaps_on_device``: on a CUDA executor, each result's
+        ``batch.heatmaps`` is left on the device, a CUDA tensor
+        ``n x C x H x W float32`` complete when yielded, for a consumer that
+        blends it there (a :class:`~wsi_pipeline.stitch.stitcher.Stitcher`
+        with ``heatmap_device``); otherwise, and on the CPU, a numpy array.
         """
         self._check_open()
         n_workers = len(self._workers)
@@ -534,7 +569,12 @@ class Executor:
                     tiles = list(batch.tiles)
                     try:
                         with worker.lock:
-                            dets = worker.process(batch.images, release=batch.release, ready=batch.ready)
+                            dets = worker.process(
+                                batch.images,
+                                release=batch.release,
+                                ready=batch.ready,
+                                heatmaps_on_device=heatmaps_on_device,
+                            )
                         if len(dets) != len(tiles) and tiles:
                             raise WSIPipelineError(f"{len(dets)} results for {len(tiles)} tiles")
                     except BaseException as exc:

@@ -15,6 +15,9 @@ skipped tile costs no array work.
 
 Memory: only a band of tile rows is held, ``window_rows`` tile rows deep, in
 an accumulator twice its height (C x 2 band_height x canvas_width float32).
+The accumulator is a numpy array, or a torch tensor on a device (``device=``):
+the same operations then run there on heatmaps that never leave it, and only
+finished rows are copied to the host for the sink.
 Once every tile of rows <= r has arrived, canvas rows above
 ``(r + 1) * step_out`` are touched by no later tile: they are normalised,
 handed to the sink top to bottom, and the band moves down. Peak memory
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -89,6 +93,81 @@ class BlendGeometry:
         )
 
 
+class _HostArrays:
+    """The blender's few array operations that differ between numpy and torch: numpy, on the host."""
+
+    device = None
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    @staticmethod
+    def put(a: Any) -> np.ndarray:
+        """``a`` (numpy, or a torch tensor anywhere) as a float32 numpy array."""
+        if not isinstance(a, np.ndarray) and hasattr(a, "detach"):
+            a = a.detach().float().cpu().numpy()
+        return np.asarray(a, dtype=np.float32)
+
+    @staticmethod
+    def to_host(a: np.ndarray) -> np.ndarray:
+        return a
+
+    @staticmethod
+    def permute(a: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        return a.transpose(axes)
+
+    @staticmethod
+    def every_other_tile(band: np.ndarray, x0: int, shape: tuple[int, ...], step: int) -> np.ndarray:
+        """A view of ``band`` (C x t x W) as C x t x n x t: n tiles of width t, ``step`` columns apart, from x0."""
+        sub = band[:, :, x0:]
+        st = sub.strides
+        return np.lib.stride_tricks.as_strided(sub, shape=shape, strides=(st[0], st[1], step * st[2], st[2]))
+
+
+class _TorchArrays:
+    """The same operations on torch tensors on ``device`` (e.g. the CUDA device the model ran on)."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.torch.zeros(shape, dtype=self.torch.float32, device=self.device)
+
+    def put(self, a: Any) -> Any:
+        """``a`` (numpy or torch) as a float32 tensor on the device.
+
+        A CUDA tensor made on another stream (an executor's) must be complete
+        when given; it is marked as used on this thread's stream, so its memory
+        is not reused before the blending queued here has read it.
+        """
+        torch = self.torch
+        if not isinstance(a, torch.Tensor):
+            a = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+        a = a.to(self.device, torch.float32, non_blocking=False)
+        if self._cuda:
+            a.record_stream(torch.cuda.current_stream(self.device))
+        return a
+
+    @staticmethod
+    def to_host(a: Any) -> np.ndarray:
+        return a.cpu().numpy()
+
+    @staticmethod
+    def permute(a: Any, axes: tuple[int, ...]) -> Any:
+        return a.permute(axes)
+
+    @staticmethod
+    def every_other_tile(band: Any, x0: int, shape: tuple[int, ...], step: int) -> Any:
+        sub = band[:, :, x0:]
+        st = sub.stride()
+        return sub.as_strided(shape, (st[0], st[1], step * st[2], st[2]), sub.storage_offset())
+
+
 class HeatmapBlender:
     """Blend tile heatmaps into a slide heatmap, streaming finished rows to a sink.
 
@@ -105,6 +184,10 @@ class HeatmapBlender:
             is accepted while r < (first incomplete row) + window_rows;
             larger windows tolerate more out-of-order arrival and hold a
             deeper band.
+        device: None to blend in numpy on the host; a torch device (``"cuda:0"``,
+            ``"cpu"``) to blend there, on the calling thread's current stream:
+            heatmaps may then be torch tensors on that device (numpy ones are
+            copied there), and the sink still gets numpy rows.
 
     Use: ``add(row, col, heatmap)`` or ``skip(row, col)`` once for every tile
     of the grid, in any order within the window, then ``close()``.
@@ -117,6 +200,7 @@ class HeatmapBlender:
         weights: np.ndarray,
         sink: Sink,
         window_rows: int = 3,
+        device: Any = None,
     ) -> None:
         g = geometry
         if channels <= 0:
@@ -136,17 +220,20 @@ class HeatmapBlender:
         self.channels = channels
         self.weights = weights
         self.sink = sink
+        self._xp: Any = _HostArrays() if device is None else _TorchArrays(device)
+        self.device = self._xp.device
+        self._w = self._xp.put(weights)
         self.window_rows = min(window_rows, g.n_rows)
         self.band_height = (self.window_rows - 1) * g.step_out + g.tile_size_out
         # The band slides down a buffer twice its height and is copied back to the top only when it
         # reaches the bottom: one copy per band height of output, not one per tile row.
         buf_rows = 2 * self.band_height
-        self._num = np.zeros((channels, buf_rows, g.canvas_width), dtype=np.float32)
+        self._num = self._xp.zeros((channels, buf_rows, g.canvas_width))
         # One tile row's weight sum, canvas_width wide: every tile row adds exactly this.
         self._row_weights = np.zeros((g.tile_size_out, g.canvas_width), dtype=np.float32)
         for c in range(g.n_cols):
             self._row_weights[:, c * g.step_out : c * g.step_out + g.tile_size_out] += weights
-        self._weight_sums: dict[tuple, np.ndarray] = {}  # band layout -> its weight sum (read only)
+        self._weight_sums: dict[tuple, Any] = {}  # band layout -> its weight sum (read only, where _num is)
         self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
         self._first_open_row = 0  # lowest tile row with tiles still to come
@@ -158,60 +245,59 @@ class HeatmapBlender:
     @property
     def buffer_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of the weighted-sum accumulator and of the one tile row's weight sum."""
-        return self._num.shape, self._row_weights.shape
+        return tuple(self._num.shape), self._row_weights.shape
 
     def add(self, row: int, col: int, heatmap: np.ndarray) -> None:
         """Add tile (row, col)'s heatmap, C x tile_size_out x tile_size_out float."""
         g = self.geometry
-        heatmap = np.asarray(heatmap, dtype=np.float32)
+        heatmap = self._xp.put(heatmap)
         expected = (self.channels, g.tile_size_out, g.tile_size_out)
-        if heatmap.shape != expected:
-            msg = f"tile (row {row}, col {col}): expected a heatmap of shape {expected}, found {heatmap.shape}"
+        if tuple(heatmap.shape) != expected:
+            msg = f"tile (row {row}, col {col}): expected a heatmap of shape {expected}, found {tuple(heatmap.shape)}"
             raise WSIPipelineError(msg)
         y, x = self._claim(row, col)
         t = g.tile_size_out
-        self._num[:, y : y + t, x : x + t] += heatmap * self.weights
+        self._num[:, y : y + t, x : x + t] += heatmap * self._w
         self._advance(row)
 
-    def add_run(self, row: int, cols: np.ndarray, heatmaps: np.ndarray) -> None:
+    def add_run(self, row: int, cols: np.ndarray, heatmaps: Any) -> None:
         """Add tiles (row, cols[i])'s heatmaps ``heatmaps[i]`` (``k x C x t x t``), cols increasing.
 
         The same as :meth:`add` for each; tiles two columns apart do not
-        overlap when ``2 * step_out >= tile_size_out``, so the even and the odd
-        columns are each added in one operation (fewer, larger array
-        operations than one per tile).
+        overlap when ``2 * step_out >= tile_size_out``, so in each run of
+        consecutive columns the even and the odd tiles are each added in one
+        operation (fewer, larger array operations than one per tile).
         """
         g = self.geometry
         cols = np.asarray(cols, np.int64)
-        heatmaps = np.asarray(heatmaps, dtype=np.float32)
+        heatmaps = self._xp.put(heatmaps)
         t, s = g.tile_size_out, g.step_out
-        if heatmaps.shape != (len(cols), self.channels, t, t):
+        if tuple(heatmaps.shape) != (len(cols), self.channels, t, t):
             msg = (
                 f"tiles (row {row}, cols {cols.tolist()}): expected heatmaps of shape "
-                f"{(len(cols), self.channels, t, t)}, found {heatmaps.shape}"
+                f"{(len(cols), self.channels, t, t)}, found {tuple(heatmaps.shape)}"
             )
             raise WSIPipelineError(msg)
         if len(cols) == 0:
             return
         if len(cols) < 4 or 2 * s < t or np.any(np.diff(cols) <= 0):
-            for c, hm in zip(cols, heatmaps, strict=True):
-                self.add(row, int(c), hm)
+            for i, c in enumerate(cols):
+                self.add(row, int(c), heatmaps[i])
             return
         for c in cols:  # checks each tile, marks it done
             y, _ = self._claim(row, int(c))
-        weighted = heatmaps * self.weights
+        weighted = heatmaps * self._w
         band = self._num[:, y : y + t]
-        for parity in (0, 1):
-            sel = (cols % 2) == parity
-            if not sel.any():
-                continue
-            n = (g.n_cols - parity + 1) // 2  # the row's columns of this parity
-            view = np.lib.stride_tricks.as_strided(
-                band[:, :, parity * s :],
-                shape=(self.channels, t, n, t),
-                strides=(band.strides[0], band.strides[1], 2 * s * band.strides[2], band.strides[2]),
-            )
-            view[:, :, cols[sel] // 2] += weighted[sel].transpose(1, 2, 0, 3)
+        breaks = (np.flatnonzero(np.diff(cols) != 1) + 1).tolist()
+        for a, b in zip([0, *breaks], [*breaks, len(cols)], strict=True):
+            for first in range(a, min(a + 2, b)):
+                c = int(cols[first])
+                parity = c % 2
+                n = (g.n_cols - parity + 1) // 2  # the row's columns of this parity
+                view = self._xp.every_other_tile(band, parity * s, (self.channels, t, n, t), 2 * s)
+                k = (b - first + 1) // 2  # tiles first, first + 2, ... < b
+                dst = view[:, :, c // 2 : c // 2 + k]
+                dst += self._xp.permute(weighted[first:b:2], (1, 2, 0, 3))
         self._advance(row)
 
     def skip(self, row: int, col: int, stop_col: int | None = None) -> None:
@@ -300,11 +386,11 @@ class HeatmapBlender:
         off = self._off
         num = self._num[:, off : off + h, : g.out_width]
         # Every finished canvas pixel lies under some tile, and every tile adds weights > 0.
-        rows = np.divide(num, self._weight_sum(y0, y1)[None])
+        rows = self._xp.to_host(num / self._weight_sum(y0, y1)[None])
         self.sink(y0, rows)
         self._emitted = y1
 
-    def _weight_sum(self, y0: int, y1: int) -> np.ndarray:
+    def _weight_sum(self, y0: int, y1: int) -> Any:
         """The weight sum of output rows [y0, y1): every tile row's weights that reach them.
 
         Bands inside the slide repeat the same few layouts, so each is built once.
@@ -322,6 +408,7 @@ class HeatmapBlender:
             den = np.zeros((y1 - y0, g.out_width), dtype=np.float32)
             for at, src, h in parts:
                 den[at : at + h] += self._row_weights[src : src + h, : g.out_width]
+            den = self._xp.put(den)
             if len(self._weight_sums) < 8:
                 self._weight_sums[key] = den
         return den

@@ -11,7 +11,7 @@ does not know which).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,6 +38,9 @@ class Stitcher:
         heatmap_weights: the tiles' blending weights (``heatmap_tile`` square,
             :func:`~.weights.tile_weights`), with ``heatmap_sink``.
         heatmap_channels: C, with ``heatmap_sink``.
+        heatmap_device: blend on this torch device (the CUDA device the model ran
+            on: its heatmaps need not leave it), None on the host
+            (:class:`~.blend.HeatmapBlender`'s ``device``).
         source: names the model in errors.
 
     Use: :meth:`add_batch` with the results of tiles in grid order (tiles
@@ -52,6 +55,7 @@ class Stitcher:
         heatmap_sink: Sink | None = None,
         heatmap_weights: np.ndarray | None = None,
         heatmap_channels: int = 0,
+        heatmap_device: Any = None,
         source: str = "the model",
     ):
         self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
@@ -61,12 +65,19 @@ class Stitcher:
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
+        self.heatmap_device = None  # where heatmaps are blended (None: the host), as the blender says
         if heatmap_sink is not None:
             if heatmap_weights is None:
                 raise ValueError("heatmap_sink needs heatmap_weights")
             self.blender = HeatmapBlender(
-                BlendGeometry.from_tiling(geometry), heatmap_channels, heatmap_weights, heatmap_sink, window_rows=3
+                BlendGeometry.from_tiling(geometry),
+                heatmap_channels,
+                heatmap_weights,
+                heatmap_sink,
+                window_rows=3,
+                device=heatmap_device,
             )
+            self.heatmap_device = self.blender.device
 
     def _skip_to(self, index: int) -> None:
         """Skip grid tiles ``_next .. index - 1`` (no tissue), a row's run at a time."""
