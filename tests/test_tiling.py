@@ -224,3 +224,18 @@ def test_loader_held_batches_are_not_overwritten():
             first.release()
     for b, _ in held:
         b.release()
+
+
+@pytest.mark.parametrize("mpp", [None, 0.37])  # 0.37: a downsample that is not a whole number
+def test_whole_grid_tiles_equal_the_tiles_made_one_by_one(mpp):
+    slide = ImageSlide.from_array(np.zeros((1300, 2100, 3), np.uint8), mpp=(0.25, 0.25))
+    grid = TileGrid(slide, 256, 32, mpp=mpp)
+    one_by_one = [grid.tile(r, c) for r in range(grid.n_rows) for c in range(grid.n_cols)]
+    assert list(grid) == one_by_one
+    rng = np.random.default_rng(0)
+    frac = rng.choice([0.0, 0.01, 0.2, 1.0, np.nan], (grid.n_rows, grid.n_cols))
+    want = [t for t in one_by_one if frac[t.row, t.col] >= 0.05]
+    assert grid.select(frac, 0.05) == want
+    assert grid.select(frac, 0.0) == [t for t in one_by_one if frac[t.row, t.col] > 0]
+    with pytest.raises(IndexError):
+        grid.tiles_at(np.array([0]), np.array([grid.n_cols]))

@@ -120,8 +120,28 @@ class TileGrid(Sequence[Tile]):
         return self.tile(index // self.n_cols, index % self.n_cols)
 
     def __iter__(self) -> Iterator[Tile]:
-        for i in range(len(self)):
-            yield self[i]
+        rows, cols = np.divmod(np.arange(len(self)), self.n_cols)
+        return iter(self.tiles_at(rows, cols))
+
+    def tiles_at(self, rows: np.ndarray, cols: np.ndarray) -> list[Tile]:
+        """The tiles (rows[i], cols[i]), their origins computed for all at once.
+
+        The same tiles as :meth:`tile` gives one by one, a slide's thousands
+        of them without a Python call per coordinate.
+        """
+        rows, cols = np.asarray(rows, np.int64).ravel(), np.asarray(cols, np.int64).ravel()
+        if len(rows) and not (
+            0 <= rows.min() and rows.max() < self.n_rows and 0 <= cols.min() and cols.max() < self.n_cols
+        ):
+            raise IndexError(f"tiles outside a {self.n_rows}x{self.n_cols} grid")
+        g, n_cols = self.geometry, self.n_cols
+        xs = np.atleast_1d(g.col_x0_level0(cols)).tolist()
+        ys = np.atleast_1d(g.row_y0_level0(rows)).tolist()
+        size, downsample, level, read_size = self.tile_size, self.downsample, self.level, self.read_size
+        return [
+            Tile(r * n_cols + c, r, c, x, y, size, downsample, level, read_size)
+            for r, c, x, y in zip(rows.tolist(), cols.tolist(), xs, ys, strict=True)
+        ]
 
     def read(self, tile: Tile) -> np.ndarray:
         """The tile's pixels: ``size x size x 3`` uint8 RGB."""
@@ -130,7 +150,8 @@ class TileGrid(Sequence[Tile]):
     def select(self, tissue_fraction: np.ndarray, min_fraction: float) -> list[Tile]:
         """Tiles whose tissue fraction (an ``n_rows x n_cols`` array) is at least ``min_fraction``."""
         frac = np.asarray(tissue_fraction).reshape(self.n_rows, self.n_cols)
-        return [t for t in self if frac[t.row, t.col] >= min_fraction and frac[t.row, t.col] > 0]
+        rows, cols = np.nonzero((frac >= min_fraction) & (frac > 0))  # grid order: row-major
+        return self.tiles_at(rows, cols)
 
     def __repr__(self) -> str:
         return (
