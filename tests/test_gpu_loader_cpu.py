@@ -188,3 +188,49 @@ def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
         _in_thread(consume)
     assert seen and len(seen) < loader.n_batches  # the batches before the failing one came through
     assert not _decode_threads_alive()
+
+
+def _touched_pixel_by_pixel(xs0, ys0, size, tw, th, lw, lh) -> list:
+    """Slow reference: every in-level pixel of every patch, mapped to its stored tile."""
+    cells = set()
+    for x0, y0 in zip(xs0, ys0, strict=True):
+        for y in range(max(y0, 0), min(y0 + size, lh)):
+            for x in range(max(x0, 0), min(x0 + size, lw), 1):
+                cells.add((x // tw, y // th))
+    return sorted(cells, key=lambda c: (c[1], c[0]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stored_tiles_touched_equals_a_pixel_by_pixel_reference(seed):
+    from wsi_pipeline.tiling.gpu_loader import stored_tiles_touched
+
+    rng = np.random.default_rng(seed)
+    size, tw, th = int(rng.integers(5, 40)), int(rng.integers(3, 17)), int(rng.integers(3, 17))
+    lw, lh = int(rng.integers(20, 120)), int(rng.integers(20, 120))
+    n = int(rng.integers(1, 12))
+    xs0 = rng.integers(-size - 5, lw + 5, n).tolist()
+    ys0 = rng.integers(-size - 5, lh + 5, n).tolist()
+    want = _touched_pixel_by_pixel(xs0, ys0, size, tw, th, lw, lh)
+    assert stored_tiles_touched(xs0, ys0, size, tw, th, lw, lh) == want
+    assert stored_tiles_touched([], [], size, tw, th, lw, lh) == []
+
+
+@pytest.mark.parametrize("other_size", [(STORED, STORED // 2), (STORED // 2, STORED // 2)])
+def test_a_stored_tile_of_another_size_is_named(slide_path, monkeypatch, other_size):
+    """One stored tile of a different size (the others stack), or all of one wrong size: a TileReadError."""
+    import cv2
+
+    slide = TiffSlide(slide_path)
+    tiles = list(TileGrid(slide))[:2]
+    h, w = other_size
+    ok, small = cv2.imencode(".jpg", np.zeros((h, w, 3), np.uint8))
+    real = slide.raw_tile_jpeg
+
+    def raw_tile_jpeg(level, tx, ty):
+        return small.tobytes() if (tx, ty) == (1, 0) or h == w else real(level, tx, ty)
+
+    monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
+    monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
+    loader = GpuTileLoader(slide, tiles, batch_size=2, device="cpu", jpeg_decoder="nvjpeg")
+    with pytest.raises(TileReadError, match=rf"decoded to \[3, {h}, {w}\], expected \[3, {STORED}, {STORED}\]"):
+        _in_thread(lambda: list(loader))

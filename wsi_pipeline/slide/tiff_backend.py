@@ -379,11 +379,15 @@ class TiffSlide(Slide):
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
         tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
         parts = [
-            _stream_parts(tables, buf[o : o + n]) if n else ()
+            piece
             for o, n in zip((offsets - start).tolist(), counts.tolist(), strict=True)
+            if n
+            for piece in _stream_parts(tables, buf[o : o + n])
         ]
-        lengths = np.fromiter((sum(len(p) for p in tile) for tile in parts), np.int64, len(parts))
-        return np.concatenate([p for tile in parts for p in tile]), lengths
+        # _stream_parts adds the tables' body (all but their SOI and EOI) to a tile of 2 bytes or more.
+        spliced = tables is not None and len(tables) >= 4
+        lengths = counts + np.where(spliced & (counts >= 2), len(tables) - 4 if spliced else 0, 0)
+        return np.concatenate(parts), lengths
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
         """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in).

@@ -50,6 +50,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
 
@@ -122,15 +124,26 @@ def stored_tiles_touched(
     in pixels; ``tile_w``, ``tile_h``: the stored tiles'; ``level_w``,
     ``level_h``: the level's. A patch wholly past the level's edge touches none.
     """
-    touched: set[tuple[int, int]] = set()
-    for x0, y0 in zip(xs0, ys0, strict=True):
-        x1, y1 = min(x0 + size, level_w), min(y0 + size, level_h)
-        x0, y0 = max(x0, 0), max(y0, 0)
-        if x0 >= x1 or y0 >= y1:
-            continue
-        for ty in range(y0 // tile_h, (y1 - 1) // tile_h + 1):
-            touched.update((tx, ty) for tx in range(x0 // tile_w, (x1 - 1) // tile_w + 1))
-    return sorted(touched, key=lambda c: (c[1], c[0]))
+    x0, y0 = np.asarray(list(xs0), np.int64), np.asarray(list(ys0), np.int64)
+    if x0.shape != y0.shape:
+        raise ValueError(f"expected as many x as y origins, found {x0.shape[0]} and {y0.shape[0]}")
+    x1, y1 = np.minimum(x0 + size, level_w), np.minimum(y0 + size, level_h)
+    x0, y0 = np.maximum(x0, 0), np.maximum(y0, 0)
+    inside = (x0 < x1) & (y0 < y1)
+    if not inside.any():
+        return []
+    tx0, tx1 = x0[inside] // tile_w, (x1[inside] - 1) // tile_w  # inclusive stored-tile ranges
+    ty0, ty1 = y0[inside] // tile_h, (y1[inside] - 1) // tile_h
+    # Mark each patch's rectangle of stored tiles on a grid around them, one offset at a time
+    # (a patch spans a few stored tiles per axis); the grid's nonzero cells come out row-major.
+    ox, oy = int(tx0.min()), int(ty0.min())
+    touched = np.zeros((int(ty1.max()) - oy + 1, int(tx1.max()) - ox + 1), bool)
+    for dy in range(int((ty1 - ty0).max()) + 1):
+        for dx in range(int((tx1 - tx0).max()) + 1):
+            ok = (ty0 + dy <= ty1) & (tx0 + dx <= tx1)
+            touched[ty0[ok] + dy - oy, tx0[ok] + dx - ox] = True
+    ty, tx = np.nonzero(touched)
+    return list(zip((tx + ox).tolist(), (ty + oy).tolist(), strict=True))
 
 
 @dataclass
@@ -241,15 +254,16 @@ class GpuTileDecoder:
                 self._count(fallback=1)
                 self._decode_threads(stored, level, slots, th, tw)
                 return
-            for d in decoded:
-                if d.shape != (3, th, tw):
-                    raise TileReadError(
-                        self.slide.path,
-                        f"stored tile decoded to {list(d.shape)}, expected [3, {th}, {tw}]",
-                        None,
-                        level,
-                    )
-            stored[where] = torch.stack(decoded).permute(0, 2, 3, 1)
+            try:  # one check of the stacked shape; tiles of differing shapes do not stack
+                stacked = torch.stack(decoded)
+            except RuntimeError:
+                stacked = None
+            if stacked is None or stacked.shape[1:] != (3, th, tw):
+                found = next(list(d.shape) for d in decoded if d.shape != (3, th, tw))
+                raise TileReadError(
+                    self.slide.path, f"stored tile decoded to {found}, expected [3, {th}, {tw}]", None, level
+                )
+            stored[where] = stacked.permute(0, 2, 3, 1)
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
