@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -129,6 +130,40 @@ class BrokenFactory:
         raise UsageError("no such backend here")
 
 
+class _FakePlan:
+    def __init__(self, path: Path, log: Path):
+        self.path, self.log = Path(path), log
+
+    def close(self) -> None:
+        _event(self.log, f"closed plan {self.path.name}")
+
+
+class PlanningFakePipeline(FakePipeline):
+    """:class:`FakePipeline` that also plans: ``plan`` notes the slide and the thread it runs on;
+    ``run`` of a plan notes that it was planned and closes it."""
+
+    def plan(self, path):
+        log = Path(path).parent.parent / "out" / "events.log"
+        time.sleep(0.2)  # long enough for the run it overlaps to start first
+        _event(log, f"plan {Path(path).name} on {threading.current_thread().name.split('_')[0]}")
+        return _FakePlan(path, log)
+
+    def run(self, path, out_dir, **kwargs):
+        if isinstance(path, _FakePlan):
+            plan, path = path, path.path
+            _event(plan.log, f"planned {path.name}")
+            try:
+                return super().run(path, out_dir, **kwargs)
+            finally:
+                plan.close()
+        return super().run(path, out_dir, **kwargs)
+
+
+class PlanningFakeFactory:
+    def __call__(self):
+        return PlanningFakePipeline()
+
+
 def _slides(folder: Path, *names: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -170,6 +205,25 @@ def test_the_child_runs_two_slides_ahead_while_files_are_written(tmp_path):
     events = (tmp_path / "out" / "events.log").read_text().split("\n")
     assert events.index("run c.tiff") < events.index("written slowwrite.tiff") < events.index("run d.tiff")
     assert events.count("run b.tiff") == events.count("run c.tiff") == 1
+
+
+def test_the_child_plans_the_slide_after_those_it_runs_ahead(tmp_path):
+    """Each slide is opened and its tissue found (Pipeline.plan) on the child's planning thread, the
+    slide after the two run ahead while another slide runs; every plan is run, and closed, once."""
+    paths = _slides(tmp_path / "in", "slowwrite.tiff", "b.tiff", "c.tiff", "d.tiff", "e.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
+    report = run_batch(paths, tmp_path / "out", PlanningFakeFactory(), config, _key(config), progress=False)
+    assert [o.status for o in report.outcomes] == ["done"] * 5
+    events = (tmp_path / "out" / "events.log").read_text().split("\n")
+    for p in paths:
+        assert events.count(f"plan {p.name} on plan-slide") == 1, events
+        assert events.count(f"planned {p.name}") == events.count(f"closed plan {p.name}") == 1, events
+        assert events.index(f"plan {p.name} on plan-slide") < events.index(f"planned {p.name}")
+    # e is named (to be planned) only once the parent asks for b, after slowwrite's files are
+    # written: it is planned while d, named then too, already runs.
+    assert (
+        events.index("written slowwrite.tiff") < events.index("run d.tiff") < events.index("plan e.tiff on plan-slide")
+    )
 
 
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):

@@ -11,7 +11,7 @@ import tifffile
 from helpers import corrupt_stored_tile
 
 from wsi_pipeline import Pipeline
-from wsi_pipeline.errors import ConfigError, TileReadError
+from wsi_pipeline.errors import ClosedError, ConfigError, SlideError, TileReadError
 from wsi_pipeline.io.atomic import write_json
 from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
@@ -245,6 +245,25 @@ def test_outputs_can_finish_while_the_caller_goes_on(pipe, slide_path, run_out, 
     assert (tmp_path / "later" / "detections.csv").read_text() == (run_out / "detections.csv").read_text()
     assert res.heatmap.shape == HeatmapFile(run_out / "heatmap.ome.tif").shape
     assert json.loads((tmp_path / "later" / "summary.json").read_text())["seconds"]["write"] > 0
+
+
+def test_a_plan_made_ahead_runs_as_the_slide_itself(pipe, slide_path, run_out, tmp_path):
+    """Pipeline.plan (open, tiling, tissue) then run(plan): the same files; the plan's steps counted
+    in the summary; its slide closed by the run, or by close() when it is not run."""
+    plan = pipe.plan(slide_path)
+    assert plan.seconds["tissue_mask"] > 0 and len(plan.tiles) > 0
+    res = pipe.run(plan, out_dir=tmp_path / "planned")
+    assert (tmp_path / "planned" / "detections.csv").read_text() == (run_out[1] / "detections.csv").read_text()
+    assert res.summary["seconds"]["tissue_mask"] >= plan.seconds["tissue_mask"]
+    assert res.summary["seconds"]["total"] >= sum(plan.seconds.values())
+    with pytest.raises(ClosedError):
+        plan.slide.read_region((0, 0), 0, (8, 8))
+    unused = pipe.plan(slide_path)
+    unused.close()
+    with pytest.raises(ClosedError):
+        unused.slide.read_region((0, 0), 0, (8, 8))
+    with pytest.raises(SlideError, match="nope.tiff"):
+        pipe.plan(tmp_path / "nope.tiff")
 
 
 def _fail_job(path):

@@ -54,7 +54,7 @@ from .errors import UsageError
 from .inference.card import ModelCard
 from .io.atomic import write_json
 from .run_key import RunKey, input_identity, why_redo
-from .slide_worker import RUN_AHEAD, make_runner, slide_time_limit
+from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
 from .summary import read_summary
 
 log = logging.getLogger("wsi_pipeline")
@@ -486,6 +486,7 @@ def _run_local(
             runner.prepare()  # the model loads before the slide counts as running, and outside its limit
             manifest.update(name, status="running", started=_now())
             log.info("%s: started (%d of %d)", path, i, len(todo))
-            yield runner.run(path, name, out, key, slide_time_limit(config, path), next_slides=todo[i : i + RUN_AHEAD])
+            next_slides = todo[i : i + RUN_AHEAD + PLAN_AHEAD]
+            yield runner.run(path, name, out, key, slide_time_limit(config, path), next_slides=next_slides)
     finally:
         runner.close()

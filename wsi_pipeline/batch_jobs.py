@@ -117,12 +117,14 @@ def start_slide(
     key: RunKey,
     progress: bool | Callable[[int], None] = False,
     wait_written: bool = True,
+    plan: Any = None,
 ) -> StartedSlide:
     """Run ``pipeline`` on one slide into a partial folder; :meth:`StartedSlide.finish` completes it.
 
     With ``wait_written=False`` this returns once the slide is stitched, while its files are still
     being written: the next slide's inference can run while ``finish`` (in another thread) waits for
-    them. Never raises for a bad slide (its ``finish`` returns the failure)."""
+    them. ``plan``: the slide's :class:`~.pipeline.SlidePlan`, made ahead (None: made now).
+    Never raises for a bad slide (its ``finish`` returns the failure)."""
     folder = slides_dir(out_dir)
     started = StartedSlide(
         name,
@@ -132,18 +134,28 @@ def start_slide(
         folder / f".{name}.partial-{os.getpid()}-{next(_counter)}",
         time.perf_counter(),
     )
+    run_started = False
     try:
         extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
         folder.mkdir(parents=True, exist_ok=True)
         kwargs = {} if wait_written else {"wait_written": False}
+        run_started = True  # the run closes the plan, whatever happens
         started.result = pipeline.run(
-            path, out_dir=started.partial, progress=progress, keep_heatmap=False, extra_summary=extra, **kwargs
+            path if plan is None else plan,
+            out_dir=started.partial,
+            progress=progress,
+            keep_heatmap=False,
+            extra_summary=extra,
+            **kwargs,
         )
     except KeyboardInterrupt:
         started.discard("the outputs of an interrupted slide")
         raise
     except Exception as exc:
         started.fail(exc)
+    finally:
+        if plan is not None and not run_started:
+            plan.close()
     return started
 
 

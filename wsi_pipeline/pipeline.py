@@ -29,6 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,29 @@ GPU_BACKENDS = ("torch", "tensorrt")
 # Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
 DEFAULT_MODEL = shipped_card()
 Progress = Callable[[int], None]
+
+
+@dataclass
+class SlidePlan:
+    """A run's first steps, made ahead (:meth:`Pipeline.plan`): the slide opened, its tiling, tissue mask
+    and the tiles to run. Give it to :meth:`Pipeline.run` (once), or :meth:`close` it.
+
+    ``seconds``: what the steps took (``open``, ``tissue_mask``), counted in the run's summary.
+    """
+
+    slide: Slide
+    owns: bool  # the plan opened the slide: the run (or close) closes it
+    is_array: bool
+    geometry: TilingGeometry
+    grid: TileGrid
+    method: str
+    mask: Any
+    tiles: list[Tile]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.owns:
+            self.slide.close()
 
 
 class Pipeline:
@@ -148,14 +172,15 @@ class Pipeline:
     # -- running ---------------------------------------------------------------
     def run(
         self,
-        source: str | os.PathLike[str] | Slide | np.ndarray,
+        source: str | os.PathLike[str] | Slide | np.ndarray | SlidePlan,
         out_dir: str | os.PathLike[str] | None = None,
         progress: bool | Progress = False,
         keep_heatmap: bool | None = None,
         extra_summary: dict[str, Any] | None = None,
         wait_written: bool = True,
     ) -> Result:
-        """Detect and map over ``source``: a slide path, an open :class:`Slide` or an RGB array.
+        """Detect and map over ``source``: a slide path, an open :class:`Slide`, an RGB array, or a
+        :class:`SlidePlan` of one (:meth:`plan`; its steps are not done again).
 
         ``out_dir``: write the files of ``config.formats`` there (by default
         detections.geojson, detections.csv, heatmap.ome.tif and overlay.png;
@@ -171,32 +196,58 @@ class Pipeline:
         raises what failed.
         """
         if self._closed:
+            if isinstance(source, SlidePlan):
+                source.close()
             raise ClosedError("pipeline is closed")
         timer = StageTimer()
         t_start = time.perf_counter()
-        owns = not isinstance(source, Slide)
         if self.executor.is_cuda:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        with timer("open"):
-            slide = as_slide(source)
-        slide.on_damaged_tile = self.config.on_damaged_tile
+        plan = source if isinstance(source, SlidePlan) else self._plan(source, timer)
+        if plan is source:  # its steps were done before this call: they count in the total once
+            for stage, seconds in plan.seconds.items():
+                timer.seconds[stage] += seconds
+            t_start -= sum(plan.seconds.values())
         try:
             return self._run_slide(
-                slide,
-                isinstance(source, np.ndarray),
-                out_dir,
-                progress,
-                keep_heatmap,
-                timer,
-                t_start,
-                extra_summary or {},
-                wait_written,
+                plan, out_dir, progress, keep_heatmap, timer, t_start, extra_summary or {}, wait_written
             )
         finally:
+            plan.close()
+
+    def plan(self, source: str | os.PathLike[str] | Slide | np.ndarray) -> SlidePlan:
+        """A run's first steps for ``source`` (see :meth:`run`): open it, tile it, find its tissue.
+
+        Made ahead, e.g. on another thread while the previous slide runs, then given to
+        :meth:`run`. Raises as :meth:`run` would for a slide that cannot be opened.
+        """
+        if self._closed:
+            raise ClosedError("pipeline is closed")
+        timer = StageTimer()
+        plan = self._plan(source, timer)
+        plan.seconds = dict(timer.seconds)
+        return plan
+
+    def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
+        cfg, card = self.config, self.card
+        owns = not isinstance(source, Slide)
+        with timer("open"):
+            slide = as_slide(source)
+        try:
+            slide.on_damaged_tile = cfg.on_damaged_tile
+            with timer("tissue_mask"):
+                geometry = self._geometry(slide)
+                grid = TileGrid(slide, geometry=geometry)
+                method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
+                mask = tissue_mask(slide, method, mask_path=cfg.mask)
+                tiles = grid.select(mask.tile_fractions(grid), cfg.min_tissue)
+        except BaseException:
             if owns:
                 slide.close()
+            raise
+        return SlidePlan(slide, owns, isinstance(source, np.ndarray), geometry, grid, method, mask, tiles)
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
@@ -213,8 +264,7 @@ class Pipeline:
 
     def _run_slide(
         self,
-        slide: Slide,
-        is_array: bool,
+        plan: SlidePlan,
         out_dir: str | os.PathLike[str] | None,
         progress: bool | Progress,
         keep_heatmap: bool | None,
@@ -224,19 +274,14 @@ class Pipeline:
         wait_written: bool = True,
     ) -> Result:
         cfg, card = self.config, self.card
+        slide, is_array, geometry, grid = plan.slide, plan.is_array, plan.geometry, plan.grid
+        method, mask, tiles = plan.method, plan.mask, plan.tiles
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             self.writers.start()  # the writer processes start while the slide runs
         if keep_heatmap is None:
             keep_heatmap = out is None
-        with timer("tissue_mask"):
-            geometry = self._geometry(slide)
-            grid = TileGrid(slide, geometry=geometry)
-            method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
-            mask = tissue_mask(slide, method, mask_path=cfg.mask)
-            fractions = mask.tile_fractions(grid)
-            tiles = grid.select(fractions, cfg.min_tissue)
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
         tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue)
         if tissue_warning:

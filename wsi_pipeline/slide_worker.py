@@ -36,6 +36,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ LIMIT_S_PER_GIB = 3600.0
 # Slides the child runs ahead of the one asked for, while earlier slides' files are written: with
 # two, the GPU keeps working while one slide's files take longer to write than the next slide runs.
 RUN_AHEAD = 2
+# Slides after those, whose first steps (open, tissue mask: Pipeline.plan) the child makes on a thread
+# while it runs the others, so that they are not between one slide's inference and the next.
+PLAN_AHEAD = 1
 # Loggers whose levels the child copies from the parent.
 _LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile")
 
@@ -188,8 +192,9 @@ class ChildProcessRunner:
         limit_s: float | None = None,
         next_slides: Sequence[tuple[Path, str]] = (),
     ):
-        """The slide's outcome. ``next_slides`` ((path, name), at most :data:`RUN_AHEAD`): the slides
-        that will be asked for next, in order, which the child runs while this one's files are written."""
+        """The slide's outcome. ``next_slides`` ((path, name)): the slides that will be asked for next,
+        in order; the child runs the first :data:`RUN_AHEAD` while this one's files are written, and
+        plans the :data:`PLAN_AHEAD` after them."""
         from .batch_jobs import SlideOutcome
 
         self.prepare()
@@ -198,9 +203,9 @@ class ChildProcessRunner:
         t0 = time.perf_counter()
         deadline = None if limit_s is None else time.monotonic() + limit_s
         inferred = False
-        next_slides = list(next_slides[:RUN_AHEAD])
+        next_slides = list(next_slides[: RUN_AHEAD + PLAN_AHEAD])
         # The folders a stopped or dead child may have begun: this slide's and those it ran ahead.
-        begun = [name, *(n for _, n in next_slides)]
+        begun = [name, *(n for _, n in next_slides[:RUN_AHEAD])]
         try:
             try:
                 self.send_conn.send(("run", path, name, out_dir, key, next_slides))
@@ -228,7 +233,7 @@ class ChildProcessRunner:
         if reply is None or reply[0] != "outcome":
             code = self._stop()
             self._remove_partials(out_dir, begun, pid)
-            if inferred and next_slides:
+            if inferred and next_slides[:RUN_AHEAD]:
                 # The child died after this slide's inference, most likely in a slide it had
                 # started ahead: run this one again, alone.
                 log.warning(
@@ -347,13 +352,25 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     # While slide k's files are written (a thread waits for them, moves its folder into place and
     # sends its outcome), the next slides the parent named are already run here, in order; when the
     # parent asks for one, its result is taken (slides run ahead that it no longer names are thrown away).
+    # The slides named after those are planned (opened, tissue found) on a thread meanwhile.
     ahead: dict[tuple[str, str], Any] = {}
     finishing: list[threading.Thread] = []
+    planner = ThreadPoolExecutor(1, thread_name_prefix="plan-slide")
+    make_plan = getattr(pipeline, "plan", None)  # a pipeline that cannot plan runs slides from their paths
+    plans: dict[tuple[str, str], Future] = {}
 
     def finish(started: Any) -> None:
         outcome = started.finish()
         with handler.send_lock:
             send_conn.send(("outcome", outcome))
+
+    def run(path: Any, name: str, out_dir: Any, key: Any) -> Any:
+        fut = plans.pop((str(path), name), None)
+        plan = None
+        if fut is not None and fut.exception() is None:
+            plan = fut.result()
+        # Without a plan (its making failed), the run opens the slide itself and reports what fails.
+        return start_slide(pipeline, path, name, out_dir, key, progress, wait_written=False, plan=plan)
 
     try:
         while True:
@@ -364,27 +381,47 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
             if msg[0] == "stop":
                 return
             _, path, name, out_dir, key, next_slides = msg
+            named = [(str(p), n) for p, n in next_slides]
+            for k in [k for k in plans if k not in named]:
+                _close_plan(plans.pop(k))
+            for p, k in zip([path, *(p for p, _ in next_slides)], [(str(path), name), *named], strict=True):
+                if make_plan is not None and k not in ahead and k not in plans:
+                    plans[k] = planner.submit(make_plan, p)
             started = ahead.pop((str(path), name), None)
             if started is None:
-                started = start_slide(pipeline, path, name, out_dir, key, progress, wait_written=False)
+                started = run(path, name, out_dir, key)
             with handler.send_lock:
                 send_conn.send(("inferred", name))
             finishing = [t for t in finishing if t.is_alive()]
             t = threading.Thread(target=finish, args=(started,), name="finish-slide", daemon=True)
             t.start()
             finishing.append(t)
-            named = [(str(p), n) for p, n in next_slides]
-            for k in [k for k in ahead if k not in named]:
+            run_next = named[:RUN_AHEAD]
+            for k in [k for k in ahead if k not in run_next]:
                 ahead.pop(k).discard()
-            for (next_path, next_name), k in zip(next_slides, named, strict=True):
+            for (next_path, next_name), k in zip(next_slides[:RUN_AHEAD], run_next, strict=True):
                 if k not in ahead:
-                    ahead[k] = start_slide(pipeline, next_path, next_name, out_dir, key, progress, wait_written=False)
+                    ahead[k] = run(next_path, next_name, out_dir, key)
     finally:
         for started in ahead.values():
             started.discard()
+        for fut in plans.values():
+            _close_plan(fut)
+        planner.shutdown(wait=True)
         for t in finishing:
             t.join()
         pipeline.close()
+
+
+def _close_plan(fut: Future) -> None:
+    """Close the slide of a plan that will not run, once it is made."""
+
+    def close(done: Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            done.result().close()
+
+    if not fut.cancel():
+        fut.add_done_callback(close)
 
 
 def main(argv: list[str]) -> None:
