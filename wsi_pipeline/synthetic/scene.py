@@ -20,7 +20,6 @@ downsample of the render at 1: pyramid levels drawn this way agree with each oth
 from __future__ import annotations
 
 import math
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -172,7 +171,6 @@ class SyntheticScene:
         self.cells_x = -(-self.width // self.cell_size)
         self.cells_y = -(-self.height // self.cell_size)
         self._cache: OrderedDict[tuple[int, int], _CellObjects] = OrderedDict()
-        self._cache_lock = threading.Lock()
         self._key = mix_int(self.seed, KINDS.index(kind))
         if kind == "pathology":
             self.class_names = ["nucleus"]
@@ -282,19 +280,15 @@ class SyntheticScene:
         return np.random.default_rng(mix_int(self._key, 7, cx, cy))
 
     def _cell(self, cx: int, cy: int) -> _CellObjects:
-        # A cell's objects depend on (seed, cx, cy) alone; the lock only keeps the cache whole when
-        # several threads render at once (two may make the same cell: both get the same objects).
         key = (cx, cy)
-        with self._cache_lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
         objs = self._gen_pathology(cx, cy) if self.kind == "pathology" else self._gen_industrial(cx, cy)
-        with self._cache_lock:
-            self._cache[key] = objs
-            if len(self._cache) > _CACHE_CELLS:
-                self._cache.popitem(last=False)
+        self._cache[key] = objs
+        if len(self._cache) > _CACHE_CELLS:
+            self._cache.popitem(last=False)
         return objs
 
     def _inside(self, x: np.ndarray, y: np.ndarray, hx: np.ndarray, hy: np.ndarray) -> np.ndarray:

@@ -10,19 +10,16 @@ File layout:
   ``wsi-pipeline synthetic pathology seed=S mpp=M``.
 * industrial: a BigTIFF with the same tiled JPEG pyramid and no resolution unit (no mpp).
 
-Tiles are rendered from the scene straight at each level's downsample, a strip of a few
-tiles per call on several threads (a few calls ahead of the writer), and handed to tifffile
-as a generator in order, so memory stays bounded whatever the slide size. Both outputs go
-to a temporary name first and are renamed when complete.
+Tiles are rendered from the scene straight at each level's downsample and handed to
+tifffile as a generator, a few tiles at a time, so memory stays bounded whatever the
+slide size. Both outputs go to a temporary name first and are renamed when complete.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tifffile
@@ -38,15 +35,6 @@ _SMALLEST_LEVEL_SIDE = 1024
 _RENDER_CHUNK_WIDTH = 1024
 
 
-def _render_threads() -> int:
-    """Threads rendering strips: the cores this process may use, at most 8."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores))
-
-
 def level_dimensions(width: int, height: int) -> list[tuple[int, int]]:
     """(width, height) of each pyramid level: level k is ceil(level-0 size / 2**k)."""
     dims = [(width, height)]
@@ -56,41 +44,19 @@ def level_dimensions(width: int, height: int) -> list[tuple[int, int]]:
     return dims
 
 
-def _level_tiles(
-    scene: SyntheticScene,
-    level_w: int,
-    level_h: int,
-    downsample: int,
-    tile: int,
-    pool: ThreadPoolExecutor,
-    ahead: int,
-) -> Iterator[np.ndarray]:
+def _level_tiles(scene: SyntheticScene, level_w: int, level_h: int, downsample: int, tile: int) -> Iterator[np.ndarray]:
     """Tiles (tile, tile, 3) uint8 of one level in row-major order (tifffile's order);
-    edge tiles are full size and show the scene beyond the slide edge (TIFF crops them).
-    Strips are rendered on ``pool``'s threads, at most ``ahead`` calls ahead of the one
-    handed out (the scene is a pure function of the region)."""
+    edge tiles are full size and show the scene beyond the slide edge (TIFF crops them)."""
     n_x = -(-level_w // tile)
     n_y = -(-level_h // tile)
     per_call = max(1, _RENDER_CHUNK_WIDTH // tile)
     span = tile * downsample  # level-0 pixels per tile
-    calls = iter([(ty, tx0, min(per_call, n_x - tx0)) for ty in range(n_y) for tx0 in range(0, n_x, per_call)])
-    pending: deque = deque()
-
-    def submit_next() -> None:
-        call = next(calls, None)
-        if call is not None:
-            ty, tx0, n = call
-            pending.append((n, pool.submit(scene.render, tx0 * span, ty * span, n * span, span, downsample)))
-
-    # Executor.map would submit every call at once (a level's pixels in memory): a few ahead instead.
-    for _ in range(ahead):
-        submit_next()
-    while pending:
-        n, fut = pending.popleft()
-        submit_next()
-        strip = fut.result()
-        for i in range(n):
-            yield strip[:, i * tile : (i + 1) * tile]
+    for ty in range(n_y):
+        for tx0 in range(0, n_x, per_call):
+            n = min(per_call, n_x - tx0)
+            strip = scene.render(tx0 * span, ty * span, n * span, span, downsample)
+            for i in range(n):
+                yield strip[:, i * tile : (i + 1) * tile]
 
 
 def _check_options(tile_size: int, quality: int) -> None:
@@ -136,8 +102,6 @@ def write_synthetic_slide(
     else:
         description = f"wsi-pipeline synthetic industrial seed={scene.seed}"
     tmp = partial_name(path)
-    threads = _render_threads()
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="synth-render")
     try:
         with tifffile.TiffWriter(tmp, bigtiff=bigtiff) as tw:
             for k, (lw, lh) in enumerate(dims):
@@ -149,7 +113,7 @@ def write_synthetic_slide(
                 else:
                     extra = {"resolutionunit": "NONE"}
                 tw.write(
-                    _level_tiles(scene, lw, lh, d, tile_size, pool, 2 * threads),
+                    _level_tiles(scene, lw, lh, d, tile_size),
                     shape=(lh, lw, 3),
                     dtype=np.uint8,
                     tile=(tile_size, tile_size),
@@ -167,8 +131,6 @@ def write_synthetic_slide(
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
     counts = write_truth(scene, truth_path)
     return {
         "path": path,
