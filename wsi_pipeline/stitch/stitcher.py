@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index,
     from wsi_pipeline.tiling.grid import Tile
 
 
+# Calls (a row's run of mapped boxes, a row's start) that may wait for the box-merging thread
+# before the stitching thread blocks (benchmarks/sweep_merge_queue.py).
+MERGE_QUEUE = 8
+
+
 class Stitcher:
     """Collect one slide's tile results: boxes merged in level 0, heatmaps blended into ``heatmap_sink``.
 
@@ -61,7 +66,7 @@ class Stitcher:
         self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
         self.source = source
         # The merge policy sees the mapped boxes on a thread of its own, in order.
-        self._merge = BackgroundCalls(name="box-merge")
+        self._merge = BackgroundCalls(max_pending=MERGE_QUEUE, name="box-merge")
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
