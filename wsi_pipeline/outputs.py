@@ -4,8 +4,8 @@
 stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out, from a
 thread of its own (:class:`~.stitch.sinks.BackgroundSink`), to the OME-TIFF
 writer (with an output folder), an in-memory array (when asked), per-class
-statistics over the tissue and a reduced copy for the overlay (and the
-OME-Zarr writer where ``ome-zarr`` is chosen). Whatever reads them
+statistics over the tissue and, when an overlay is written, a reduced copy
+for it (and the OME-Zarr writer where ``ome-zarr`` is chosen). Whatever reads them
 (:meth:`SlideOutputs.heatmap_scores`, the overlay, :meth:`SlideOutputs.close_heatmap`)
 waits for that thread first; :meth:`SlideOutputs.abort` ends it too.
 After stitching, :meth:`SlideOutputs.write` sends the detection files and
@@ -108,12 +108,13 @@ class SlideOutputs:
             sinks.append(self.array_sink)
         self.stats = HeatmapStats(c, g.heatmap_width, g.heatmap_scale_level0, mask)
         sinks.append(self.stats)
-        w0, h0 = slide.dimensions
-        thumb_downsample = max(w0 / config.overlay_size, h0 / config.overlay_size, 1.0)
-        self.reduced = ReducedCopy(
-            c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
-        )
-        sinks.append(self.reduced)
+        if out is not None and chosen(config.formats, OVERLAY):  # the reduced copy is the overlay's
+            w0, h0 = slide.dimensions
+            thumb_downsample = max(w0 / config.overlay_size, h0 / config.overlay_size, 1.0)
+            self.reduced = ReducedCopy(
+                c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
+            )
+            sinks.append(self.reduced)
         self.heatmap_sink = self._background = BackgroundSink(fan_out(*sinks))
         self.heatmap_weights = tile_weights(
             g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
