@@ -77,7 +77,8 @@ Progress = Callable[[int], None]
 @dataclass
 class SlidePlan:
     """A run's first steps, made ahead (:meth:`Pipeline.plan`): the slide opened, its tiling, tissue mask
-    and the tiles to run. Give it to :meth:`Pipeline.run` (once), or :meth:`close` it.
+    and the tiles to run. Give it to :meth:`Pipeline.run` of the pipeline that made it (once), or
+    :meth:`close` it.
 
     ``seconds``: what the steps took (``open``, ``tissue_mask``), counted in the run's summary.
     """
@@ -91,6 +92,7 @@ class SlidePlan:
     mask: Any
     tiles: list[Tile]
     seconds: dict[str, float] = field(default_factory=dict)
+    made_by: Any = None  # the pipeline that made it: its card and settings decided the tiling
 
     def close(self) -> None:
         if self.owns:
@@ -206,6 +208,9 @@ class Pipeline:
 
             torch.cuda.reset_peak_memory_stats()
         plan = source if isinstance(source, SlidePlan) else self._plan(source, timer)
+        if plan is source and plan.made_by is not self:
+            plan.close()
+            raise ConfigError(f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)")
         if plan is source:  # its steps were done before this call: they count in the total once
             for stage, seconds in plan.seconds.items():
                 timer.seconds[stage] += seconds
@@ -228,6 +233,7 @@ class Pipeline:
         timer = StageTimer()
         plan = self._plan(source, timer)
         plan.seconds = dict(timer.seconds)
+        plan.made_by = self
         return plan
 
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
