@@ -382,7 +382,7 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
                 return
             _, path, name, out_dir, key, next_slides = msg
             named = [(str(p), n) for p, n in next_slides]
-            for k in [k for k in plans if k not in named]:
+            for k in [k for k in plans if k not in named and k != (str(path), name)]:
                 _close_plan(plans.pop(k))
             for p, k in zip([path, *(p for p, _ in next_slides)], [(str(path), name), *named], strict=True):
                 if make_plan is not None and k not in ahead and k not in plans:
