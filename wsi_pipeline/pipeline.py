@@ -207,14 +207,17 @@ class Pipeline:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        plan = source if isinstance(source, SlidePlan) else self._plan(source, timer)
-        if plan is source and plan.made_by is not self:
-            plan.close()
-            raise ConfigError(f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)")
-        if plan is source:  # its steps were done before this call: they count in the total once
-            for stage, seconds in plan.seconds.items():
+        if isinstance(source, SlidePlan):
+            plan = source
+            if plan.made_by is not self:
+                plan.close()
+                msg = f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)"
+                raise ConfigError(msg)
+            for stage, seconds in plan.seconds.items():  # done before this call: counted in the total once
                 timer.seconds[stage] += seconds
             t_start -= sum(plan.seconds.values())
+        else:
+            plan = self._plan(source, timer)
         try:
             return self._run_slide(
                 plan, out_dir, progress, keep_heatmap, timer, t_start, extra_summary or {}, wait_written
@@ -233,7 +236,6 @@ class Pipeline:
         timer = StageTimer()
         plan = self._plan(source, timer)
         plan.seconds = dict(timer.seconds)
-        plan.made_by = self
         return plan
 
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
@@ -253,7 +255,7 @@ class Pipeline:
             if owns:
                 slide.close()
             raise
-        return SlidePlan(slide, owns, isinstance(source, np.ndarray), geometry, grid, method, mask, tiles)
+        return SlidePlan(slide, owns, isinstance(source, np.ndarray), geometry, grid, method, mask, tiles, made_by=self)
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""

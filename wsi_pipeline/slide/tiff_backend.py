@@ -385,8 +385,8 @@ class TiffSlide(Slide):
             for piece in _stream_parts(tables, buf[o : o + n])
         ]
         # _stream_parts adds the tables' body (all but their SOI and EOI) to a tile of 2 bytes or more.
-        spliced = tables is not None and len(tables) >= 4
-        lengths = counts + np.where(spliced & (counts >= 2), len(tables) - 4 if spliced else 0, 0)
+        body = len(tables) - 4 if tables is not None and len(tables) >= 4 else 0
+        lengths = counts + np.where(counts >= 2, body, 0)
         return np.concatenate(parts), lengths
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:

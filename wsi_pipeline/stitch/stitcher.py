@@ -70,7 +70,6 @@ class Stitcher:
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
-        self.heatmap_device = None  # where heatmaps are blended (None: the host), as the blender says
         if heatmap_sink is not None:
             if heatmap_weights is None:
                 raise ValueError("heatmap_sink needs heatmap_weights")
@@ -82,7 +81,11 @@ class Stitcher:
                 window_rows=3,
                 device=heatmap_device,
             )
-            self.heatmap_device = self.blender.device
+
+    @property
+    def heatmap_device(self) -> Any:
+        """Where heatmaps are blended: a torch device, or None for the host (or no heatmap)."""
+        return None if self.blender is None else self.blender.device
 
     def _skip_to(self, index: int) -> None:
         """Skip grid tiles ``_next .. index - 1`` (no tissue), a row's run at a time."""

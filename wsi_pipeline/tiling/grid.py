@@ -98,17 +98,7 @@ class TileGrid(Sequence[Tile]):
     def tile(self, row: int, col: int) -> Tile:
         if not (0 <= row < self.n_rows and 0 <= col < self.n_cols):
             raise IndexError(f"tile ({row}, {col}) outside a {self.n_rows}x{self.n_cols} grid")
-        return Tile(
-            index=row * self.n_cols + col,
-            row=row,
-            col=col,
-            x0_level0=self.geometry.col_x0_level0(col),
-            y0_level0=self.geometry.row_y0_level0(row),
-            size=self.tile_size,
-            downsample=self.downsample,
-            level=self.level,
-            read_size=self.read_size,
-        )
+        return self.tiles_at(np.array([row]), np.array([col]))[0]
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
