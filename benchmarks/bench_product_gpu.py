@@ -109,8 +109,21 @@ def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> di
         "detections": int(len(r.detections)),
         "stage_seconds": r.summary["seconds"],
         "tile_decode": r.summary.get("tile_decode"),
+        "box_merge": r.summary.get("box_merge"),
         "peak_gpu_memory_mb": r.summary["peak_gpu_memory_mb"],
     }
+
+
+def merging_process_peak_mb(pipe: Pipeline) -> float | None:
+    """Peak resident memory (MB) of the pipeline's box-merging process (not in the run's own figure)."""
+    pool = pipe.merging._pool
+    if pool is None or not pool._processes:
+        return None
+    (pid,) = pool._processes
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return None
 
 
 def split_stages(pipe: Pipeline, slide_path: str) -> dict:
@@ -379,9 +392,12 @@ def main() -> int:
     pipe.run(slide_path)  # warm-up: cuDNN choices, graphs, allocator
     res["product_gpu_decode"] = [timed_run(pipe, slide_path) for _ in range(3)]
     best = max(r["tiles_per_s"] for r in res["product_gpu_decode"])
+    res["merging_process_peak_mb"] = merging_process_peak_mb(pipe)
     log(
         f"Pipeline.run (GPU decode): {[r['tiles_per_s'] for r in res['product_gpu_decode']]} tiles/s; "
-        f"stages {res['product_gpu_decode'][-1]['stage_seconds']}"
+        f"stages {res['product_gpu_decode'][-1]['stage_seconds']}; "
+        f"box merge on a {res['product_gpu_decode'][-1]['box_merge']}, that process's peak "
+        f"{res['merging_process_peak_mb']} MB"
     )
     save()
     log("where each thread's wall time goes (stack samples):")

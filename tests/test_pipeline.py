@@ -63,6 +63,19 @@ def test_slide_detections_match_the_ground_truth(pipe, slide_path):
     assert result.summary["counts"]["nucleus"] == len(result.detections)
 
 
+def test_a_slide_merged_in_the_merging_process_gives_the_same_detections(pipe, slide_path, run_out, monkeypatch):
+    """Small images merge their boxes on a thread, large slides in the pipeline's merging process:
+    the same detections either way (the module's fixture slide is small, so its threshold is lowered)."""
+    from wsi_pipeline import pipeline
+
+    on_thread = run_out[0]
+    monkeypatch.setattr(pipeline, "MERGE_PROCESS_MIN_TILES", 0)
+    in_process = pipe.run(slide_path)
+    assert (on_thread.summary["box_merge"], in_process.summary["box_merge"]) == ("thread", "process")
+    assert len(in_process.detections) > 100
+    np.testing.assert_array_equal(in_process.detections, on_thread.detections)
+
+
 def test_heatmap_covers_the_tumour_region(pipe, slide_path):
     result = pipe.run(slide_path)
     truth = load_truth(str(slide_path).replace(".tiff", ".truth.geojson"))

@@ -50,6 +50,8 @@ from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import Result
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
+from .stitch import stitcher as stitch_settings
+from .stitch.merge_runner import MergeProcess
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
 from .summary import (
@@ -71,6 +73,10 @@ GPU_BACKENDS = ("torch", "tensorrt")
 
 # Where it is looked up: see inference/shipped.py (WSI_PIPELINE_ENGINES, the checkout, the installed copy).
 DEFAULT_MODEL = shipped_card()
+# Slides of at least this many tiles merge their boxes in the pipeline's box-merging process
+# (stitch.merge_runner): enough boxes that the merge's hold on the interpreter lock slows the run;
+# a smaller image (a camera frame) merges on a thread, with no process to start or cross.
+MERGE_PROCESS_MIN_TILES = 256
 Progress = Callable[[int], None]
 
 
@@ -145,6 +151,7 @@ class Pipeline:
             self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
         )
         self.writers = WriterPool(writer_processes)
+        self.merging = MergeProcess()  # started by the first slide that uses it
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False
@@ -298,18 +305,28 @@ class Pipeline:
 
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, out, keep_heatmap)
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
-        stitcher = Stitcher(
-            geometry,
-            policy,
-            cfg.score_threshold,
-            outputs.heatmap_sink,
-            outputs.heatmap_weights,
-            outputs.heatmap_channels,
-            # On a GPU, a slide's heatmaps are blended where the model made them.
-            heatmap_device=self.executor.backend.device if self.executor.is_cuda and not is_array else None,
-            source=str(card.card_path or card.name),
-        )
+        merge = None
+        if len(tiles) >= MERGE_PROCESS_MIN_TILES and self.merging.available():
+            merge = self.merging.merge(policy, stitch_settings.MERGE_QUEUE)
+        try:
+            stitcher = Stitcher(
+                geometry,
+                policy,
+                cfg.score_threshold,
+                outputs.heatmap_sink,
+                outputs.heatmap_weights,
+                outputs.heatmap_channels,
+                # On a GPU, a slide's heatmaps are blended where the model made them.
+                heatmap_device=self.executor.backend.device if self.executor.is_cuda and not is_array else None,
+                source=str(card.card_path or card.name),
+                merge=merge,
+            )
+        except BaseException:
+            if merge is not None:
+                merge.abandon()
+            raise
         run_info: dict[str, Any] = {
+            "box_merge": "process" if merge is not None else "thread",
             "tile_decode": {"where": "cpu", "why": "an array in memory"},
             "heatmap_blended_on": None
             if stitcher.blender is None
@@ -492,6 +509,7 @@ class Pipeline:
             self.executor.close()
             self._finisher.shutdown(wait=True)
             self.writers.close()
+            self.merging.close()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -44,6 +44,7 @@ from typing import Any
 from .batch_folder import remove_or_warn, slides_dir
 from .config import RunConfig
 from .errors import WSIPipelineError
+from .parent_watch import watch_parent
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -314,18 +315,11 @@ class _PipeHandler(logging.Handler):
             self.handleError(record)
 
 
-def _exit_with_parent(parent: int) -> None:
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-
 def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     from .batch_jobs import start_slide
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    watch_parent()
     _, path_list, levels, factory_bytes, progress = recv_conn.recv()
     sys.path[:] = path_list
     handler = _PipeHandler(send_conn)

@@ -97,6 +97,7 @@ class Summary(TypedDict, total=False):
     parameters: dict[str, Any]  # the run settings (RunConfig.as_dict)
     versions: dict[str, str]
     tile_decode: TileDecodeInfo
+    box_merge: str  # where the boxes were merged: "process" (the pipeline's box-merging process) or "thread"
     heatmap_blended_on: str | None  # "host", or the device ("cuda:0") tile heatmaps were blended on; None: no heatmap
     run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
     files: list[str]  # the files the run wrote in its folder, summary.json last (docs/outputs.md)

@@ -24,6 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from ..errors import ConfigError, WSIPipelineError
+from ..parent_watch import watch_parent
 
 
 def default_processes(cpus: int | None = None) -> int:
@@ -102,7 +103,12 @@ class WriterPool:
         with self._lock:
             if self._pool is not None:
                 return self._pool, False
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                self.processes,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=watch_parent,
+                initargs=(os.getpid(),),
+            )
             return self._pool, True
 
     def start(self) -> None:

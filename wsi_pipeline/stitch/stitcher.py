@@ -17,8 +17,8 @@ import numpy as np
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
-from wsi_pipeline.stitch.background import BackgroundCalls
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
+from wsi_pipeline.stitch.merge_runner import PolicyRun, ThreadedMerge
 from wsi_pipeline.stitch.policies import MergePolicy
 
 if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index,
     from wsi_pipeline.tiling.grid import Tile
 
 
-# Calls (a row's run of mapped boxes, a row's start) that may wait for the box-merging thread
-# before the stitching thread blocks (benchmarks/sweep_merge_queue.py).
+# Calls (a row's run of mapped boxes, a row's start) that may wait for the box merge before the
+# stitching thread blocks (benchmarks/sweep_merge_queue.py).
 MERGE_QUEUE = 8
 
 
@@ -47,6 +47,8 @@ class Stitcher:
             on: its heatmaps need not leave it), None on the host
             (:class:`~.blend.HeatmapBlender`'s ``device``).
         source: names the model in errors.
+        merge: where ``policy``'s calls run (:mod:`.merge_runner`; it runs that same
+            policy); None: on a thread of this process.
 
     Use: :meth:`add_batch` with the results of tiles in grid order (tiles
     not given are skipped: no tissue), then :meth:`finish`.
@@ -62,11 +64,12 @@ class Stitcher:
         heatmap_channels: int = 0,
         heatmap_device: Any = None,
         source: str = "the model",
+        merge: PolicyRun | None = None,
     ):
         self.geometry, self.policy, self.score_threshold = geometry, policy, score_threshold
         self.source = source
-        # The merge policy sees the mapped boxes on a thread of its own, in order.
-        self._merge = BackgroundCalls(max_pending=MERGE_QUEUE, name="box-merge")
+        # The merge policy sees the mapped boxes elsewhere (a thread, a process), in order.
+        self._merge = merge if merge is not None else ThreadedMerge(policy, MERGE_QUEUE)
         self._next = 0  # next grid index expected
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
@@ -134,7 +137,7 @@ class Stitcher:
         if self.blender is not None:
             self.blender.add_run(row, cols, batch.heatmaps[start:stop])
         if row != self._row:
-            self._merge.call(self.policy.row_started, self.geometry.row_y0_level0(row))
+            self._merge.row_started(self.geometry.row_y0_level0(row))
         self._row = row
         counts = batch.counts[start:stop]
         if not counts.any():
@@ -158,10 +161,10 @@ class Stitcher:
         b = b[inside]
         b[:, [0, 2]] = b[:, [0, 2]].clip(0, w0)
         b[:, [1, 3]] = b[:, [1, 3]].clip(0, h0)
-        self._merge.call(self.policy.add, b, scores[keep][inside], labels[keep][inside])
+        self._merge.add(b, scores[keep][inside], labels[keep][inside])
 
     def close(self) -> None:
-        """End the merging thread without finishing (a failed run); :meth:`finish` does it too."""
+        """End the box merge without finishing (a failed run); :meth:`finish` does it too."""
         self._merge.abandon()
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -173,8 +176,7 @@ class Stitcher:
         self._skip_to(self.geometry.n_rows * self.geometry.n_cols)
         if self.blender is not None:
             self.blender.close()
-        self._merge.close()
-        boxes, scores, labels = self.policy.finish()
+        boxes, scores, labels = self._merge.finish()
         order = reading_order(boxes)
         return boxes[order], scores[order], labels[order]
 
