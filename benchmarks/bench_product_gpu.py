@@ -116,10 +116,9 @@ def timed_run(pipe: Pipeline, slide_path: str, out_dir: str | None = None) -> di
 
 def merging_process_peak_mb(pipe: Pipeline) -> float | None:
     """Peak resident memory (MB) of the pipeline's box-merging process (not in the run's own figure)."""
-    pool = pipe.merging._pool
-    if pool is None or not pool._processes:
+    pid = pipe.merging.pid
+    if pid is None:
         return None
-    (pid,) = pool._processes
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return round(int(line.split()[1]) / 1024, 1)

@@ -82,7 +82,7 @@ def test_the_merging_process_gives_the_boxes_a_thread_gives(merging, tiles_and_r
     on_thread = merge_policy(name)
     expected = _stitch(geometry, tiles, results, on_thread, ThreadedMerge(on_thread, 8))
     policy = merge_policy(name)
-    got = _stitch(geometry, tiles, results, policy, merging.merge(policy, 2))
+    got = _stitch(geometry, tiles, results, policy, merging.merge(policy))
     assert len(expected[0]) > 100
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -92,23 +92,22 @@ def test_a_failed_call_there_is_raised_by_finish_and_the_next_slide_merges(mergi
     geometry, tiles, results = tiles_and_results
     policy = _FailsOnThirdAdd()
     with pytest.raises(ValueError, match="the third row of boxes"):
-        _stitch(geometry, tiles, results, policy, merging.merge(policy, 64))
+        _stitch(geometry, tiles, results, policy, merging.merge(policy))
     ok = merge_policy("nms")
-    assert len(_stitch(geometry, tiles, results, ok, merging.merge(ok, 8))[0]) > 100
+    assert len(_stitch(geometry, tiles, results, ok, merging.merge(ok))[0]) > 100
 
 
 def test_a_killed_merging_process_fails_its_slide_and_a_new_one_takes_the_next(merging, tiles_and_results):
     geometry, tiles, results = tiles_and_results
     policy = merge_policy("nms")
-    stitcher = Stitcher(geometry, policy, merge=merging.merge(policy, 8))
+    stitcher = Stitcher(geometry, policy, merge=merging.merge(policy))
     stitcher.add_batch(tiles[:7], results[:7])
-    (pid,) = merging._pool._processes  # the one process
-    os.kill(pid, signal.SIGKILL)
+    os.kill(merging.pid, signal.SIGKILL)
     with pytest.raises(WSIPipelineError, match="the box-merging process ended"):
         stitcher.add_batch(tiles[7:], results[7:])
         stitcher.finish()
     ok = merge_policy("nms")
-    assert len(_stitch(geometry, tiles, results, ok, merging.merge(ok, 8))[0]) > 100
+    assert len(_stitch(geometry, tiles, results, ok, merging.merge(ok))[0]) > 100
 
 
 def test_the_merging_process_ends_with_the_process_that_started_it(tmp_path):
@@ -120,8 +119,7 @@ def test_the_merging_process_ends_with_the_process_that_started_it(tmp_path):
         if __name__ == "__main__":
             m = MergeProcess()
             m.start()
-            (pid,) = m._pool._processes
-            print(pid, flush=True)
+            print(m.pid, flush=True)
             time.sleep(600)
         """
     )

@@ -50,7 +50,6 @@ from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import Result
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
-from .stitch import stitcher as stitch_settings
 from .stitch.merge_runner import MergeProcess
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
@@ -307,7 +306,7 @@ class Pipeline:
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
         merge = None
         if len(tiles) >= MERGE_PROCESS_MIN_TILES and self.merging.available():
-            merge = self.merging.merge(policy, stitch_settings.MERGE_QUEUE)
+            merge = self.merging.merge(policy)
         try:
             stitcher = Stitcher(
                 geometry,
@@ -404,6 +403,7 @@ class Pipeline:
             run_info["tile_decode"].update(
                 cpu_fallback_batches=dec.cpu_fallback_batches,
                 stored_tiles_decoded=dec.stored_tiles_decoded,
+                stored_tiles_decoded_on_cpu=dec.stored_tiles_decoded_on_cpu,
                 stored_tiles_reused=dec.stored_tiles_reused,
             )
         timer.seconds["tile_reads_worker_s"] += read_seconds()

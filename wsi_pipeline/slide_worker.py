@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from .batch_folder import remove_or_warn, slides_dir
+from .child_process import child_connections, exception_from, exception_payload, start_child
 from .config import RunConfig
 from .errors import WSIPipelineError
-from .parent_watch import watch_parent
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -116,19 +116,7 @@ class ChildProcessRunner:
 
     # -- the child's life ----------------------------------------------------------
     def _start(self) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        cmd = [sys.executable, "-m", "wsi_pipeline.slide_worker", str(to_child_r), str(from_child_w)]
-        try:
-            # Its own session: Ctrl-C at the terminal reaches only the parent, which stops the child.
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, pass_fds=(to_child_r, from_child_w), start_new_session=True
-            )
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        self.send_conn = Connection(to_child_w, readable=False)
-        self.recv_conn = Connection(from_child_r, writable=False)
+        self.proc, self.send_conn, self.recv_conn = start_child("wsi_pipeline.slide_worker")
         levels = {n: logging.getLogger(n).level for n in _LOGGERS}
         try:
             self.send_conn.send(("init", list(sys.path), levels, pickle.dumps(self.factory), self.progress))
@@ -142,7 +130,7 @@ class ChildProcessRunner:
             )
         if reply[0] == "fatal":
             self._stop()
-            raise _exception(reply[1])
+            raise exception_from(reply[1])
 
     def _stop(self) -> int | None:
         """Kill the child (if running) and return its exit code."""
@@ -282,15 +270,6 @@ def make_runner(factory: Callable[[], Any], config: RunConfig, progress: bool) -
     return ChildProcessRunner(factory, progress)
 
 
-def _exception(payload: bytes | str) -> BaseException:
-    if isinstance(payload, bytes):
-        with contextlib.suppress(Exception):
-            exc = pickle.loads(payload)
-            if isinstance(exc, BaseException):
-                return exc
-    return WSIPipelineError(str(payload))
-
-
 # -- the child ----------------------------------------------------------------------
 
 
@@ -319,7 +298,6 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     from .batch_jobs import start_slide
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch_parent()
     _, path_list, levels, factory_bytes, progress = recv_conn.recv()
     sys.path[:] = path_list
     handler = _PipeHandler(send_conn)
@@ -335,12 +313,7 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     try:
         pipeline = pickle.loads(factory_bytes)()
     except BaseException as exc:
-        try:
-            payload: bytes | str = pickle.dumps(exc)
-            pickle.loads(payload)
-        except Exception:
-            payload = str(exc) or type(exc).__name__
-        send_conn.send(("fatal", payload))
+        send_conn.send(("fatal", exception_payload(exc)))
         return
     send_conn.send(("ready",))
     # While slide k's files are written (a thread waits for them, moves its folder into place and
@@ -419,8 +392,7 @@ def _close_plan(fut: Future) -> None:
 
 
 def main(argv: list[str]) -> None:
-    recv_fd, send_fd = int(argv[0]), int(argv[1])
-    _serve(Connection(recv_fd, writable=False), Connection(send_fd, readable=False))
+    _serve(*child_connections(argv))
 
 
 if __name__ == "__main__":

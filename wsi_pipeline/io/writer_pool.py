@@ -23,8 +23,8 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from ..child_process import watch_parent
 from ..errors import ConfigError, WSIPipelineError
-from ..parent_watch import watch_parent
 
 
 def default_processes(cpus: int | None = None) -> int:

@@ -5,26 +5,29 @@ The stitcher hands each tile row's mapped boxes to the slide's merge policy
 work is many numpy operations on a few thousand boxes each; on a thread
 (:class:`ThreadedMerge`) it holds the interpreter lock between them, which
 the threads that read tiles, feed the model and stitch then wait for. In a
-process of its own (:class:`MergeProcess`, one per pipeline, started with
-``spawn`` on first use and shared by its slides) it takes none of that
-time: only a row's boxes cross over, pickled, and the merged boxes come
-back once per slide. Both run the same policy object, so they give the same
-boxes (tests check it).
+process of its own (:class:`MergeProcess`, one per pipeline, started on
+first use as ``python -m wsi_pipeline.stitch.merge_runner`` and shared by
+its slides) it takes none of that time: only a row's boxes cross over,
+pickled, and the merged boxes come back once per slide. Both run the same
+policy object, so they give the same boxes (tests check it).
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing
-import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
-from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import numpy as np
 
+from wsi_pipeline.child_process import child_connections, exception_from, exception_payload, start_child
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.stitch.background import BackgroundCalls
 from wsi_pipeline.stitch.policies import Boxes, MergePolicy
@@ -69,43 +72,91 @@ class ThreadedMerge:
         self._calls.abandon()
 
 
-# -- in the merging process: the policies of the slides being merged, by session number --------
-_POLICIES: dict[int, MergePolicy] = {}
+# Messages the merging process holds, read ahead of the one it works on, before the sender waits.
+_READ_AHEAD = 64
 
 
-def _started(parent: int) -> None:
-    from wsi_pipeline.parent_watch import watch_parent
+class _Worker:
+    """The running merging process: sends a slide's calls there, routes its replies to the slide."""
 
-    watch_parent(parent)
+    def __init__(self) -> None:
+        self.proc, self._send, self._recv = start_child("wsi_pipeline.stitch.merge_runner")
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self.errors: dict[int, BaseException] = {}  # a slide's first failure there
+        self._results: dict[int, Future] = {}
+        self.ended: str | None = None  # why the process is gone
+        self.send(("path", -1, pickle.dumps(list(sys.path))))  # where the policies' classes are found
+        threading.Thread(target=self._replies, name="box-merge-replies", daemon=True).start()
+
+    def send(self, msg: tuple[str, int, bytes]) -> None:
+        try:
+            with self._send_lock:
+                self._send.send(msg)
+        except (OSError, ValueError):  # the process is gone
+            self._ended(self._exit_code())
+            raise WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})") from None
+
+    def result(self, session: int) -> Future:
+        with self._lock:
+            fut = self._results.setdefault(session, Future())
+            err = self.errors.get(session)
+            if err is not None and not fut.done():
+                fut.set_exception(err)
+            if self.ended is not None and not fut.done():
+                fut.set_exception(WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})"))
+        return fut
+
+    def _replies(self) -> None:
+        while True:
+            try:
+                kind, session, payload = self._recv.recv()
+            except (EOFError, OSError, pickle.UnpicklingError):
+                self._ended(self._exit_code())
+                return
+            with self._lock:
+                fut = self._results.setdefault(session, Future())
+                if kind == "error":
+                    err = self.errors.setdefault(session, exception_from(payload))
+                    if not fut.done():
+                        fut.set_exception(err)
+                elif not fut.done():
+                    fut.set_result(pickle.loads(payload))
+
+    def _exit_code(self) -> str:
+        try:
+            return f"exit code {self.proc.wait(timeout=5)}"
+        except subprocess.TimeoutExpired:
+            return "its pipe closed"
+
+    def _ended(self, why: str) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = why
+            err = WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})")
+            for fut in self._results.values():
+                if not fut.done():
+                    fut.set_exception(err)
+
+    def forget(self, session: int) -> None:
+        with self._lock:
+            self.errors.pop(session, None)
+            self._results.pop(session, None)
+
+    def stop(self) -> None:
+        try:
+            with self._send_lock:
+                self._send.send(("stop", -1, b""))
+            self.proc.wait(timeout=10)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for conn in (self._send, self._recv):
+            conn.close()
 
 
-def _open(session: int, policy: MergePolicy) -> None:
-    _POLICIES[session] = policy
-
-
-def _call(session: int, method: str, *args: Any) -> None:
-    policy = _POLICIES.get(session)
-    if policy is None:  # an earlier call failed: the stitcher raises that one; later calls are dropped
-        return
-    try:
-        getattr(policy, method)(*args)
-    except BaseException:
-        del _POLICIES[session]
-        raise
-
-
-def _finish(session: int) -> Boxes:
-    policy = _POLICIES.pop(session, None)
-    if policy is None:
-        raise WSIPipelineError("merging boxes: an earlier call failed")
-    return policy.finish()
-
-
-def _drop(session: int) -> None:
-    _POLICIES.pop(session, None)
-
-
-# -- in the stitching process ---------------------------------------------------------------------
 class MergeProcess:
     """The process that merges a pipeline's slides' boxes, started on first use; thread-safe.
 
@@ -115,7 +166,7 @@ class MergeProcess:
     """
 
     def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
+        self._worker: _Worker | None = None
         self._lock = threading.Lock()
         self._sessions = itertools.count()
 
@@ -124,105 +175,125 @@ class MergeProcess:
         """Whether a process can be started here (not from a daemonic process, as some cluster runners use)."""
         return not multiprocessing.current_process().daemon
 
-    def _executor(self) -> ProcessPoolExecutor:
+    @property
+    def pid(self) -> int | None:
+        """The running process's id (None: not started)."""
+        return None if self._worker is None else self._worker.proc.pid
+
+    def _running(self) -> _Worker:
         with self._lock:
-            if self._pool is None:
-                ctx = multiprocessing.get_context("spawn")  # a process that has initialised CUDA can start it
-                self._pool = ProcessPoolExecutor(1, mp_context=ctx, initializer=_started, initargs=(os.getpid(),))
-            return self._pool
+            if self._worker is not None and self._worker.ended is not None:
+                self._worker.stop()
+                self._worker = None
+            if self._worker is None:
+                self._worker = _Worker()
+            return self._worker
 
     def start(self) -> None:
         """Start the process now (it imports its modules: a fraction of a second), e.g. ahead of a slide."""
-        self._executor().submit(_drop, -1)
+        self._running()
 
-    def merge(self, policy: MergePolicy, max_pending: int) -> ProcessMerge:
-        """A slide's merge by ``policy`` (pickled to the process as it is now) there."""
-        pool = self._executor()
-        try:
-            return ProcessMerge(self, pool, next(self._sessions), policy, max_pending)
-        except BrokenProcessPool:  # it died during an earlier slide: a new one takes this one
-            self._forget(pool)
-            return ProcessMerge(self, self._executor(), next(self._sessions), policy, max_pending)
-
-    def _forget(self, pool: ProcessPoolExecutor) -> None:
-        with self._lock:
-            if self._pool is pool:
-                self._pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+    def merge(self, policy: MergePolicy) -> ProcessMerge:
+        """A slide's merge by ``policy`` (sent to the process as it is now) there."""
+        return ProcessMerge(self._running(), next(self._sessions), policy)
 
     def close(self) -> None:
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
 
 
 class ProcessMerge:
     """One slide's merge policy in the :class:`MergeProcess`; its calls run there in order.
 
-    At most ``max_pending`` calls are unfinished before a call waits for the
-    oldest. A call that failed there is raised by the next call or by
-    :meth:`finish`.
+    A call that failed there is raised by a later call or by :meth:`finish`;
+    the calls after it are dropped there.
     """
 
     where = "process"
 
-    def __init__(
-        self, owner: MergeProcess, pool: ProcessPoolExecutor, session: int, policy: MergePolicy, max_pending: int
-    ):
-        self._owner, self._pool, self._session = owner, pool, session
-        self._max_pending = max(1, max_pending)
-        self._pending: deque[Future] = deque()
+    def __init__(self, worker: _Worker, session: int, policy: MergePolicy):
+        self._worker, self._session = worker, session
         self._ended = False
-        self._pending.append(pool.submit(_open, session, policy))
+        self._send("open", policy)
 
-    def _check(self, fut: Future) -> None:
-        try:
-            fut.result()
-        except BrokenProcessPool as exc:
-            self._owner._forget(self._pool)
-            raise WSIPipelineError(f"merging boxes: the box-merging process ended ({exc})") from None
-
-    def _submit(self, fn: Any, *args: Any) -> Future:
+    def _send(self, op: str, *args: Any) -> None:
         if self._ended:
             raise WSIPipelineError("merging boxes: a call after the slide's merge ended")
-        while self._pending and (self._pending[0].done() or len(self._pending) >= self._max_pending):
-            self._check(self._pending.popleft())
-        try:
-            fut = self._pool.submit(fn, self._session, *args)
-        except BrokenProcessPool as exc:  # the process died; submit raises without a future
-            self._owner._forget(self._pool)
-            raise WSIPipelineError(f"merging boxes: the box-merging process ended ({exc})") from None
-        self._pending.append(fut)
-        return fut
+        err = self._worker.errors.get(self._session)
+        if err is not None:
+            raise err
+        self._worker.send((op, self._session, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)))
 
     def row_started(self, y0_level0: float) -> None:
-        self._submit(_call, "row_started", float(y0_level0))
+        self._send("call", "row_started", float(y0_level0))
 
     def add(self, boxes_level0: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
-        self._submit(_call, "add", boxes_level0, scores, labels)
+        self._send("call", "add", boxes_level0, scores, labels)
 
     def finish(self) -> Boxes:
         try:
-            result = self._submit(_finish)
-            while self._pending:
-                self._check(self._pending.popleft())
-            return result.result()
-        except BaseException:
-            self.abandon()
-            raise
+            self._send("finish")
+            return self._worker.result(self._session).result()
         finally:
             self._ended = True
+            self._worker.forget(self._session)
 
     def abandon(self) -> None:
         if self._ended:
             return
         self._ended = True
-        self._pending.clear()
         try:
-            self._pool.submit(_drop, self._session)
-        except Exception:  # the process is gone, and the slide's state with it
+            self._worker.send(("drop", self._session, b""))
+        except WSIPipelineError:  # the process is gone, and the slide's state with it
             pass
+        self._worker.forget(self._session)
+
+
+# -- the merging process ----------------------------------------------------------------------
+def _serve(recv: Connection, send: Connection) -> None:
+    # Messages are read on a thread of their own, so the sender's pipe drains while a row is merged.
+    inbox: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(recv.recv())
+            except (EOFError, OSError):
+                inbox.put(("stop", -1, b""))
+                return
+
+    threading.Thread(target=read, name="read-calls", daemon=True).start()
+    policies: dict[int, MergePolicy] = {}
+    while True:
+        op, session, payload = inbox.get()
+        if op == "stop":
+            return
+        try:
+            if op == "path":
+                sys.path[:] = pickle.loads(payload)
+            elif op == "open":
+                (policies[session],) = pickle.loads(payload)
+            elif op == "call":
+                policy = policies.get(session)
+                if policy is not None:  # None: an earlier call failed, and was reported
+                    method, *args = pickle.loads(payload)
+                    getattr(policy, method)(*args)
+            elif op == "finish":
+                policy = policies.pop(session, None)
+                if policy is None:
+                    raise WSIPipelineError("merging boxes: an earlier call failed")
+                send.send(("done", session, pickle.dumps(policy.finish(), protocol=pickle.HIGHEST_PROTOCOL)))
+            elif op == "drop":
+                policies.pop(session, None)
+        except BaseException as exc:
+            policies.pop(session, None)
+            send.send(("error", session, exception_payload(exc)))
+
+
+if __name__ == "__main__":
+    _serve(*child_connections(sys.argv[1:]))
 
 
 __all__ = ["MergeProcess", "PolicyRun", "ProcessMerge", "ThreadedMerge"]
