@@ -29,7 +29,7 @@ GPU_DECODE_BATCHES = 4
 GPU_DECODE_THREADS = 2
 # The fraction of each nvJPEG call's stored tiles decoded by libjpeg-turbo threads meanwhile
 # (torchvision runs one nvJPEG call at a time; benchmarks/sweep_gpu_decode.py --cpu-shares).
-GPU_DECODE_CPU_SHARE = 0.0
+GPU_DECODE_CPU_SHARE = 0.4
 
 
 def import_gpu_loader_ahead() -> threading.Thread:
