@@ -403,7 +403,6 @@ class Pipeline:
             run_info["tile_decode"].update(
                 cpu_fallback_batches=dec.cpu_fallback_batches,
                 stored_tiles_decoded=dec.stored_tiles_decoded,
-                stored_tiles_decoded_on_cpu=dec.stored_tiles_decoded_on_cpu,
                 stored_tiles_reused=dec.stored_tiles_reused,
             )
         timer.seconds["tile_reads_worker_s"] += read_seconds()

@@ -58,7 +58,6 @@ class TileDecodeInfo(TypedDict, total=False):
     why: str
     cpu_fallback_batches: int  # batches nvJPEG refused, decoded by libjpeg-turbo instead
     stored_tiles_decoded: int  # stored JPEG tiles read and decoded
-    stored_tiles_decoded_on_cpu: int  # of those, decoded by libjpeg-turbo threads (the share and fallbacks)
     stored_tiles_reused: int  # stored tiles copied on the device from the previous batch instead
 
 

@@ -170,24 +170,16 @@ class GpuTileDecoder:
     """Assemble batches of grid tiles of a JPEG-tiled :class:`TiffSlide` on a CUDA device.
 
     ``jpeg_decoder``: ``"nvjpeg"`` or ``"threads"`` (module docstring);
-    ``threads``: CPU decoding threads (default: cores - 2); ``cpu_share``:
-    with ``"nvjpeg"``, the fraction of each call's stored tiles decoded by
-    those threads while nvJPEG, one call at a time, decodes the rest.
+    ``threads``: CPU decoding threads for ``"threads"`` (default: cores - 2).
     Thread-safe: each calling thread gets its own staging buffer.
     Counters (thread-safe, for a run's record): ``stored_tiles_decoded``
-    (stored tiles read and decoded; ``stored_tiles_decoded_on_cpu`` of them by
-    libjpeg-turbo), ``stored_tiles_reused`` (copied from the
+    (stored tiles read and decoded), ``stored_tiles_reused`` (copied from the
     previous batch instead), ``cpu_fallback_batches`` (batches nvJPEG
     refused, decoded by libjpeg-turbo instead).
     """
 
     def __init__(
-        self,
-        slide: Any,
-        device: str | torch.device = "cuda",
-        jpeg_decoder: str = "nvjpeg",
-        threads: int | None = None,
-        cpu_share: float = 0.0,
+        self, slide: Any, device: str | torch.device = "cuda", jpeg_decoder: str = "nvjpeg", threads: int | None = None
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
@@ -204,19 +196,14 @@ class GpuTileDecoder:
         self._counts_lock = threading.Lock()
         self.cpu_fallback_batches = 0
         self.stored_tiles_decoded = 0
-        self.stored_tiles_decoded_on_cpu = 0
         self.stored_tiles_reused = 0
-        self.cpu_share = float(cpu_share)
-        if not 0.0 <= self.cpu_share <= 1.0:
-            raise ConfigError(f"cpu_share: expected a fraction from 0 to 1, found {cpu_share!r}")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
 
-    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0, on_cpu: int = 0) -> None:
+    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0) -> None:
         with self._counts_lock:
             self.stored_tiles_decoded += decoded
-            self.stored_tiles_decoded_on_cpu += on_cpu
             self.stored_tiles_reused += reused
             self.cpu_fallback_batches += fallback
 
@@ -249,8 +236,7 @@ class GpuTileDecoder:
             self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}", None, level
         )
 
-    def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> bool:
-        """nvJPEG: False where it refused the streams (nothing is then written)."""
+    def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
         buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
         sizes = lengths.tolist()
@@ -263,7 +249,11 @@ class GpuTileDecoder:
             try:
                 decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
             except RuntimeError:
-                return False
+                # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
+                # batch instead and reports the tile that really cannot be decoded.
+                self._count(fallback=1)
+                self._decode_threads(stored, level, slots, th, tw)
+                return
             try:  # one check of the stacked shape; tiles of differing shapes do not stack
                 stacked = torch.stack(decoded)
             except RuntimeError:
@@ -274,7 +264,6 @@ class GpuTileDecoder:
                     self.slide.path, f"stored tile decoded to {found}, expected [3, {th}, {tw}]", None, level
                 )
             stored[where] = stacked.permute(0, 2, 3, 1)
-        return True
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
@@ -289,9 +278,7 @@ class GpuTileDecoder:
             event = self._local.event = torch.cuda.Event()
         return buf, event
 
-    def _start_threads(self, level: int, slots: list, th: int, tw: int) -> tuple:
-        """Start decoding ``slots`` with libjpeg-turbo on the pool, into this thread's staging buffer;
-        :meth:`_finish_threads` waits and moves them to the device."""
+    def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         import imagecodecs
 
         m = len(slots)
@@ -320,54 +307,23 @@ class GpuTileDecoder:
         items = list(enumerate(slots))
         n_chunks = min(m, self.threads)
         futures = [self._pool.submit(run, items[i::n_chunks]) for i in range(n_chunks)]
-        return futures, staging, event, slots
-
-    def _finish_threads(self, stored: torch.Tensor, pending: tuple, copy: bool = True) -> None:
-        """Wait for :meth:`_start_threads`'s work (always: its buffer is reused next); with ``copy``,
-        raise its first failure or put the tiles in their slots of ``stored``."""
-        futures, staging, event, slots = pending
-        errors = [f.exception() for f in futures]
-        if not copy:
-            return
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
-        m = len(slots)
-        th, tw = staging.shape[1:3]
+        for f in futures:
+            f.result()
         decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
         decoded.copy_(staging[:m], non_blocking=event is not None)
         if event is not None:
             event.record(torch.cuda.current_stream(self.device))
         stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
 
-    def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        self._finish_threads(stored, self._start_threads(level, slots, th, tw))
-
     def _decode_into(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
         if not slots:
             return
-        if self.jpeg_decoder != "nvjpeg":
+        if self.jpeg_decoder == "nvjpeg":
+            self._decode_nvjpeg(stored, level, slots, th, tw)
+        else:
             self._decode_threads(stored, level, slots, th, tw)
-            self._count(decoded=len(slots), on_cpu=len(slots))
-            return
-        # ``cpu_share`` of them go to libjpeg-turbo's threads while nvJPEG decodes the rest.
-        k = int(len(slots) * self.cpu_share)
-        pending = self._start_threads(level, slots[:k], th, tw) if k else None
-        done = False
-        try:
-            accepted = self._decode_nvjpeg(stored, level, slots[k:], th, tw)
-            done = True
-        finally:
-            if pending is not None:
-                self._finish_threads(stored, pending, copy=done)
-        if not accepted:
-            # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes them instead
-            # and reports the tile that really cannot be decoded.
-            self._count(fallback=1)
-            self._decode_threads(stored, level, slots[k:], th, tw)
-            k = len(slots)
-        self._count(decoded=len(slots), on_cpu=k)
+        self._count(decoded=len(slots))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -504,7 +460,7 @@ class GpuTileLoader:
     """Yield :class:`DeviceBatch` es of ``tiles`` decoded on the GPU, in grid order.
 
     ``decode_threads`` batches are assembled at once, each thread on its own
-    CUDA stream (``jpeg_decoder``, ``jpeg_threads``, ``cpu_share``: see :class:`GpuTileDecoder`);
+    CUDA stream (``jpeg_decoder``, ``jpeg_threads``: see :class:`GpuTileDecoder`);
     ``prefetch`` batches are decoded ahead of the consumer
     (device memory: about ``(prefetch + 2) * batch_size`` tiles plus the
     stored-tile mosaics). Each batch decodes the stored tiles it does not
@@ -528,13 +484,10 @@ class GpuTileLoader:
         decode_threads: int = 2,
         jpeg_decoder: str = "nvjpeg",
         jpeg_threads: int | None = None,
-        cpu_share: float = 0.0,
     ):
         if batch_size < 1 or prefetch < 1 or decode_threads < 1:
             raise ValueError("batch_size, prefetch and decode_threads must be at least 1")
-        self.decoder = GpuTileDecoder(
-            slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads, cpu_share=cpu_share
-        )
+        self.decoder = GpuTileDecoder(slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads)
         self.tiles = list(tiles)
         if self.tiles:
             self.decoder._check(self.tiles)

@@ -27,9 +27,6 @@ from .loader import TileLoader
 GPU_DECODE_BATCHES = 4
 # Loader batches assembled at once (each thread on its own CUDA stream).
 GPU_DECODE_THREADS = 2
-# The fraction of each nvJPEG call's stored tiles decoded by libjpeg-turbo threads meanwhile
-# (torchvision runs one nvJPEG call at a time; benchmarks/sweep_gpu_decode.py --cpu-shares).
-GPU_DECODE_CPU_SHARE = 0.4
 
 
 def import_gpu_loader_ahead() -> threading.Thread:
@@ -119,7 +116,6 @@ def make_slide_loader(
             device=device,
             prefetch=streams + 1,
             decode_threads=GPU_DECODE_THREADS,
-            cpu_share=GPU_DECODE_CPU_SHARE,
         )
         return loader, lambda: 0.0
     read = _TimedRead()
