@@ -305,7 +305,7 @@ class Pipeline:
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, out, keep_heatmap)
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
         merge = None
-        if len(tiles) >= MERGE_PROCESS_MIN_TILES and self.merging.available():
+        if len(tiles) >= MERGE_PROCESS_MIN_TILES:
             merge = self.merging.merge(policy)
         try:
             stitcher = Stitcher(

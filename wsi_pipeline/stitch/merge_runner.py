@@ -15,7 +15,6 @@ policy object, so they give the same boxes (tests check it).
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import pickle
 import queue
 import subprocess
@@ -169,11 +168,6 @@ class MergeProcess:
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
         self._sessions = itertools.count()
-
-    @staticmethod
-    def available() -> bool:
-        """Whether a process can be started here (not from a daemonic process, as some cluster runners use)."""
-        return not multiprocessing.current_process().daemon
 
     @property
     def pid(self) -> int | None:
