@@ -51,8 +51,6 @@ class PolicyRun(Protocol):
 class ThreadedMerge:
     """``policy``'s calls on a thread of this process; at most ``max_pending`` wait before a call blocks."""
 
-    where = "thread"
-
     def __init__(self, policy: MergePolicy, max_pending: int):
         self.policy = policy
         self._calls = BackgroundCalls(max_pending=max_pending, name="box-merge")
@@ -82,11 +80,14 @@ class _Worker:
         self.proc, self._send, self._recv = start_child("wsi_pipeline.stitch.merge_runner")
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self.errors: dict[int, BaseException] = {}  # a slide's first failure there
+        # Each open slide's outcome: its merged boxes, or its first failure there.
         self._results: dict[int, Future] = {}
         self.ended: str | None = None  # why the process is gone
         self.send(("path", -1, pickle.dumps(list(sys.path))))  # where the policies' classes are found
         threading.Thread(target=self._replies, name="box-merge-replies", daemon=True).start()
+
+    def _gone(self) -> WSIPipelineError:
+        return WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})")
 
     def send(self, msg: tuple[str, int, bytes]) -> None:
         try:
@@ -94,16 +95,14 @@ class _Worker:
                 self._send.send(msg)
         except (OSError, ValueError):  # the process is gone
             self._ended(self._exit_code())
-            raise WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})") from None
+            raise self._gone() from None
 
-    def result(self, session: int) -> Future:
+    def open(self, session: int) -> Future:
+        """The Future of a new slide's outcome (failed already where the process is gone)."""
         with self._lock:
-            fut = self._results.setdefault(session, Future())
-            err = self.errors.get(session)
-            if err is not None and not fut.done():
-                fut.set_exception(err)
-            if self.ended is not None and not fut.done():
-                fut.set_exception(WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})"))
+            fut = self._results[session] = Future()
+            if self.ended is not None:
+                fut.set_exception(self._gone())
         return fut
 
     def _replies(self) -> None:
@@ -114,12 +113,12 @@ class _Worker:
                 self._ended(self._exit_code())
                 return
             with self._lock:
-                fut = self._results.setdefault(session, Future())
+                fut = self._results.get(session)
+                if fut is None or fut.done():  # a slide that ended, or a failure after its first
+                    continue
                 if kind == "error":
-                    err = self.errors.setdefault(session, exception_from(payload))
-                    if not fut.done():
-                        fut.set_exception(err)
-                elif not fut.done():
+                    fut.set_exception(exception_from(payload))
+                else:
                     fut.set_result(pickle.loads(payload))
 
     def _exit_code(self) -> str:
@@ -132,14 +131,12 @@ class _Worker:
         with self._lock:
             if self.ended is None:
                 self.ended = why
-            err = WSIPipelineError(f"merging boxes: the box-merging process ended ({self.ended})")
             for fut in self._results.values():
                 if not fut.done():
-                    fut.set_exception(err)
+                    fut.set_exception(self._gone())
 
     def forget(self, session: int) -> None:
         with self._lock:
-            self.errors.pop(session, None)
             self._results.pop(session, None)
 
     def stop(self) -> None:
@@ -205,19 +202,17 @@ class ProcessMerge:
     the calls after it are dropped there.
     """
 
-    where = "process"
-
     def __init__(self, worker: _Worker, session: int, policy: MergePolicy):
         self._worker, self._session = worker, session
         self._ended = False
+        self._result = worker.open(session)
         self._send("open", policy)
 
     def _send(self, op: str, *args: Any) -> None:
         if self._ended:
             raise WSIPipelineError("merging boxes: a call after the slide's merge ended")
-        err = self._worker.errors.get(self._session)
-        if err is not None:
-            raise err
+        if self._result.done():  # only a failure can end it before finish: raise it
+            self._result.result()
         self._worker.send((op, self._session, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)))
 
     def row_started(self, y0_level0: float) -> None:
@@ -229,7 +224,7 @@ class ProcessMerge:
     def finish(self) -> Boxes:
         try:
             self._send("finish")
-            return self._worker.result(self._session).result()
+            return self._result.result()
         finally:
             self._ended = True
             self._worker.forget(self._session)
