@@ -227,8 +227,6 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
     """Where a reader's time goes, per batch of patches (ms; one batch at a time)."""
     import threading as _threading
 
-    import torchvision.io
-
     from wsi_pipeline.slide.tiff_backend import TiffSlide
     from wsi_pipeline.tiling import gpu_loader as gpu_decode
     from wsi_pipeline.tiling.grid import TileGrid
@@ -257,7 +255,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
             dec = gpu_decode.GpuTileDecoder(slide, jpeg_decoder=jpeg)
             dec.decode(tiles[:batch])
             torch.cuda.synchronize()
-            orig_fn = timed(torchvision.io, "decode_jpeg", "nvjpeg_call", acc)
+            orig_fn = timed(gpu_decode, "nvjpeg_decode", "nvjpeg_call", acc)
             orig_threads = timed(dec, "_decode_threads", "stored_tiles_cpu_decode_and_h2d", acc)
             orig_raw = timed(slide, "raw_tile_jpeg", "raw_tile_jpeg_thread_time", acc)
             n_batches = 0
@@ -267,7 +265,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
                 n_batches += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            torchvision.io.decode_jpeg = orig_fn
+            gpu_decode.nvjpeg_decode = orig_fn
             dec._decode_threads = orig_threads
             slide.raw_tile_jpeg = orig_raw
             dec.close()

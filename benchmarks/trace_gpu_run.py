@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import torch
-import torchvision.io
 
 from wsi_pipeline import Pipeline, outputs, pipeline
 from wsi_pipeline.batch import run_key
@@ -45,11 +44,13 @@ from wsi_pipeline.batch_jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import executor, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
-from wsi_pipeline.stitch import stitcher
+from wsi_pipeline.stitch import merge_runner, stitcher
 from wsi_pipeline.tiling import gpu_loader
 
 _totals: dict = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
+# Every timed call of the run being recorded, (thread, label, start s, end s), with --events.
+_events: list | None = None
 
 
 def _thread() -> str:
@@ -65,18 +66,20 @@ def _timed(owner, name: str, label: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
             with _lock:
                 entry = _totals[(_thread(), label)]
-                entry[0] += dt
+                entry[0] += t1 - t0
                 entry[1] += 1
+                if _events is not None:
+                    _events.append((_thread(), label, t0, t1))
 
     setattr(owner, name, wrapped)
 
 
 # (owner, attribute, label) of the calls timed in a run, and of those added for a batch's outputs.
 RUN_SITES = [
-    (torchvision.io, "decode_jpeg", "nvJPEG decode_jpeg"),
+    (gpu_loader, "nvjpeg_decode", "nvJPEG decode_jpeg"),
     (gpu_loader.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
     (gpu_loader._HandOff, "take", "loader hand-off wait"),
     (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
@@ -88,6 +91,17 @@ RUN_SITES = [
     (torch_backend.TorchRunner, "run", "model launch (graph replay)"),
     (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
     (stitcher.Stitcher, "finish", "stitcher finish"),
+    # before the first batch and after the last
+    (pipeline.Pipeline, "plan", "plan the slide"),
+    (pipeline, "SlideOutputs", "outputs: set up"),
+    (pipeline, "Stitcher", "stitcher: set up"),
+    (merge_runner.MergeProcess, "merge", "box merge: open the slide's session"),
+    (pipeline, "choose_tile_decode", "choose the decoder"),
+    (pipeline, "make_slide_loader", "make the loader"),
+    (gpu_loader, "stored_tiles_touched", "loader: stored tiles touched"),
+    (gpu_loader.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
+    (gpu_loader.GpuTileLoader, "close", "loader: close"),
+    (tiff_backend.TiffSlide, "clear_cache", "slide: clear the cache"),
 ]
 OUTPUT_SITES = [
     (pipeline, "tissue_mask", "tissue mask"),
@@ -162,6 +176,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="trace a batch of this many runs with outputs")
     ap.add_argument("--out", type=Path, help="the batch's output folder")
     ap.add_argument("--backend", default="torch", help="the backend (ort tries the script without a GPU)")
+    ap.add_argument("--events", type=Path, help="write the last run's timed calls here (JSON), with a summary")
     args = ap.parse_args()
     install(RUN_SITES)
     with Pipeline.from_card(backend=args.backend) as pipe:
@@ -170,15 +185,50 @@ def main() -> int:
             trace_batch(pipe, args.slide, args.batch, args.out)
             return 0
         pipe.run(args.slide)
+        global _events
         for _ in range(args.runs):
             _totals.clear()
+            _events = [] if args.events else None
+            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
             t0 = time.perf_counter()
             r = pipe.run(args.slide)
             wall = time.perf_counter() - t0
             tiles = r.summary["tiles"]["read"]
-            print(f"run: {wall:.3f} s, {tiles / wall:,.0f} tiles/s; tile_decode {r.summary.get('tile_decode')}")
+            stats = torch.cuda.memory_stats()
+            print(
+                f"run: {wall:.3f} s, {tiles / wall:,.0f} tiles/s; tile_decode {r.summary.get('tile_decode')}; "
+                f"device memory segments allocated {stats.get('segment.all.allocated', 0) - segments}, "
+                f"reserved {stats.get('reserved_bytes.all.current', 0) / 2**20:,.0f} MiB"
+            )
         _print_totals(wall)
+        if args.events:
+            _write_events(args.events, _events or [], t0, wall)
     return 0
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _write_events(path: Path, events: list, t0: float, wall: float) -> None:
+    """The run's timed calls, from its start, to ``path``; prints when nvJPEG was busy and idle."""
+    rel = [(th, label, round(a - t0, 5), round(b - t0, 5)) for th, label, a, b in events]
+    path.write_text(json.dumps({"wall_s": wall, "events": rel}))
+    busy = _union([(a, b) for _, label, a, b in rel if label.startswith("nvJPEG")])
+    if not busy:
+        return
+    gaps = sorted(((b0 - a1, a1) for (_, a1), (b0, _) in zip(busy, busy[1:], strict=False)), reverse=True)
+    print(
+        f"nvJPEG: first call {busy[0][0]:.3f} s, last ends {busy[-1][1]:.3f} s of {wall:.3f} s; "
+        f"busy {sum(b - a for a, b in busy):.3f} s; largest gaps "
+        + ", ".join(f"{g * 1000:.0f} ms at {at:.3f} s" for g, at in gaps[:6])
+    )
 
 
 if __name__ == "__main__":

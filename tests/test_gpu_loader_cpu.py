@@ -234,3 +234,45 @@ def test_a_stored_tile_of_another_size_is_named(slide_path, monkeypatch, other_s
     loader = GpuTileLoader(slide, tiles, batch_size=2, device="cpu", jpeg_decoder="nvjpeg")
     with pytest.raises(TileReadError, match=rf"decoded to \[3, {h}, {w}\], expected \[3, {STORED}, {STORED}\]"):
         _in_thread(lambda: list(loader))
+
+
+JPEG_DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif("not __import__('torch').cuda.is_available()")]),
+]
+
+
+@pytest.mark.parametrize("device", JPEG_DEVICES)
+def test_the_loaders_jpeg_decode_is_torchvisions(slide_path, device):
+    """``nvjpeg_decode`` calls torchvision's ops directly: the same pixels as ``torchvision.io.decode_jpeg``."""
+    import torch
+    import torchvision.io
+
+    from wsi_pipeline.tiling import gpu_loader
+
+    assert gpu_loader._READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
+    with TiffSlide(str(slide_path)) as slide:
+        raw = [slide.raw_tile_jpeg(0, tx, ty) for ty in range(2) for tx in range(3)]
+    data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
+    got = gpu_loader.nvjpeg_decode(data, torch.device(device))
+    want = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+    assert len(got) == len(want) == 6
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == device and g.shape == (3, STORED, STORED)
+        assert torch.equal(g, w)
+
+
+def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
+    """Importing torchvision costs seconds (its models, torch._dynamo); the loader needs one extension of it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from wsi_pipeline.tiling import gpu_loader\n"
+        "assert gpu_loader._image_ops_loaded()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -84,15 +84,14 @@ def test_failing_on_damaged_tiles_keeps_decoding_on_the_cpu(tmp_path):
 
 def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatch):
     """The fallback inside the GPU loader (run here on the CPU device): same pixels as the CPU reader."""
-    import torchvision.io
-
+    from wsi_pipeline.tiling import gpu_loader
     from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
     from wsi_pipeline.tiling.grid import read_tile
 
     def refuse(*args, **kwargs):
         raise RuntimeError("nvjpeg: unsupported stream")
 
-    monkeypatch.setattr(torchvision.io, "decode_jpeg", refuse)
+    monkeypatch.setattr(gpu_loader, "nvjpeg_decode", refuse)
     with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
         tiles = list(TileGrid(slide))
         dec = GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg", threads=2)

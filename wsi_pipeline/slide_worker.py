@@ -393,6 +393,11 @@ def _close_plan(fut: Future) -> None:
 
 def main(argv: list[str]) -> None:
     _serve(*child_connections(argv))
+    # Every slide is written and the pipeline closed; the parent waits for this process to end.
+    # The interpreter's own teardown (torch's and its CUDA context's) adds nothing but that wait.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ over in sequence order; only one is held at a time).
 Two stored-tile decoders (``jpeg_decoder``):
 
 ``"nvjpeg"`` (default)
-    one batched ``torchvision.io.decode_jpeg(list, device="cuda")`` call per
-    batch. Pixels differ from libjpeg-turbo's by decoder rounding (on a
-    synthetic pathology slide: mean 0.015 grey levels, max 18).
+    one batched nvJPEG call per batch (torchvision's, :func:`nvjpeg_decode`).
+    Pixels differ from libjpeg-turbo's by decoder rounding (on a synthetic
+    pathology slide: mean 0.015 grey levels, max 18).
 ``"threads"``
     libjpeg-turbo (imagecodecs) in a thread pool, straight into a pinned
     staging buffer, then one H2D copy: the CPU reader's pixels exactly.
@@ -57,11 +57,89 @@ from .grid import Tile
 
 try:
     import torch
-    import torchvision.io
 except ImportError as exc:
     from ..errors import BackendUnavailableError
 
     raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
+
+# torchvision.io.ImageReadMode.RGB.value, the mode argument of torchvision's decoding ops.
+_READ_MODE_RGB = 3
+# The arguments of the two ops this module calls, as torchvision's image extension declares them.
+_OP_ARGUMENTS = {"decode_jpegs_cuda": ["List[Tensor]", "int", "Device"], "decode_jpeg": ["Tensor", "int", "bool"]}
+
+
+def _image_ops_loaded() -> bool:
+    try:
+        return all(
+            [str(a.type) for a in getattr(torch.ops.image, name).default._schema.arguments] == args
+            for name, args in _OP_ARGUMENTS.items()
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _load_image_extension() -> bool:
+    """Load torchvision's image extension (its JPEG decoding ops) without importing torchvision.
+
+    Importing torchvision runs its package's ``__init__``, which imports its models and, through
+    ``torchvision.ops``, ``torch._dynamo``: 3.1 s on a 2-core machine and 6.6 s on the GPU machine
+    (BENCHMARKS.md), in every process that decodes on the GPU; a batch's first slide waited for
+    it. The decoder is one op of that extension, so the extension is loaded on its own, the way
+    torchvision's ``io`` loads it. True when its ops are there with the arguments this module
+    passes; False (nothing raised) where it cannot be found or differs.
+    """
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("torchvision")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    if not _image_ops_loaded():
+        names = [
+            f"{lib}{suffix}" for lib in ("image_stable", "image") for suffix in importlib.machinery.EXTENSION_SUFFIXES
+        ]
+        found = [
+            p
+            for folder in spec.submodule_search_locations
+            for n in names
+            if os.path.isfile(p := os.path.join(folder, n))
+        ]
+        for path in found:
+            try:
+                torch.ops.load_library(path)
+            except OSError:
+                continue
+            if _image_ops_loaded():
+                break
+    return _image_ops_loaded()
+
+
+if not _load_image_extension():
+    try:
+        import torchvision.io  # noqa: F401  (loads the extension the usual way)
+    except ImportError as exc:
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
+    if not _image_ops_loaded():
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError("this torchvision has no JPEG decoding ops with the expected arguments")
+
+
+def nvjpeg_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Decode JPEG streams to RGB: ``torchvision.io.decode_jpeg(data, mode=RGB, device=device)``.
+
+    ``data``: 1-D uint8 CPU tensors, one stream each. Returns ``3 x h x w`` uint8 tensors on
+    ``device``: one batched nvJPEG call on CUDA (torchvision runs one such call at a time), the
+    CPU decoder per stream otherwise. Raises RuntimeError for a stream it cannot decode.
+    """
+    if device.type == "cuda":
+        return torch.ops.image.decode_jpegs_cuda(data, _READ_MODE_RGB, device)
+    return [torch.ops.image.decode_jpeg(d, _READ_MODE_RGB, False) for d in data]
 
 
 @dataclass
@@ -247,7 +325,7 @@ class GpuTileDecoder:
             stored[empty] = self.background
         if data:
             try:
-                decoded = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=self.device)
+                decoded = nvjpeg_decode(data, self.device)
             except RuntimeError:
                 # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
                 # batch instead and reports the tile that really cannot be decoded.
@@ -456,6 +534,20 @@ class _HandOff:
             self._cond.notify_all()
 
 
+_STREAMS: dict[tuple[str, int], Any] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _decode_stream(device: torch.device, slot: int) -> Any:
+    """The process's CUDA stream number ``slot`` for GPU loaders on ``device``, made on first use."""
+    with _STREAMS_LOCK:
+        key = (str(device), slot)
+        stream = _STREAMS.get(key)
+        if stream is None:
+            stream = _STREAMS[key] = torch.cuda.Stream(device)
+        return stream
+
+
 class GpuTileLoader:
     """Yield :class:`DeviceBatch` es of ``tiles`` decoded on the GPU, in grid order.
 
@@ -495,6 +587,8 @@ class GpuTileLoader:
         self.prefetch = int(prefetch)
         self.decode_threads = int(decode_threads)
         self._local = threading.local()
+        self._slots_lock = threading.Lock()
+        self._next_slot = 0
         self._pool: ThreadPoolExecutor | None = None
         self._handoff: _HandOff | None = None
 
@@ -503,12 +597,21 @@ class GpuTileLoader:
         return (len(self.tiles) + self.batch_size - 1) // self.batch_size
 
     def _stream(self) -> Any:
-        """This thread's CUDA stream (a null context on a CPU device)."""
+        """This thread's CUDA stream (a null context on a CPU device).
+
+        The loader's threads are the run's, but their streams are the process's
+        (:func:`_decode_stream`): blocks the caching allocator holds for a stream are reused only
+        by allocations on that stream, so with new streams every run would allocate its batches'
+        mosaics, canvases and patches from the driver again.
+        """
         if not self.decoder.cuda:
             return contextlib.nullcontext()
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(self.decoder.device)
+            with self._slots_lock:
+                slot = self._next_slot
+                self._next_slot += 1
+            stream = self._local.stream = _decode_stream(self.decoder.device, slot)
         return torch.cuda.stream(stream)
 
     def _decode_batch(self, seq: int, start: int, handoff: _HandOff) -> DeviceBatch:
