@@ -1,9 +1,12 @@
 """nvJPEG stored tiles/s and seconds per call against the number of stored tiles a call decodes.
 
-Usage: ``python benchmarks/sweep_nvjpeg_batch.py SLIDE [--batches 128,256,512,1024,2048] [--rounds 3]``
-(a CUDA machine). Decodes every stored tile of level 0 with ``torchvision.io.decode_jpeg(list,
-device="cuda")`` in calls of each size, interleaved over the rounds; prints the median rate and
-the median milliseconds per call, from which a call's fixed cost can be read.
+Usage: ``python benchmarks/sweep_nvjpeg_batch.py SLIDE [--batches 128,256,512,1024,2048] [--rounds 3]
+[--with-model]`` (a CUDA machine). Decodes every stored tile of level 0 with
+``torchvision.io.decode_jpeg(list, device="cuda")`` in calls of each size, interleaved over the
+rounds; prints the median rate and the median milliseconds per call, from which a call's fixed
+cost can be read. ``--with-model``: the same, then again while the shipped model (torch backend,
+fp16, batch 64, CUDA graph) runs without pause on a stream of its own, as it does during a run:
+what sharing the GPU with the model costs nvJPEG.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,33 +31,64 @@ def main() -> int:
     ap.add_argument("slide")
     ap.add_argument("--batches", default="128,256,512,1024,2048")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--with-model", action="store_true")
     args = ap.parse_args()
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in stored_tiles(args.slide) if r]
     sizes = [int(b) for b in args.batches.split(",")]
     torchvision.io.decode_jpeg(data[: max(sizes)], device="cuda")
     torch.cuda.synchronize()
+    out = {"stored_tiles": len(data), "alone": sweep(data, sizes, args.rounds)}
+    if args.with_model:
+        from wsi_pipeline.inference.backend import create_backend
+        from wsi_pipeline.inference.card import load_card
+        from wsi_pipeline.inference.shipped import shipped_card
+
+        backend = create_backend(load_card(shipped_card()), "torch", device="cuda", max_batch=64)
+        stream = torch.cuda.Stream()
+        runner = backend.create_runner(stream)
+        stop = threading.Event()
+        batches = [0]
+
+        def run_model() -> None:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    runner.run(64)
+                    batches[0] += 1
+                    if batches[0] % 8 == 0:
+                        stream.synchronize()  # keep a few batches queued, not thousands
+
+        model = threading.Thread(target=run_model, daemon=True)
+        model.start()
+        t0 = time.perf_counter()
+        out["with_the_model"] = sweep(data, sizes, args.rounds)
+        stop.set()
+        model.join()
+        out["model_tiles_per_s_meanwhile"] = round(batches[0] * 64 / (time.perf_counter() - t0))
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def sweep(data: list, sizes: list[int], rounds: int) -> dict:
     rates: dict[int, list[float]] = {b: [] for b in sizes}
     per_call: dict[int, list[float]] = {b: [] for b in sizes}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for b in sizes:
             t0 = time.perf_counter()
             calls = 0
             for i in range(0, len(data), b):
                 torchvision.io.decode_jpeg(data[i : i + b], device="cuda")
                 calls += 1
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # the decoded tiles are ready on it
             dt = time.perf_counter() - t0
             rates[b].append(len(data) / dt)
             per_call[b].append(dt / calls * 1000)
-    out = {
+    return {
         b: {
             "stored_tiles_per_s": round(statistics.median(rates[b])),
             "ms_per_call": round(statistics.median(per_call[b]), 2),
         }
         for b in sizes
     }
-    print(json.dumps({"stored_tiles": len(data), "by_call_size": out}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

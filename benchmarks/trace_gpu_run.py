@@ -44,7 +44,7 @@ from wsi_pipeline.batch_jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import executor, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
-from wsi_pipeline.stitch import merge_runner, stitcher
+from wsi_pipeline.stitch import blend, merge_runner, stitcher
 from wsi_pipeline.tiling import gpu_loader
 
 _totals: dict = collections.defaultdict(lambda: [0.0, 0])
@@ -102,6 +102,9 @@ RUN_SITES = [
     (gpu_loader.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
     (gpu_loader.GpuTileLoader, "close", "loader: close"),
     (tiff_backend.TiffSlide, "clear_cache", "slide: clear the cache"),
+    (blend.HeatmapBlender, "close", "stitcher finish: close the heatmap"),
+    (merge_runner.ProcessMerge, "finish", "stitcher finish: merged boxes"),
+    (stitcher, "reading_order", "stitcher finish: reading order"),
 ]
 OUTPUT_SITES = [
     (pipeline, "tissue_mask", "tissue mask"),
@@ -189,12 +192,13 @@ def main() -> int:
         for _ in range(args.runs):
             _totals.clear()
             _events = [] if args.events else None
-            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+            cuda = torch.cuda.is_available()
+            segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
             t0 = time.perf_counter()
             r = pipe.run(args.slide)
             wall = time.perf_counter() - t0
             tiles = r.summary["tiles"]["read"]
-            stats = torch.cuda.memory_stats()
+            stats = torch.cuda.memory_stats() if cuda else {}
             print(
                 f"run: {wall:.3f} s, {tiles / wall:,.0f} tiles/s; tile_decode {r.summary.get('tile_decode')}; "
                 f"device memory segments allocated {stats.get('segment.all.allocated', 0) - segments}, "

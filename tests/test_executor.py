@@ -169,3 +169,20 @@ def test_unsupported_op_is_refused_by_name(tmp_path, tiny_card):
         OnnxModule(path)
     with pytest.raises(ConfigError, match="fp16 needs CUDA"):
         create_backend(tiny_card, "torch", device="cpu", precision="fp16")
+
+
+def test_the_workers_end_when_the_input_ends_not_at_their_next_poll(tiny_card, slide, monkeypatch):
+    """After the last batch each worker takes an end mark: a run's end does not wait for a poll timeout."""
+    from wsi_pipeline.inference import executor
+
+    monkeypatch.setattr(executor, "_POLL_S", 600.0)  # a worker left polling would hold the run for minutes
+    grid = TileGrid(slide, tile_size=TILE_PX, overlap=16)
+    loader = TileLoader(slide, grid, batch_size=4, workers=2, auto_release=False, max_held=3)
+    got: list = []
+    with Executor.from_card(tiny_card, "ort", streams=3, max_batch=4) as ex:
+        run = threading.Thread(target=lambda: got.extend(ex.run(loader, ordered=True)), daemon=True)
+        run.start()
+        run.join(120)
+        assert not run.is_alive(), "the run did not end after its last batch"
+    assert sum(len(r.tiles) for r in got) == len(grid)
+    assert not _executor_threads()

@@ -385,6 +385,7 @@ class _CpuWorker:
 
 
 _DONE = object()
+_END = object()  # in the input queue after the last batch: the worker taking it ends
 
 
 class _Failure:
@@ -552,17 +553,29 @@ class Executor:
                     except Exception:
                         pass
                 feeding_done.set()
+                # One end mark per worker after the last batch: each ends as soon as it takes one,
+                # not at its next poll of an empty queue (up to _POLL_S at the end of every run).
+                for _ in range(n_workers):
+                    while not stop.is_set():
+                        try:
+                            in_q.put(_END, timeout=_POLL_S)
+                            break
+                        except queue.Full:
+                            continue
 
         def work(worker: Any) -> None:
             try:
                 while True:
                     try:
-                        seq, batch = in_q.get(timeout=_POLL_S)
+                        item = in_q.get(timeout=_POLL_S)
                     except queue.Empty:
                         if feeding_done.is_set() or stop.is_set():
                             if in_q.empty():
                                 break
                         continue
+                    if item is _END:
+                        break
+                    seq, batch = item
                     if stop.is_set():
                         _release(batch)
                         continue
@@ -652,7 +665,7 @@ class Executor:
                         item = q.get_nowait()
                         if isinstance(item, _Failure) and failure is None:
                             failure = item.exc
-                        elif q is in_q:
+                        elif q is in_q and item is not _END:
                             _release(item[1])
                 except queue.Empty:
                     pass
