@@ -46,6 +46,16 @@ class _FailsOnThirdAdd(CrossTileMerge):
         super().add(boxes_level0, scores, labels)
 
 
+class _FailsToFinish(CrossTileMerge):
+    """A policy whose ``finish`` raises (it runs while the stitcher closes the heatmap)."""
+
+    def __init__(self) -> None:
+        super().__init__("nms")
+
+    def finish(self):
+        raise ValueError("the slide's last merge step")
+
+
 @pytest.fixture(scope="module")
 def merging():
     m = MergeProcess()
@@ -95,6 +105,15 @@ def test_a_failed_call_there_is_raised_by_finish_and_the_next_slide_merges(mergi
         _stitch(geometry, tiles, results, policy, merging.merge(policy))
     ok = merge_policy("nms")
     assert len(_stitch(geometry, tiles, results, ok, merging.merge(ok))[0]) > 100
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_failing_last_merge_step_is_raised_by_the_stitchers_finish(merging, tiles_and_results, where):
+    geometry, tiles, results = tiles_and_results
+    policy = _FailsToFinish()
+    merge = ThreadedMerge(policy, 8) if where == "thread" else merging.merge(policy)
+    with pytest.raises(ValueError, match="the slide's last merge step"):
+        _stitch(geometry, tiles, results, policy, merge)
 
 
 def test_a_killed_merging_process_fails_its_slide_and_a_new_one_takes_the_next(merging, tiles_and_results):

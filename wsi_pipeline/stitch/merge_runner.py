@@ -41,6 +41,9 @@ class PolicyRun(Protocol):
     def add(self, boxes_level0: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         """:meth:`MergePolicy.add`, run in order after the calls before it."""
 
+    def end(self) -> None:
+        """No more calls: :meth:`MergePolicy.finish` may run meanwhile (:meth:`finish` gives its boxes)."""
+
     def finish(self) -> Boxes:
         """Wait for every call; :meth:`MergePolicy.finish`'s boxes. Raises the first call's failure."""
 
@@ -54,6 +57,8 @@ class ThreadedMerge:
     def __init__(self, policy: MergePolicy, max_pending: int):
         self.policy = policy
         self._calls = BackgroundCalls(max_pending=max_pending, name="box-merge")
+        self._ended = False
+        self._boxes: Boxes | None = None
 
     def row_started(self, y0_level0: float) -> None:
         self._calls.call(self.policy.row_started, y0_level0)
@@ -61,9 +66,19 @@ class ThreadedMerge:
     def add(self, boxes_level0: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         self._calls.call(self.policy.add, boxes_level0, scores, labels)
 
+    def _finish_policy(self) -> None:
+        self._boxes = self.policy.finish()
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._calls.call(self._finish_policy)
+
     def finish(self) -> Boxes:
+        self.end()
         self._calls.close()
-        return self.policy.finish()
+        assert self._boxes is not None
+        return self._boxes
 
     def abandon(self) -> None:
         self._calls.abandon()
@@ -205,6 +220,7 @@ class ProcessMerge:
     def __init__(self, worker: _Worker, session: int, policy: MergePolicy):
         self._worker, self._session = worker, session
         self._ended = False
+        self._finish_sent = False
         self._result = worker.open(session)
         self._send("open", policy)
 
@@ -221,9 +237,14 @@ class ProcessMerge:
     def add(self, boxes_level0: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         self._send("call", "add", boxes_level0, scores, labels)
 
+    def end(self) -> None:
+        if not self._finish_sent:
+            self._finish_sent = True
+            self._send("finish")
+
     def finish(self) -> Boxes:
         try:
-            self._send("finish")
+            self.end()
             return self._result.result()
         finally:
             self._ended = True

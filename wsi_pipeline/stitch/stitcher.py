@@ -174,6 +174,7 @@ class Stitcher:
         labels N int) in reading order: top to bottom, then left to right.
         """
         self._skip_to(self.geometry.n_rows * self.geometry.n_cols)
+        self._merge.end()  # the last merge step runs while the heatmap is closed
         if self.blender is not None:
             self.blender.close()
         boxes, scores, labels = self._merge.finish()
