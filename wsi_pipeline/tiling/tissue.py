@@ -79,9 +79,9 @@ class TissueMask:
         Computed with an integral image, so the cost does not depend on the
         number of tiles; parts of a tile outside the slide count as empty.
         """
-        m = self.mask.astype(np.float64)
-        integral = cv2.integral(m)  # (H+1) x (W+1)
-        mh, mw = m.shape
+        # (H+1) x (W+1) int32 counts of tissue pixels (exact: a mask has far fewer than 2**31 pixels).
+        integral = cv2.integral(np.asarray(self.mask, dtype=bool).view(np.uint8))
+        mh, mw = self.mask.shape
         g = grid.geometry
         extent = g.tile_extent_level0
         x0 = g.col_x0_level0(np.arange(g.n_cols)) / self.downsample[0]
@@ -111,7 +111,10 @@ def otsu_tissue_mask(thumbnail: np.ndarray, min_saturation: int = 15, kernel_px:
     image has no background to separate (an all-tissue crop) or no tissue
     (all background). Returns HxW bool.
     """
-    sat = _saturation(thumbnail)
+    return _tissue_from_saturation(_saturation(thumbnail), min_saturation, kernel_px)
+
+
+def _tissue_from_saturation(sat: np.ndarray, min_saturation: int = 15, kernel_px: int = 5) -> np.ndarray:
     mask = sat > saturation_threshold(sat, min_saturation)
     # Dark, unsaturated pixels (black pen, folds) are not tissue either way;
     # very dark saturated ones still count.
@@ -159,9 +162,11 @@ def saturation_threshold(sat: np.ndarray, min_saturation: int = 15, max_rounds: 
 
 def content_fraction(thumbnail: np.ndarray, min_saturation: int = 15) -> float:
     """Fraction of a thumbnail more saturated than blank background (anything stained or coloured)."""
-    return float(np.count_nonzero(_saturation(thumbnail) > min_saturation)) / max(
-        1, thumbnail.shape[0] * thumbnail.shape[1]
-    )
+    return _content_from_saturation(_saturation(thumbnail), min_saturation)
+
+
+def _content_from_saturation(sat: np.ndarray, min_saturation: int = 15) -> float:
+    return float(np.count_nonzero(sat > min_saturation)) / max(1, sat.size)
 
 
 def tissue_mask(
@@ -189,7 +194,8 @@ def tissue_mask(
         raise ConfigError(f"unknown tissue method {method!r}; expected otsu, all or file")
     thumb = slide.get_thumbnail((thumbnail_size, thumbnail_size))
     th, tw = thumb.shape[:2]
-    return TissueMask(otsu_tissue_mask(thumb), (w0 / tw, h0 / th), content_fraction(thumb))
+    sat = _saturation(thumb)  # once, for both the mask and the content fraction
+    return TissueMask(_tissue_from_saturation(sat), (w0 / tw, h0 / th), _content_from_saturation(sat))
 
 
 def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAULT_THUMBNAIL_SIZE) -> TissueMask:
