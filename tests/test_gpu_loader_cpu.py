@@ -276,3 +276,19 @@ def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_path, monkeypatch):
+    """A torchvision whose image extension is missing or differs: GPU decoding is refused, with the reason."""
+    from wsi_pipeline.errors import ConfigError
+    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling.slide_loader import choose_tile_decode
+
+    monkeypatch.setattr(gpu_loader, "_image_ops_loaded", lambda: False)
+    with TiffSlide(str(slide_path)) as slide:
+        tiles = list(TileGrid(slide))
+        assert "no JPEG decoding ops" in gpu_loader.gpu_decode_refusal(slide, tiles)
+        where, why = choose_tile_decode(slide, tiles, "auto", "warn", "torch", on_cuda=True)
+        assert (where, "no JPEG decoding ops" in why) == ("cpu", True)
+        with pytest.raises(ConfigError, match="no JPEG decoding ops"):
+            gpu_loader.GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg")

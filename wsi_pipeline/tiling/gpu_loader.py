@@ -124,10 +124,6 @@ if not _load_image_extension():
         from ..errors import BackendUnavailableError
 
         raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
-    if not _image_ops_loaded():
-        from ..errors import BackendUnavailableError
-
-        raise BackendUnavailableError("this torchvision has no JPEG decoding ops with the expected arguments")
 
 
 def nvjpeg_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -177,6 +173,8 @@ def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
     """
     if not tiles:
         return "no tiles to read"
+    if not _image_ops_loaded():
+        return "this torchvision has no JPEG decoding ops with the expected arguments"
     levels = {t.level for t in tiles}
     if len(levels) != 1 or any(t.read_size != t.size for t in tiles):
         return "the grid resizes what it reads"
@@ -261,6 +259,10 @@ class GpuTileDecoder:
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
+        if jpeg_decoder == "nvjpeg" and not _image_ops_loaded():
+            raise ConfigError(
+                "jpeg_decoder 'nvjpeg': this torchvision has no JPEG decoding ops with the expected arguments"
+            )
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
         self._pool: ThreadPoolExecutor | None = None
