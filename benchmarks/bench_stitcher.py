@@ -1,10 +1,12 @@
 """The stitcher alone: synthetic tile results shaped like a 32k x 32k slide's, through ``Stitcher``.
 
-Usage: ``python benchmarks/bench_stitcher.py [--rounds 3] [--profile]``. A 32768 x 32768 slide at
-the pathology model's geometry (512 px tiles, overlap 64, heatmap stride 8, two heatmap classes), a
-disc of tissue (2,413 of 5,329 tiles), 98 boxes a tile, batches of 64 in grid order; heatmap sinks as
-``Pipeline.run`` builds them without an output folder (statistics, reduced copy). A side path: no
-reading, no model. Prints seconds and tiles/s per round.
+Usage: ``python benchmarks/bench_stitcher.py [--rounds 3] [--profile] [--merge thread|process]``.
+A 32768 x 32768 slide at the pathology model's geometry (512 px tiles, overlap 64, heatmap
+stride 8, two heatmap classes), a disc of tissue (2,413 of 5,329 tiles), 98 boxes a tile, batches
+of 64 in grid order; heatmap sinks as ``Pipeline.run`` builds them without an output folder
+(statistics, reduced copy). A side path: no reading, no model. ``--merge process``: the boxes
+merged in a box-merging process, as ``Pipeline.run`` merges a slide of 256 tiles or more. Prints
+seconds and tiles/s per round, and the seconds of its ``Stitcher.finish``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.inference.decoders import BatchDetections, TileDetections
 from wsi_pipeline.outputs import SlideOutputs
 from wsi_pipeline.pipeline import DEFAULT_MODEL
+from wsi_pipeline.stitch.merge_runner import MergeProcess
 from wsi_pipeline.stitch.policies import merge_policy
 from wsi_pipeline.stitch.stitcher import Stitcher
 from wsi_pipeline.tiling.grid import TileGrid
@@ -45,7 +48,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print a cProfile summary of one more round")
+    ap.add_argument("--merge", choices=("thread", "process"), default="thread")
     args = ap.parse_args()
+    merging = MergeProcess() if args.merge == "process" else None
     card, cfg, slide = load_card(DEFAULT_MODEL), RunConfig(), _Slide()
     geometry = TilingGeometry.for_slide(slide, 512, 64, heatmap_stride=8)
     grid = TileGrid(slide, geometry=geometry)
@@ -71,24 +76,30 @@ def main() -> int:
         for i in range(0, len(tiles), 64)
     ]
 
-    def run() -> int:
+    def run() -> tuple[int, float]:
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, None, False)
-        stitcher = Stitcher(geometry, merge_policy("nms"), None, outputs.heatmap_sink, outputs.heatmap_weights, 2)
+        policy = merge_policy("nms")
+        merge = merging.merge(policy) if merging is not None else None
+        stitcher = Stitcher(geometry, policy, None, outputs.heatmap_sink, outputs.heatmap_weights, 2, merge=merge)
         for k, i in enumerate(range(0, len(tiles), 64)):
             stitcher.add_batch(tiles[i : i + 64], batches[k])
+        t0 = time.perf_counter()
         n = len(stitcher.finish()[0])
+        finish_s = time.perf_counter() - t0
         outputs.close_heatmap()  # the sinks' thread done too
-        return n
+        return n, finish_s
 
     print(f"{len(tiles)} of {len(grid)} tiles")
     for _ in range(args.rounds):
         t0 = time.perf_counter()
-        n = run()
+        n, finish_s = run()
         dt = time.perf_counter() - t0
-        print(f"{dt:.2f} s, {len(tiles) / dt:,.0f} tiles/s, {n} boxes kept")
+        print(f"{dt:.2f} s, {len(tiles) / dt:,.0f} tiles/s, {n} boxes kept; finish {finish_s * 1000:.0f} ms")
     if args.profile:
         cProfile.runctx("run()", globals(), {"run": run}, "/tmp/bench_stitcher.prof")
         pstats.Stats("/tmp/bench_stitcher.prof").sort_stats("tottime").print_stats(20)
+    if merging is not None:
+        merging.close()
     return 0
 
 

@@ -29,6 +29,21 @@ def score_order(scores: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
 
 
+def reading_order(boxes: np.ndarray) -> np.ndarray:
+    """Indices sorting N x 4 boxes (x0, y0, ...; float32, >= 0 or NaN) by y0, then x0; ties keep their order.
+
+    Non-negative float32 values order as their bit patterns do, so one stable
+    sort of (y0 bits << 32 | x0 bits) does what ``np.lexsort((x0, y0))`` does,
+    several times faster on a slide's hundreds of thousands of boxes.
+    """
+    x0 = np.ascontiguousarray(boxes[:, 0], np.float32) + np.float32(0)  # -0.0 -> 0.0
+    y0 = np.ascontiguousarray(boxes[:, 1], np.float32) + np.float32(0)
+    if (x0 < 0).any() or (y0 < 0).any():
+        return np.lexsort((x0, y0))
+    key = (y0.view(np.uint32).astype(np.uint64) << np.uint64(32)) | x0.view(np.uint32)
+    return np.argsort(key, kind="stable")
+
+
 def check_boxes(
     boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

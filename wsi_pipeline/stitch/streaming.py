@@ -22,6 +22,7 @@ from wsi_pipeline.stitch.nms import (
     check_boxes,
     global_nms,
     matching_pairs,
+    reading_order,
     resolve_greedy,
     score_order,
 )
@@ -129,8 +130,13 @@ class StreamingMerger:
         self._keep(b, s, lab)
 
     def _keep(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
-        # Decided boxes are the output: keep them compact.
-        self._out.append((boxes.astype(np.float32), scores.astype(np.float32), labels.astype(np.int32)))
+        # Decided boxes are the output: keep them compact, and in reading order. The stitcher
+        # sorts the slide's boxes so at the end (a stable sort: the same order either way); sorted
+        # a row at a time here, meanwhile, they come nearly sorted, which that sort finishes
+        # several times faster (benchmarks/bench_stitcher.py).
+        b = boxes.astype(np.float32)
+        order = reading_order(b)
+        self._out.append((b[order], scores[order].astype(np.float32), labels[order].astype(np.int32)))
 
     def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Decide what is left; (boxes M x 4 float32, scores M float32, labels M int64) of the slide."""
