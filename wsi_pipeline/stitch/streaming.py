@@ -132,8 +132,8 @@ class StreamingMerger:
     def _keep(self, boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> None:
         # Decided boxes are the output: keep them compact, and in reading order. The stitcher
         # sorts the slide's boxes so at the end (a stable sort: the same order either way); sorted
-        # a row at a time here, meanwhile, they come nearly sorted, which that sort finishes
-        # several times faster (benchmarks/bench_stitcher.py).
+        # a row at a time here, meanwhile, they come nearly sorted and that sort has less left to
+        # do (Stitcher.finish: benchmarks/bench_stitcher.py --merge process).
         b = boxes.astype(np.float32)
         order = reading_order(b)
         self._out.append((b[order], scores[order].astype(np.float32), labels[order].astype(np.int32)))
