@@ -252,6 +252,23 @@ def test_usage_errors_exit_2(slides, tmp_path):
     assert r.returncode == 2 and "overlap: expected int, found str 'wide'" in r.stderr
 
 
+def test_a_model_that_differs_from_its_card_is_a_usage_error(slides, tmp_path):
+    """The batch's parent reads the card without opening the model; the slide process checks it."""
+    import shutil
+
+    card = json.loads(DEFAULT_MODEL.read_text())
+    model = DEFAULT_MODEL.parent / card["model_file"]
+    shutil.copy(model, tmp_path / model.name)
+    card["outputs"][1]["dtype"] = "float16"
+    bad = tmp_path / DEFAULT_MODEL.name
+    bad.write_text(json.dumps(card))
+    out = tmp_path / "out"
+    r = _cli("run", slides / "a.tiff", "--out", out, "--model", bad, "--backend", "ort")
+    assert r.returncode == 2, r.stderr
+    assert "scores" in r.stderr and "float16" in r.stderr and "Traceback" not in r.stderr
+    assert not (out / "manifest.json").exists() or _manifest(out) == {}
+
+
 def test_config_file_mirrors_the_flags_and_flags_win(slides, tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text("[run]\nmin_tissue = 0.5\noverlap = 32\nmerge = 'ownership'\n")

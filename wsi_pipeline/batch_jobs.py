@@ -71,16 +71,21 @@ def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
 class PipelineFactory:
     """Builds a batch's pipeline (picklable, so that the process that runs the slides builds its own).
 
-    ``card``: a validated card, or None for ``config.model``.
+    ``card``: a card read and validated, or None for ``config.model``. Its model file is checked
+    against it here (:func:`~.inference.card.verify_model_file`), where the pipeline is built: the
+    parent of a batch reads the card without that check, which imports ``onnx``.
     """
 
     config: RunConfig
     card: ModelCard | None = None
 
     def __call__(self) -> Any:
+        from .inference.card import verify_model_file
         from .pipeline import Pipeline
 
         try:
+            if self.card is not None:
+                verify_model_file(self.card)
             return Pipeline(self.card or self.config.model, backend=self.config.backend, config=self.config)
         except (ConfigError, ModelError) as exc:
             raise UsageError(str(exc)) from exc

@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     if config.model is None:
         config = config.replace(model=str(DEFAULT_MODEL))
     try:
-        card = load_card(config.model)
+        # The model file is checked where the pipeline is built (PipelineFactory), not here.
+        card = load_card(config.model, verify_model=False)
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)

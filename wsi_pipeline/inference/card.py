@@ -502,7 +502,20 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verif
             raise ModelError(
                 f"{card.model_path}: SHA-256 does not match its card {p}: expected {card.sha256}, found {found}"
             )
-    if verify_model and card.format == "torch_export":
+    if verify_model:
+        verify_model_file(card)
+    return card
+
+
+def verify_model_file(card: ModelCard) -> None:
+    """Raise ModelError unless the card's model file is what the card describes.
+
+    An ONNX model's input and output names, dtypes and fixed dims must match the card (read with
+    ``onnx``, or ``onnxruntime`` without it); a ``.pt2`` must be a ``torch.export`` archive.
+    ``load_card(..., verify_model=True)`` calls it; a caller that loads the card where the model
+    does not run (a batch's parent process) leaves it to the process that builds the pipeline.
+    """
+    if card.format == "torch_export":
         import zipfile
 
         if not zipfile.is_zipfile(card.model_path):
@@ -510,9 +523,8 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verif
                 f"{card.model_path}: not a torch.export program: expected the zip archive "
                 "torch.export.save writes, found another kind of file"
             )
-    elif verify_model and card.model_path.suffix == ".onnx":
+    elif card.model_path.suffix == ".onnx":
         check_onnx_matches_card(card)
-    return card
 
 
 # -- model <-> card consistency ----------------------------------------------------
