@@ -180,6 +180,52 @@ def test_gpu_jpeg_decode_matches_cpu_reader(tmp_path, card512):
     _check(dets, decode(ort.infer(gpu), card512), "fp32", card512)
 
 
+@pytest.mark.parametrize("share", [7, 16])
+def test_jpeg_helper_processes_share_of_a_gpu_run(tmp_path, share):
+    """Helpers decode their share into page-locked shared memory, copied to the device: the CPU
+    reader's pixels there, nvJPEG's elsewhere, for any batch size."""
+    from helpers import smooth_rgb, write_pyramid_tiff
+
+    from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers, cpu_share_tile
+
+    path = tmp_path / "s.tif"
+    write_pyramid_tiff(str(path), smooth_rgb(1500, 2000, seed=4), levels=2)
+    slide = TiffSlide(path)
+    grid = TileGrid(slide)
+    tiles = list(grid)
+    ref = np.stack([grid.read(t) for t in tiles])
+
+    def read(batch_size, helpers=None):
+        got = {}
+        loader = GpuTileLoader(slide, tiles, batch_size=batch_size, helpers=helpers, helper_share=share)
+        for b in loader:
+            b.ready.synchronize()
+            for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True):
+                got[t.index] = img
+        return np.stack([got[t.index] for t in tiles]), loader.decoder
+
+    nvjpeg, _ = read(5)
+    helpers = JpegHelpers(2, share)
+    try:
+        runs = [read(bs, helpers) for bs in (3, 5, 7)]
+    finally:
+        helpers.close()
+    for images, dec in runs:
+        np.testing.assert_array_equal(images, runs[0][0])
+        assert 0 < dec.stored_tiles_by_helpers <= dec.stored_tiles_decoded
+    w, h = slide.dimensions
+    ar = np.arange(tiles[0].size)
+    xs = np.array([t.x0_level0 for t in tiles])[:, None] + ar
+    ys = np.array([t.y0_level0 for t in tiles])[:, None] + ar
+    tx, ty = np.where(xs < w, xs // 256, -1)[:, None, :], np.where(ys < h, ys // 256, -1)[:, :, None]
+    mine = (tx >= 0) & (ty >= 0) & cpu_share_tile(tx, ty, share)
+    images = runs[0][0]
+    np.testing.assert_array_equal(images[mine], ref[mine])
+    np.testing.assert_array_equal(images[~mine], nvjpeg[~mine])
+
+
 def test_tensorrt_backend_when_installed(tmp_path, card512, slide_and_grid, reference):
     try:
         tr = create_backend(card512, "tensorrt", max_batch=8)
@@ -256,8 +302,10 @@ def test_gpu_decoded_run_equals_cpu_decoded_run(pathology_slide):
     diff = np.abs(np.asarray(g.heatmap) - np.asarray(c.heatmap))
     figures = (
         f"detections gpu {len(gb)} cpu {len(cb)}; matched at IoU 0.5: {(best >= 0.5).mean():.4f}; "
-        f"heatmap |diff| mean {diff.mean():.2e} p99.9 {np.percentile(diff, 99.9):.3f} max {diff.max():.3f}"
+        f"heatmap |diff| mean {diff.mean():.2e} p99.9 {np.percentile(diff, 99.9):.3f} max {diff.max():.3f}; "
+        f"GPU decoding {g.summary['tile_decode']}"
     )
+    print(figures)
     # nvJPEG and libjpeg-turbo differ by decoder rounding (a few grey levels); fp16 both ways.
     assert abs(len(gb) - len(cb)) <= 0.01 * len(cb), figures
     assert (best >= 0.5).mean() >= 0.98, figures

@@ -292,3 +292,114 @@ def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_pat
         assert (where, "no JPEG decoding ops" in why) == ("cpu", True)
         with pytest.raises(ConfigError, match="no JPEG decoding ops"):
             gpu_loader.GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg")
+
+
+# -- helper processes decoding a share of the stored tiles ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jpeg_helpers():
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers
+
+    helpers = JpegHelpers(2, timeout_s=60)
+    yield helpers
+    helpers.close()
+
+
+def _stored_tile_of_each_pixel(slide, tiles) -> tuple[np.ndarray, np.ndarray]:
+    """For each patch pixel, its stored tile's (tx, ty) (level 0; -1 past the level's edge)."""
+    w, h = slide.dimensions
+    ar = np.arange(tiles[0].size)
+    xs = np.array([t.x0_level0 for t in tiles])[:, None] + ar[None, :]
+    ys = np.array([t.y0_level0 for t in tiles])[:, None] + ar[None, :]
+    tx = np.where(xs < w, xs // STORED, -1)[:, None, :].repeat(len(ar), 1)
+    ty = np.where(ys < h, ys // STORED, -1)[:, :, None].repeat(len(ar), 2)
+    return tx, ty
+
+
+@pytest.mark.parametrize("share", [5, 16])
+def test_helper_processes_decode_their_share_with_the_cpu_readers_pixels(slide_path, jpeg_helpers, share):
+    from wsi_pipeline.tiling.jpeg_processes import cpu_share_tile
+
+    slide = TiffSlide(slide_path)
+    tiles = _tissue_with_gaps(TileGrid(slide))
+    loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=jpeg_helpers, helper_share=share)
+    got = _in_thread(lambda: _read_all(loader))
+    nvjpeg = _in_thread(lambda: _read_all(GpuTileLoader(slide, tiles, batch_size=5, device="cpu")))
+    got, nvjpeg = (np.stack([d[t.index] for t in tiles]) for d in (got, nvjpeg))
+    cpu = np.stack([read_tile(slide, t) for t in tiles])
+    tx, ty = _stored_tile_of_each_pixel(slide, tiles)
+    by_helpers = (tx >= 0) & (ty >= 0) & cpu_share_tile(tx, ty, share)
+    assert by_helpers.any() and (share == 16 or not by_helpers.all())
+    np.testing.assert_array_equal(got[by_helpers], cpu[by_helpers])
+    np.testing.assert_array_equal(got[~by_helpers], nvjpeg[~by_helpers])
+    dec = loader.decoder
+    decoded = {c for b in range(0, len(tiles), 5) for c in dec.stored_tiles(tiles[b : b + 5])}
+    assert 0 < dec.stored_tiles_by_helpers <= dec.stored_tiles_decoded
+    assert dec.stored_tiles_by_helpers >= sum(cpu_share_tile(x, y, share) for x, y in decoded) // 2
+
+
+def test_share_of_the_stored_tiles_is_the_same_along_every_row():
+    from wsi_pipeline.tiling.jpeg_processes import SHARE_PERIOD, cpu_share_tile, default_helpers, default_share
+
+    for share in range(SHARE_PERIOD + 1):
+        for ty in range(5):
+            assert sum(cpu_share_tile(tx, ty, share) for tx in range(SHARE_PERIOD)) == share
+    assert default_helpers(8) == 0 and default_helpers(16) == 4 and default_helpers(128) == 6
+    assert default_share(0) == 0 and 0 < default_share(4) <= SHARE_PERIOD // 2
+
+
+def test_a_damaged_tile_in_the_helpers_share_is_named(tmp_path, slide_path, jpeg_helpers):
+    import shutil
+
+    from helpers import corrupt_stored_tile
+
+    broken = tmp_path / "broken.tif"
+    shutil.copy(slide_path, broken)
+    with TiffSlide(broken) as s:
+        across = s.tile_grid_shape(0)[2]
+    i = corrupt_stored_tile(broken, index=across + 1)  # stored tile (1, 1): the helpers' at share 16
+    slide = TiffSlide(broken)
+    loader = GpuTileLoader(
+        slide, list(TileGrid(slide)), batch_size=3, device="cpu", helpers=jpeg_helpers, helper_share=16
+    )
+    with pytest.raises(TileReadError, match=rf"broken.tif: cannot decode stored tile \({i % across}, {i // across}\)"):
+        _in_thread(lambda: _read_all(loader))
+
+
+def test_helpers_that_hang_fail_the_batch_and_ended_ones_are_replaced(slide_path):
+    import os
+    import signal
+
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers
+
+    slide = TiffSlide(slide_path)
+    tiles = list(TileGrid(slide))
+    helpers = JpegHelpers(2, timeout_s=2)
+
+    def run_all() -> dict:
+        loader = GpuTileLoader(slide, tiles, batch_size=3, device="cpu", helpers=helpers, helper_share=16)
+        return _in_thread(lambda: _read_all(loader))
+
+    try:
+        run_all()
+        stopped = [h.proc for h in helpers._helpers]
+        for proc in stopped:
+            os.kill(proc.pid, signal.SIGSTOP)  # alive, never answering
+        with pytest.raises(TileReadError, match="did not finish decoding stored tiles within 2 s"):
+            run_all()
+        assert all(proc.poll() is not None for proc in stopped)  # the hung ones were killed
+        helpers.start_processes()
+        ended = [h.proc for h in helpers._helpers]
+        assert len(ended) == 2
+        for proc in ended:
+            proc.kill()  # between runs: the next run starts new ones
+            proc.wait()
+        got = run_all()
+        for t in tiles:
+            np.testing.assert_array_equal(got[t.index], read_tile(slide, t))
+        last = [h.proc for h in helpers._helpers]
+        assert len(last) == 2 and not set(last) & set(ended)
+    finally:
+        helpers.close()
+    assert all(proc.poll() is not None for proc in last)

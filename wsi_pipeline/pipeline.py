@@ -64,6 +64,7 @@ from .summary import (
 )
 from .tiling import TileGrid, tissue_mask
 from .tiling.grid import Tile, read_tile
+from .tiling.jpeg_processes import SHARE_PERIOD, JpegHelpers, default_helpers
 from .tiling.slide_loader import choose_tile_decode, import_gpu_loader_ahead, make_slide_loader
 
 log = logging.getLogger("wsi_pipeline")
@@ -116,6 +117,10 @@ class Pipeline:
         writer_processes: worker processes that write a run's GeoJSON, CSV
             and overlay in parallel (:mod:`.io.writer_pool`; 0: in the
             calling thread).
+        jpeg_helpers: where tiles are decoded on the GPU, processes that decode
+            a share of the stored JPEG tiles with libjpeg-turbo meanwhile
+            (:mod:`.tiling.jpeg_processes`); None: as many as the machine's
+            cores allow (:func:`~.tiling.jpeg_processes.default_helpers`), 0: none.
 
     :meth:`run` is thread-safe: calls on arrays from several threads share
     batches through a :class:`TileService` (dynamic batching, waiting at most
@@ -129,6 +134,7 @@ class Pipeline:
         config: RunConfig | None = None,
         max_wait_s: float = 0.005,
         writer_processes: int = DEFAULT_WRITER_PROCESSES,
+        jpeg_helpers: int | None = None,
         **overrides: Any,
     ):
         check_not_importing_main()
@@ -150,6 +156,12 @@ class Pipeline:
             self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
         )
         self.writers = WriterPool(writer_processes)
+        self.jpeg_helpers: JpegHelpers | None = None
+        if self.executor.is_cuda and config.decode != "cpu":
+            n = default_helpers(os.cpu_count()) if jpeg_helpers is None else int(jpeg_helpers)
+            if n > 0:
+                self.jpeg_helpers = JpegHelpers(n)
+                self.jpeg_helpers.start_processes()  # they import while the first slide is planned
         self.merging = MergeProcess()  # started by the first slide that uses it
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
@@ -381,6 +393,10 @@ class Pipeline:
     ) -> None:
         cfg, cuda = self.config, self.executor.is_cuda
         where, why = choose_tile_decode(slide, tiles, cfg.decode, cfg.on_damaged_tile, self.backend_name, cuda)
+        helpers = self.jpeg_helpers if where == "gpu" else None
+        share = helpers.tile_share if helpers is not None else 0
+        if share:
+            why += f", {share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
         log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
         loader, read_seconds = make_slide_loader(
             slide,
@@ -390,6 +406,8 @@ class Pipeline:
             streams=self.executor.streams,
             reader_workers=self.reader_workers,
             device=str(self.executor.backend.device) if cuda else None,
+            jpeg_helpers=helpers,
+            helper_share=share,
         )
         with loader:
             on_device = stitcher.heatmap_device is not None
@@ -404,6 +422,7 @@ class Pipeline:
                 cpu_fallback_batches=dec.cpu_fallback_batches,
                 stored_tiles_decoded=dec.stored_tiles_decoded,
                 stored_tiles_reused=dec.stored_tiles_reused,
+                stored_tiles_by_helpers=dec.stored_tiles_by_helpers,
             )
         timer.seconds["tile_reads_worker_s"] += read_seconds()
         slide.clear_cache()  # the decoded tiles are not needed for what follows
@@ -509,6 +528,8 @@ class Pipeline:
             self._finisher.shutdown(wait=True)
             self.writers.close()
             self.merging.close()
+            if self.jpeg_helpers is not None:
+                self.jpeg_helpers.close()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -59,6 +59,7 @@ class TileDecodeInfo(TypedDict, total=False):
     cpu_fallback_batches: int  # batches nvJPEG refused, decoded by libjpeg-turbo instead
     stored_tiles_decoded: int  # stored JPEG tiles read and decoded
     stored_tiles_reused: int  # stored tiles copied on the device from the previous batch instead
+    stored_tiles_by_helpers: int  # of those decoded, the ones libjpeg-turbo processes decoded
 
 
 class ModelInfo(TypedDict):

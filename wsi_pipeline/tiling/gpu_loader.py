@@ -54,6 +54,7 @@ import numpy as np
 
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
+from .jpeg_processes import SHARE_PERIOD, JpegHelpers, cpu_share_tile
 
 try:
     import torch
@@ -255,7 +256,13 @@ class GpuTileDecoder:
     """
 
     def __init__(
-        self, slide: Any, device: str | torch.device = "cuda", jpeg_decoder: str = "nvjpeg", threads: int | None = None
+        self,
+        slide: Any,
+        device: str | torch.device = "cuda",
+        jpeg_decoder: str = "nvjpeg",
+        threads: int | None = None,
+        helpers: JpegHelpers | None = None,
+        helper_share: int = 0,
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
@@ -263,8 +270,13 @@ class GpuTileDecoder:
             raise ConfigError(
                 "jpeg_decoder 'nvjpeg': this torchvision has no JPEG decoding ops with the expected arguments"
             )
+        if not 0 <= helper_share <= SHARE_PERIOD:
+            raise ConfigError(f"helper_share: expected 0..{SHARE_PERIOD}, found {helper_share}")
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
+        # With "nvjpeg": helper processes decode helper_share / SHARE_PERIOD of the stored tiles.
+        self.helpers = helpers if helper_share else None
+        self.helper_share = int(helper_share) if helpers is not None else 0
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         if slide.stored_tile_format(0) is None:
@@ -276,13 +288,15 @@ class GpuTileDecoder:
         self._counts_lock = threading.Lock()
         self.cpu_fallback_batches = 0
         self.stored_tiles_decoded = 0
+        self.stored_tiles_by_helpers = 0
         self.stored_tiles_reused = 0
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
 
-    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0) -> None:
+    def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0, helped: int = 0) -> None:
         with self._counts_lock:
+            self.stored_tiles_by_helpers += helped
             self.stored_tiles_decoded += decoded
             self.stored_tiles_reused += reused
             self.cpu_fallback_batches += fallback
@@ -395,11 +409,43 @@ class GpuTileDecoder:
             event.record(torch.cuda.current_stream(self.device))
         stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
 
+    def _decode_shared(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
+        """nvJPEG decodes ``slots`` but the helpers' share (:func:`cpu_share_tile`), at the same time."""
+        helpers = self.helpers
+        assert helpers is not None
+        mine = [s for s in slots if cpu_share_tile(s[1], s[2], self.helper_share)]
+        if not mine:
+            self._decode_nvjpeg(stored, level, slots, th, tw)
+            return
+        rest = [s for s in slots if not cpu_share_tile(s[1], s[2], self.helper_share)]
+        staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
+        try:
+            pending = helpers.start(
+                self.slide.path, level, [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)], staging
+            )
+            try:
+                if rest:
+                    self._decode_nvjpeg(stored, level, rest, th, tw)
+            finally:
+                pending.wait()
+            m = len(mine)
+            decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
+            decoded.copy_(staging.tensor[:m], non_blocking=self.cuda)
+            if self.cuda:
+                staging.event = torch.cuda.Event()
+                staging.event.record(torch.cuda.current_stream(self.device))
+            stored[torch.tensor([slot for slot, _, _ in mine], device=self.device)] = decoded
+        finally:
+            helpers.release_staging(staging)
+        self._count(helped=len(mine))
+
     def _decode_into(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
         if not slots:
             return
-        if self.jpeg_decoder == "nvjpeg":
+        if self.jpeg_decoder == "nvjpeg" and self.helpers is not None:
+            self._decode_shared(stored, level, slots, th, tw)
+        elif self.jpeg_decoder == "nvjpeg":
             self._decode_nvjpeg(stored, level, slots, th, tw)
         else:
             self._decode_threads(stored, level, slots, th, tw)
@@ -578,10 +624,14 @@ class GpuTileLoader:
         decode_threads: int = 2,
         jpeg_decoder: str = "nvjpeg",
         jpeg_threads: int | None = None,
+        helpers: JpegHelpers | None = None,
+        helper_share: int = 0,
     ):
         if batch_size < 1 or prefetch < 1 or decode_threads < 1:
             raise ValueError("batch_size, prefetch and decode_threads must be at least 1")
-        self.decoder = GpuTileDecoder(slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads)
+        self.decoder = GpuTileDecoder(
+            slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads, helpers=helpers, helper_share=helper_share
+        )
         self.tiles = list(tiles)
         if self.tiles:
             self.decoder._check(self.tiles)

@@ -98,13 +98,17 @@ def make_slide_loader(
     streams: int,
     reader_workers: int,
     device: str | None = None,
+    jpeg_helpers: Any = None,
+    helper_share: int = 0,
 ) -> tuple[Any, Callable[[], float]]:
     """The loader of a run, and a function giving its reader threads' seconds so far.
 
     ``where``: :func:`choose_tile_decode`'s answer. ``batch_size``: the
     executor's batch; ``streams``: its streams (batches in flight);
     ``reader_workers``: CPU reader threads; ``device``: the CUDA device of GPU
-    decoding (whose reads are not timed: 0).
+    decoding (whose reads are not timed: 0); ``jpeg_helpers``, ``helper_share``:
+    processes that decode that share of the stored tiles on a GPU run
+    (:mod:`.jpeg_processes`).
     """
     if where == "gpu":
         from .gpu_loader import GpuTileLoader
@@ -116,6 +120,8 @@ def make_slide_loader(
             device=device,
             prefetch=streams + 1,
             decode_threads=GPU_DECODE_THREADS,
+            helpers=jpeg_helpers,
+            helper_share=helper_share,
         )
         return loader, lambda: 0.0
     read = _TimedRead()
