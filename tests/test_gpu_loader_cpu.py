@@ -403,3 +403,27 @@ def test_helpers_that_hang_fail_the_batch_and_ended_ones_are_replaced(slide_path
     finally:
         helpers.close()
     assert all(proc.poll() is not None for proc in last)
+
+
+def test_without_room_for_the_shared_buffer_nvjpeg_decodes_everything(slide_path, monkeypatch, caplog):
+    from wsi_pipeline.tiling import jpeg_processes
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers
+
+    def no_room(nbytes):
+        raise OSError(f"no room for a shared buffer of {nbytes} bytes")
+
+    monkeypatch.setattr(jpeg_processes, "_shared_file", no_room)
+    slide = TiffSlide(slide_path)
+    tiles = _tissue_with_gaps(TileGrid(slide))
+    helpers = JpegHelpers(1)
+    try:
+        loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers, helper_share=8)
+        got = _in_thread(lambda: _read_all(loader))
+    finally:
+        helpers.close()
+    nvjpeg = _in_thread(lambda: _read_all(GpuTileLoader(slide, tiles, batch_size=5, device="cpu")))
+    for t in tiles:
+        np.testing.assert_array_equal(got[t.index], nvjpeg[t.index])
+    assert loader.decoder.stored_tiles_by_helpers == 0
+    warned = [r.message for r in caplog.records if "helper processes are not used" in r.message]
+    assert len(warned) == 1 and warned[0].startswith(f"{slide.path}: ") and "no room" in warned[0]

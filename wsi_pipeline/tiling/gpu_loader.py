@@ -41,6 +41,7 @@ CUDA streams or events.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -55,6 +56,8 @@ import numpy as np
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
 from .jpeg_processes import SHARE_PERIOD, JpegHelpers, cpu_share_tile
+
+log = logging.getLogger(__name__)
 
 try:
     import torch
@@ -289,6 +292,7 @@ class GpuTileDecoder:
         self.cpu_fallback_batches = 0
         self.stored_tiles_decoded = 0
         self.stored_tiles_by_helpers = 0
+        self._warned_staging = False
         self.stored_tiles_reused = 0
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -418,7 +422,14 @@ class GpuTileDecoder:
             self._decode_nvjpeg(stored, level, slots, th, tw)
             return
         rest = [s for s in slots if not cpu_share_tile(s[1], s[2], self.helper_share)]
-        staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
+        try:
+            staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
+        except OSError as exc:  # no room for the shared buffer: nvJPEG decodes the whole batch
+            if not self._warned_staging:
+                self._warned_staging = True
+                log.warning("%s: the JPEG helper processes are not used: %s", self.slide.path, exc)
+            self._decode_nvjpeg(stored, level, slots, th, tw)
+            return
         try:
             pending = helpers.start(
                 self.slide.path, level, [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)], staging

@@ -74,8 +74,24 @@ def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
     return (tx + 3 * ty) % SHARE_PERIOD < share
 
 
-def _shm_dir() -> str | None:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new file of ``nbytes`` mapped shared: in ``/dev/shm`` where it has the room, else in the
+    temporary folder. Its space is allocated now (``posix_fallocate``), so that a full ``/dev/shm``
+    (small in many containers) is an OSError here, not a bus error when the pages are written."""
+    folders = [d for d in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(d) and os.access(d, os.W_OK)]
+    error: OSError | None = None
+    for folder in dict.fromkeys(folders):
+        fd, path = tempfile.mkstemp(prefix="wsi-pipeline-tiles-", dir=folder)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return path, mmap.mmap(fd, nbytes)
+        except OSError as exc:
+            error = exc
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+    raise OSError(f"no room for a shared buffer of {nbytes / 2**20:.0f} MiB in {' or '.join(folders)}: {error}")
 
 
 class SharedStaging:
@@ -95,12 +111,7 @@ class SharedStaging:
         self.id = next(self._ids)
         self.shape = (int(slots), int(th), int(tw), 3)
         self.nbytes = int(np.prod(self.shape))
-        fd, self.path = tempfile.mkstemp(prefix="wsi-pipeline-tiles-", dir=_shm_dir())
-        try:
-            os.ftruncate(fd, self.nbytes)
-            self._mm = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
+        self.path, self._mm = _shared_file(self.nbytes)
         self.array = np.ndarray(self.shape, np.uint8, self._mm)
         self.tensor = torch.from_numpy(self.array)
         self._registered = False
