@@ -45,7 +45,7 @@ from wsi_pipeline.inference import executor, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
 from wsi_pipeline.stitch import blend, merge_runner, stitcher
-from wsi_pipeline.tiling import gpu_loader
+from wsi_pipeline.tiling import gpu_loader, jpeg_processes
 
 _totals: dict = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
@@ -100,6 +100,9 @@ RUN_SITES = [
     (pipeline, "make_slide_loader", "make the loader"),
     (gpu_loader, "stored_tiles_touched", "loader: stored tiles touched"),
     (gpu_loader.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
+    (jpeg_processes.JpegHelpers, "start", "JPEG helpers: send a batch's share"),
+    (jpeg_processes._Pending, "wait", "JPEG helpers: wait for the share"),
+    (jpeg_processes.JpegHelpers, "acquire_staging", "JPEG helpers: staging buffer"),
     (gpu_loader.GpuTileLoader, "close", "loader: close"),
     (tiff_backend.TiffSlide, "clear_cache", "slide: clear the cache"),
     (blend.HeatmapBlender, "close", "stitcher finish: close the heatmap"),
