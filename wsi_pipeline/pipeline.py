@@ -145,9 +145,19 @@ class Pipeline:
         self.config = config.replace(model=str(self.card.card_path or config.model or ""))
         self._check_card_config()
         requested = backend if backend != "auto" else config.backend
+        self.jpeg_helpers: JpegHelpers | None = None
         if config.decode != "cpu" and requested in ("auto", *GPU_BACKENDS) and cuda_may_be_present():
             import_gpu_loader_ahead()  # while the model loads
-        self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
+            n = default_helpers(os.cpu_count()) if jpeg_helpers is None else int(jpeg_helpers)
+            if n > 0:
+                self.jpeg_helpers = JpegHelpers(n)
+                self.jpeg_helpers.start_processes()  # they import their modules while the model loads
+        try:
+            self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
+        except BaseException:
+            if self.jpeg_helpers is not None:
+                self.jpeg_helpers.close()
+            raise
         self.batch_size = config.batch_size or min(
             default_batch_size(self.card, self.executor.is_cuda), self.executor.max_batch
         )
@@ -156,12 +166,9 @@ class Pipeline:
             self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
         )
         self.writers = WriterPool(writer_processes)
-        self.jpeg_helpers: JpegHelpers | None = None
-        if self.executor.is_cuda and config.decode != "cpu":
-            n = default_helpers(os.cpu_count()) if jpeg_helpers is None else int(jpeg_helpers)
-            if n > 0:
-                self.jpeg_helpers = JpegHelpers(n)
-                self.jpeg_helpers.start_processes()  # they import while the first slide is planned
+        if self.jpeg_helpers is not None and not self.executor.is_cuda:
+            self.jpeg_helpers.close()  # the backend runs on the CPU: its runs decode there
+            self.jpeg_helpers = None
         self.merging = MergeProcess()  # started by the first slide that uses it
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")

@@ -26,10 +26,11 @@ import contextlib
 import itertools
 import mmap
 import os
+import subprocess
 import sys
 import tempfile
 import threading
-import time
+from collections import deque
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -141,42 +142,135 @@ class SharedStaging:
             self._mm.close()
 
 
-class _Helper:
-    def __init__(self) -> None:
-        self.proc, self.send, self.recv = start_child("wsi_pipeline.tiling.jpeg_processes")
+class _Request:
+    """One request sent to some helpers: a reply expected from each (helpers answer in order)."""
+
+    def __init__(self, count: int):
+        self.remaining = count
+        self.replies: list[tuple] = []
+        self.failure: str | None = None
+        self.done = threading.Event()
+        if count == 0:
+            self.done.set()
+
+    def reply(self, msg: tuple) -> None:
+        self.replies.append(msg)
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.done.set()
+
+    def fail(self, why: str) -> None:
+        if not self.done.is_set():
+            self.failure = why
+            self.done.set()
+
+
+class _Generation:
+    """Helper processes started together, and the thread that reads their replies.
+
+    Each helper answers its requests in order; the reader hands each reply to the request it
+    answers. A helper that ends fails every request still waiting, and the generation with it.
+    """
+
+    def __init__(self, count: int, number: int):
+        self.number = number
+        self.procs: list[subprocess.Popen] = []
+        self.sends: list[Connection] = []
+        self.recvs: list[Connection] = []
+        for _ in range(count):
+            proc, send, recv = start_child("wsi_pipeline.tiling.jpeg_processes")
+            self.procs.append(proc)
+            self.sends.append(send)
+            self.recvs.append(recv)
+        self.queues: list[deque[_Request]] = [deque() for _ in range(count)]
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.reader = threading.Thread(target=self._read, name="jpeg-helpers-replies", daemon=True)
+        self.reader.start()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.broken is None and all(p.poll() is None for p in self.procs)
 
-    def kill(self) -> int | None:
-        for conn in (self.send, self.recv):
+    def send(self, k: int, request: _Request, msg: tuple) -> None:
+        """Send ``msg`` to helper ``k``; its reply goes to ``request`` (sends come from one thread at a
+        time: the owner's lock)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        self.queues[k].append(request)
+        try:
+            self.sends[k].send(msg)
+        except OSError:
+            self.queues[k].pop()
+            raise RuntimeError(f"a JPEG decoding process ended (exit code {self.procs[k].poll()})") from None
+
+    def _read(self) -> None:
+        index = {id(c): k for k, c in enumerate(self.recvs)}
+        open_conns = list(self.recvs)
+        while open_conns:
+            try:
+                ready = wait(open_conns, timeout=1.0)
+            except OSError:
+                break
+            for conn in ready:
+                k = index[id(conn)]
+                try:
+                    msg = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    open_conns.remove(conn)
+                    self.fail(f"a JPEG decoding process ended (exit code {self.procs[k].wait()})")
+                    continue
+                with self.lock:
+                    request = self.queues[k].popleft() if self.queues[k] else None
+                if request is not None:
+                    request.reply(msg)
+        self.fail("the JPEG decoding processes were stopped")
+
+    def fail(self, why: str) -> None:
+        with self.lock:
+            if self.broken is None:
+                self.broken = why
+            waiting = [r for q in self.queues for r in q]
+            for q in self.queues:
+                q.clear()
+        for r in waiting:
+            r.fail(why)
+
+    def stop(self) -> None:
+        self.fail("the JPEG decoding processes were stopped")
+        for send in self.sends:
+            with contextlib.suppress(OSError):
+                send.send(("close",))
+        for conn in (*self.sends, *self.recvs):
             with contextlib.suppress(OSError):
                 conn.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        return self.proc.wait()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 class _Pending:
-    """One batch's share under way in the helpers: :meth:`wait` for it (once)."""
+    """One batch's share under way in the helpers: :meth:`wait` for it."""
 
-    def __init__(self, owner: JpegHelpers, helpers: list[_Helper], slide_path: str, level: int):
-        self.owner, self.helpers, self.slide_path, self.level = owner, helpers, slide_path, level
-        self._waited = False
+    def __init__(self, owner: JpegHelpers, request: _Request, slide_path: str, level: int):
+        self.owner, self.request, self.slide_path, self.level = owner, request, slide_path, level
 
     def wait(self) -> None:
         """Wait for every helper's reply; raises :class:`TileReadError` for a tile that could not be
-        read or decoded, or where a helper died or hung."""
-        if self._waited:
-            return
-        self._waited = True
-        try:
-            replies = self.owner._replies(self.helpers, "decoding stored tiles")
-        except RuntimeError as exc:
-            raise TileReadError(self.slide_path, str(exc), None, self.level) from None
-        finally:
-            self.owner._lock.release()
-        for reply in replies:
+        read or decoded, or where a helper died or hung (the helpers are then started again by
+        the next batch)."""
+        r = self.request
+        if not r.done.wait(self.owner.timeout_s):
+            self.owner._restart_after(f"did not finish decoding stored tiles within {self.owner.timeout_s:.0f} s")
+            raise TileReadError(
+                self.slide_path,
+                f"a JPEG decoding process did not finish decoding stored tiles within {self.owner.timeout_s:.0f} s",
+                None,
+                self.level,
+            )
+        if r.failure is not None:
+            raise TileReadError(self.slide_path, f"{r.failure} while decoding stored tiles", None, self.level)
+        for reply in r.replies:
             if reply[0] == "error":
                 _, where, message = reply
                 raise TileReadError(self.slide_path, f"{where}: {message}", None, self.level)
@@ -184,7 +278,8 @@ class _Pending:
 
 class JpegHelpers:
     """``count`` helper processes (started on first use) decoding stored JPEG tiles into a
-    :class:`SharedStaging`. Thread-safe: one batch's share is decoded at a time.
+    :class:`SharedStaging`. Thread-safe: requests from several threads queue in the helpers, each
+    answered in turn.
 
     ``tile_share``: the share of a GPU run's stored tiles they decode, out of
     :data:`SHARE_PERIOD` (None: :func:`default_share` of ``count``).
@@ -199,87 +294,76 @@ class JpegHelpers:
         self.count = int(count)
         self.tile_share = share
         self.timeout_s = float(timeout_s)
-        self._helpers: list[_Helper] = []
-        self._generation = 0  # counts the starts of helpers: a buffer is mapped by one generation
-        self._lock = threading.Lock()  # one batch's share at a time (start ... wait)
+        self._gen: _Generation | None = None
+        self._generations = itertools.count(1)
+        self._lock = threading.Lock()  # starting and stopping helpers; sending
         self._pool_lock = threading.Lock()
         self._free: list[SharedStaging] = []
         self._closed = False
 
     # -- helpers' life --------------------------------------------------------------------------
-    def _ensure(self) -> list[_Helper]:
+    def _ensure(self) -> _Generation:
+        """The running helpers, started afresh where one has ended (call with ``_lock`` held)."""
         if self._closed:
             raise RuntimeError("the JPEG helper processes are closed")
-        if len(self._helpers) != self.count or not all(h.alive() for h in self._helpers):
-            self._stop()
-            self._helpers = [_Helper() for _ in range(self.count)]
-        return self._helpers
+        if self._gen is None or not self._gen.alive():
+            if self._gen is not None:
+                self._gen.stop()
+            self._gen = _Generation(self.count, next(self._generations))
+        return self._gen
 
-    def _stop(self) -> None:
-        for h in self._helpers:
-            with contextlib.suppress(OSError):
-                h.send.send(("close",))
-            h.kill()
-        self._helpers = []
-        self._generation += 1  # what they mapped is gone with them
+    def _restart_after(self, why: str) -> None:
+        """Stop the helpers (they hang or failed): the next request starts new ones."""
+        with self._lock:
+            if self._gen is not None:
+                self._gen.fail(why)
+                self._gen.stop()
+                self._gen = None
 
-    def _replies(self, helpers: Sequence[_Helper], what: str) -> list[tuple]:
-        """One reply from each of ``helpers``; raises RuntimeError naming the one that died or hung."""
-        pending = {h.recv: h for h in helpers}
-        replies: dict[Connection, tuple] = {}
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self._stop()
-                raise RuntimeError(f"a JPEG decoding process did not finish {what} within {self.timeout_s:.0f} s")
-            for conn in ready:
-                helper = pending.pop(conn)  # type: ignore[index]
-                try:
-                    replies[conn] = conn.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    code = helper.kill()
-                    self._stop()
-                    raise RuntimeError(f"a JPEG decoding process ended while {what} (exit code {code})") from None
-        return [replies[h.recv] for h in helpers]
+    def start_processes(self) -> None:
+        """Start the helpers now (they import their modules while the caller goes on)."""
+        with self._lock:
+            self._ensure()
 
-    def map_buffer(self, staging: SharedStaging) -> None:
-        """Have every helper map ``staging`` (then its file is removed)."""
-        helpers = self._ensure()
-        if staging.generation == self._generation:
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The running helper processes (none before the first use)."""
+        return list(self._gen.procs) if self._gen is not None else []
+
+    def _map(self, gen: _Generation, staging: SharedStaging) -> None:
+        """Have every helper of ``gen`` map ``staging``, then remove its file (``_lock`` held)."""
+        if staging.generation == gen.number:
             return
         if staging.path is None:
             raise RuntimeError("the JPEG decoding processes were started again while this batch was read")
-        for h in helpers:
-            h.send.send(("map", staging.id, staging.path, staging.shape))
-        self._replies(helpers, "mapping a buffer")
-        staging.generation = self._generation
+        request = _Request(self.count)
+        for k in range(self.count):
+            gen.send(k, request, ("map", staging.id, staging.path, staging.shape))
+        if not request.done.wait(self.timeout_s):
+            raise RuntimeError(f"a JPEG decoding process did not map a buffer within {self.timeout_s:.0f} s")
+        if request.failure is not None:
+            raise RuntimeError(request.failure)
+        staging.generation = gen.number
         staging.unlink()
 
     # -- decoding -------------------------------------------------------------------------------
     def start(
         self, slide_path: str, level: int, items: Sequence[tuple[int, int, int]], staging: SharedStaging
     ) -> _Pending:
-        """Start decoding stored tiles ``items`` (``(i, tx, ty)``) of ``level`` into ``staging.array[i]``.
-
-        Returns at once; the caller must call the result's ``wait()`` (one batch's share is under
-        way at a time: another thread's ``start`` waits for that).
-        """
-        self._lock.acquire()
+        """Start decoding stored tiles ``items`` (``(i, tx, ty)``) of ``level`` into ``staging.array[i]``;
+        returns at once: ``wait()`` on the result before reading ``staging``."""
         try:
-            self.map_buffer(staging)
-            helpers = self._helpers
-            n = min(len(helpers), len(items))
-            for k in range(n):
-                helpers[k].send.send(("decode", staging.id, str(slide_path), int(level), list(items[k::n])))
+            with self._lock:
+                gen = self._ensure()
+                self._map(gen, staging)
+                n = min(self.count, len(items))
+                request = _Request(n)
+                for k in range(n):
+                    gen.send(k, request, ("decode", staging.id, str(slide_path), int(level), list(items[k::n])))
         except RuntimeError as exc:
-            self._lock.release()
+            self._restart_after(str(exc))
             raise TileReadError(slide_path, str(exc), None, level) from None
-        except BaseException:
-            self._stop()  # the helpers may have a request they will answer: start afresh
-            self._lock.release()
-            raise
-        return _Pending(self, helpers[:n], str(slide_path), int(level))
+        return _Pending(self, request, str(slide_path), int(level))
 
     def decode(
         self, slide_path: str, level: int, items: Sequence[tuple[int, int, int]], staging: SharedStaging
@@ -295,17 +379,20 @@ class JpegHelpers:
         Buffers are kept for the next batches and runs (:meth:`release_staging`): registering
         memory with CUDA and mapping it in every helper are done once per buffer.
         """
-        with self._lock:
-            self._ensure()  # helpers that ended are replaced now, so a buffer they mapped is not handed out
+        gen = self._gen
+        if gen is None or not gen.alive():
+            with self._lock:  # helpers that ended are replaced now: a buffer they mapped is of no use
+                gen = self._ensure()
         with self._pool_lock:
-            stale = [b for b in self._free if b.path is None and b.generation != self._generation]
-            for b in stale:  # mapped by helpers that ended: of no use to the new ones
+            stale = [b for b in self._free if b.path is None and b.generation != gen.number]
+            for b in stale:
                 self._free.remove(b)
-                b.close()
             fits = [b for b in self._free if b.shape[0] >= slots and b.shape[1:3] == (th, tw)]
             staging = min(fits, key=lambda b: b.shape[0]) if fits else None
             if staging is not None:
                 self._free.remove(staging)
+        for b in stale:
+            b.close()
         if staging is None:
             staging = SharedStaging(-(-max(slots, 1) // 64) * 64, th, tw, cuda)
         if staging.event is not None:
@@ -327,22 +414,20 @@ class JpegHelpers:
     def forget(self, staging: SharedStaging) -> None:
         """The helpers unmap ``staging`` (before it is closed)."""
         with self._lock:
-            if staging.generation != self._generation:
+            gen = self._gen
+            if gen is None or staging.generation != gen.number:
                 return
             staging.generation = None
-            for h in self._helpers:
+            for send in gen.sends:  # no reply comes
                 with contextlib.suppress(OSError):
-                    h.send.send(("unmap", staging.id))
-
-    def start_processes(self) -> None:
-        """Start the helpers now (they import their modules while the caller goes on)."""
-        with self._lock:
-            self._ensure()
+                    send.send(("unmap", staging.id))
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._stop()
+            if self._gen is not None:
+                self._gen.stop()
+                self._gen = None
         with self._pool_lock:
             free, self._free = self._free, []
         for b in free:
