@@ -345,7 +345,9 @@ def test_share_of_the_stored_tiles_is_the_same_along_every_row():
     for share in range(SHARE_PERIOD + 1):
         for ty in range(5):
             assert sum(cpu_share_tile(tx, ty, share) for tx in range(SHARE_PERIOD)) == share
-    assert default_helpers(8) == 0 and default_helpers(16) == 4 and default_helpers(128) == 6
+    assert (
+        default_helpers(8) == 0 and default_helpers(12) == 4 and default_helpers(16) == 6 and default_helpers(128) == 6
+    )
     assert default_share(0) == 0 and 0 < default_share(4) <= SHARE_PERIOD // 2
 
 

@@ -43,11 +43,13 @@ from ..errors import TileReadError
 # A stored tile (tx, ty) goes to the helpers when (tx + 3 * ty) % SHARE_PERIOD < the share's
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
 SHARE_PERIOD = 16
-# One helper decodes about 2,750-4,250 stored tiles/s of the synthetic 32k slide on the GPU
-# machine's cores (libjpeg-turbo, one thread), and nvJPEG about 19,900 during a run
-# (BENCHMARKS.md); the default share splits the work in that ratio.
-_HELPER_TILES_PER_S = 3_500
-_NVJPEG_TILES_PER_S = 19_900
+# The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
+# fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the GPU machine (BENCHMARKS.md,
+# 2026-12-03 16:0x): `Pipeline.run` was fastest with 6 helpers at 8/16 of the tiles of the
+# settings tried, and 4 helpers ran as fast at 5/16 as at 7/16. One helper there decodes about
+# 3,300-3,400 stored tiles/s alone (libjpeg-turbo, one thread); nvJPEG about 22,500 in a run.
+_HELPER_TILES_PER_S = 3_750
+_NVJPEG_TILES_PER_S = 22_500
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
@@ -56,10 +58,10 @@ _KEPT_STAGING = 2
 
 def default_helpers(cpu_count: int | None) -> int:
     """Helper processes a GPU run starts on a machine with ``cpu_count`` cores: none below 12 cores
-    (the loader, executor and stitching threads and the box-merging process need about 8), then
-    one per 2 cores beyond 8, at most 6."""
+    (the loader, executor and stitching threads, the box-merging process and a batch's writers
+    need the rest), then one per 2 cores beyond 4, at most 6 (6 on the 16-core GPU machine)."""
     cores = cpu_count or 1
-    return 0 if cores < 12 else min(6, (cores - 8) // 2)
+    return 0 if cores < 12 else min(6, (cores - 4) // 2)
 
 
 def default_share(helpers: int) -> int:
@@ -394,7 +396,7 @@ class JpegHelpers:
         for b in stale:
             b.close()
         if staging is None:
-            staging = SharedStaging(-(-max(slots, 1) // 64) * 64, th, tw, cuda)
+            staging = SharedStaging(-(-max(slots, 1) // 16) * 16, th, tw, cuda)
         if staging.event is not None:
             staging.event.synchronize()
             staging.event = None
