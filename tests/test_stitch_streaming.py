@@ -53,6 +53,29 @@ def test_streaming_equals_global(method, seed):
     assert m.peak_pending < len(b) / 2  # it held open rows only, not the slide
 
 
+@pytest.mark.parametrize("method", ["nms", "wbf"])
+def test_boxes_taken_while_running_and_the_rest_at_finish_are_finish_alone(method):
+    """What the box-merging process sends as rows are decided, then at the end, in that order."""
+    merged = []
+    for take in (False, True):
+        m = StreamingMerger(method, 0.3, "iou")
+        parts, row = [], -1
+        for r, y0, b, s, lab in _tile_rows(3):
+            if r != row:
+                m.flush(float(y0))
+                row = r
+                got = m.take_decided() if take else None
+                if got is not None:
+                    parts.append(got)
+            m.add(b, s, lab)
+        parts.append(m.finish())
+        assert (len(parts) > 2) == take
+        merged.append(tuple(np.concatenate(p) for p in zip(*parts, strict=True)))
+        assert m.take_decided() is None
+    for a, b in zip(*merged, strict=True):
+        np.testing.assert_array_equal(a, b)  # the same boxes in the same order
+
+
 def test_connected_components():
     lab = connected_components(6, np.array([0, 3, 4]), np.array([1, 4, 5]))
     assert lab.tolist() == [0, 0, 2, 3, 3, 3]

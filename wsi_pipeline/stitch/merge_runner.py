@@ -97,6 +97,8 @@ class _Worker:
         self._lock = threading.Lock()
         # Each open slide's outcome: its merged boxes, or its first failure there.
         self._results: dict[int, Future] = {}
+        # Each open slide's boxes decided so far, sent while it runs (policy.take_decided).
+        self._parts: dict[int, list[Boxes]] = {}
         self.ended: str | None = None  # why the process is gone
         self.send(("path", -1, pickle.dumps(list(sys.path))))  # where the policies' classes are found
         threading.Thread(target=self._replies, name="box-merge-replies", daemon=True).start()
@@ -116,6 +118,7 @@ class _Worker:
         """The Future of a new slide's outcome (failed already where the process is gone)."""
         with self._lock:
             fut = self._results[session] = Future()
+            self._parts[session] = []
             if self.ended is not None:
                 fut.set_exception(self._gone())
         return fut
@@ -133,8 +136,13 @@ class _Worker:
                     continue
                 if kind == "error":
                     fut.set_exception(exception_from(payload))
+                elif kind == "part":
+                    self._parts[session].append(pickle.loads(payload))
                 else:
-                    fut.set_result(pickle.loads(payload))
+                    parts = [*self._parts.pop(session, []), pickle.loads(payload)]
+                    if len(parts) > 1:
+                        parts = [tuple(np.concatenate(p) for p in zip(*parts, strict=True))]
+                    fut.set_result(parts[0])
 
     def _exit_code(self) -> str:
         try:
@@ -153,6 +161,7 @@ class _Worker:
     def forget(self, session: int) -> None:
         with self._lock:
             self._results.pop(session, None)
+            self._parts.pop(session, None)
 
     def stop(self) -> None:
         try:
@@ -290,6 +299,10 @@ def _serve(recv: Connection, send: Connection) -> None:
                 if policy is not None:  # None: an earlier call failed, and was reported
                     method, *args = pickle.loads(payload)
                     getattr(policy, method)(*args)
+                    if method == "row_started":  # where a streaming merge decides boxes
+                        part = policy.take_decided()
+                        if part is not None and len(part[0]):
+                            send.send(("part", session, pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)))
             elif op == "finish":
                 policy = policies.pop(session, None)
                 if policy is None:

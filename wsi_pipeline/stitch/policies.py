@@ -46,7 +46,14 @@ class MergePolicy(ABC):
 
     @abstractmethod
     def finish(self) -> Boxes:
-        """Every kept box (level 0), score and label, in no particular order."""
+        """Every kept box (level 0), score and label, in no particular order (but those taken)."""
+
+    def take_decided(self) -> Boxes | None:
+        """The kept boxes decided since the last take, or None: none (or a policy that decides
+        only at :meth:`finish`). :meth:`finish` then gives the rest; the takes and the finish,
+        concatenated in order, are what :meth:`finish` alone would give. The box-merging process
+        sends them while the slide runs, so that less is left to send at its end."""
+        return None
 
 
 class CrossTileMerge(MergePolicy):
@@ -72,6 +79,9 @@ class CrossTileMerge(MergePolicy):
 
     def finish(self) -> Boxes:
         return self.merger.finish()
+
+    def take_decided(self) -> Boxes | None:
+        return self.merger.take_decided()
 
 
 class TileOwnership(MergePolicy):

@@ -138,11 +138,22 @@ class StreamingMerger:
         order = reading_order(b)
         self._out.append((b[order], scores[order].astype(np.float32), labels[order].astype(np.int32)))
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Decide what is left; (boxes M x 4 float32, scores M float32, labels M int64) of the slide."""
-        self.flush(np.inf)
+    def take_decided(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The boxes decided since the last take (as :meth:`finish` gives them), or None: none.
+
+        :meth:`finish` then gives only the boxes decided after it; the takes and the finish,
+        concatenated in order, are what :meth:`finish` alone would give.
+        """
         if not self._out:
-            return np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64)
+            return None
         b, s, lab = (np.concatenate(parts) for parts in zip(*self._out, strict=True))
         self._out = []
         return b, s, lab.astype(np.int64)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Decide what is left; (boxes M x 4 float32, scores M float32, labels M int64) of the slide."""
+        self.flush(np.inf)
+        rest = self.take_decided()
+        if rest is None:
+            return np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64)
+        return rest
