@@ -8,7 +8,8 @@ the threads that read tiles, feed the model and stitch then wait for. In a
 process of its own (:class:`MergeProcess`, one per pipeline, started on
 first use as ``python -m wsi_pipeline.stitch.merge_runner`` and shared by
 its slides) it takes none of that time: only a row's boxes cross over,
-pickled, and the merged boxes come back once per slide. Both run the same
+pickled, and the merged boxes come back as rows are decided
+(:meth:`~.policies.MergePolicy.take_decided`) and the rest at the slide's end. Both run the same
 policy object, so they give the same boxes (tests check it).
 """
 
