@@ -27,6 +27,11 @@ Two stored-tile decoders (``jpeg_decoder``):
     libjpeg-turbo (imagecodecs) in a thread pool, straight into a pinned
     staging buffer, then one H2D copy: the CPU reader's pixels exactly.
 
+With ``"nvjpeg"`` and :class:`~.jpeg_processes.JpegHelpers` (``helpers``,
+``helper_share``), helper processes decode a fixed share of each batch's
+stored tiles with libjpeg-turbo while nvJPEG decodes the rest
+(:mod:`.jpeg_processes`; a pipeline on CUDA starts them).
+
 Measured on one H200 with 16 cores (docs/gpu.md): nvJPEG about 4,300 and
 the threads about 2,500 patches/s alone; torchvision runs one nvJPEG call
 at a time (a global lock), so more loader threads do not help it.
@@ -414,7 +419,8 @@ class GpuTileDecoder:
         stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
 
     def _decode_shared(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        """nvJPEG decodes ``slots`` but the helpers' share (:func:`cpu_share_tile`), at the same time."""
+        """Decode ``slots``: the helper processes their share (:func:`cpu_share_tile`) into a shared
+        staging buffer, then one copy to the device; nvJPEG the rest, at the same time."""
         helpers = self.helpers
         assert helpers is not None
         mine = [s for s in slots if cpu_share_tile(s[1], s[2], self.helper_share)]

@@ -101,7 +101,7 @@ class SharedStaging:
     """A host buffer of ``slots`` stored tiles (``slots x th x tw x 3`` uint8) shared with the helpers.
 
     The file behind it is removed once every helper has mapped it (:meth:`JpegHelpers.map_buffer`), so
-    nothing is left behind when a process is killed. With ``cuda`` the buffer is page-locked
+    a process killed after that leaves nothing behind. With ``cuda`` the buffer is page-locked
     (``cudaHostRegister``), so a copy to the device from it is asynchronous. ``event``: the CUDA
     event after the last copy out of it (None: none pending).
     """
