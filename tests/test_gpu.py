@@ -199,7 +199,7 @@ def test_jpeg_helper_processes_share_of_a_gpu_run(tmp_path, share):
 
     def read(batch_size, helpers=None):
         got = {}
-        loader = GpuTileLoader(slide, tiles, batch_size=batch_size, helpers=helpers, helper_share=share)
+        loader = GpuTileLoader(slide, tiles, batch_size=batch_size, helpers=helpers)
         for b in loader:
             b.ready.synchronize()
             for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True):

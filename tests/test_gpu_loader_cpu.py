@@ -301,7 +301,7 @@ def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_pat
 def jpeg_helpers():
     from wsi_pipeline.tiling.jpeg_processes import JpegHelpers
 
-    helpers = JpegHelpers(2, timeout_s=60)
+    helpers = JpegHelpers(2, 16, timeout_s=60)  # every stored tile by the helpers
     yield helpers
     helpers.close()
 
@@ -318,13 +318,17 @@ def _stored_tile_of_each_pixel(slide, tiles) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("share", [5, 16])
-def test_helper_processes_decode_their_share_with_the_cpu_readers_pixels(slide_path, jpeg_helpers, share):
-    from wsi_pipeline.tiling.jpeg_processes import cpu_share_tile
+def test_helper_processes_decode_their_share_with_the_cpu_readers_pixels(slide_path, share):
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers, cpu_share_tile
 
     slide = TiffSlide(slide_path)
     tiles = _tissue_with_gaps(TileGrid(slide))
-    loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=jpeg_helpers, helper_share=share)
-    got = _in_thread(lambda: _read_all(loader))
+    helpers = JpegHelpers(2, share, timeout_s=60)
+    try:
+        loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers)
+        got = _in_thread(lambda: _read_all(loader))
+    finally:
+        helpers.close()
     nvjpeg = _in_thread(lambda: _read_all(GpuTileLoader(slide, tiles, batch_size=5, device="cpu")))
     got, nvjpeg = (np.stack([d[t.index] for t in tiles]) for d in (got, nvjpeg))
     cpu = np.stack([read_tile(slide, t) for t in tiles])
@@ -362,9 +366,7 @@ def test_a_damaged_tile_in_the_helpers_share_is_named(tmp_path, slide_path, jpeg
         across = s.tile_grid_shape(0)[2]
     i = corrupt_stored_tile(broken, index=across + 1)  # stored tile (1, 1): the helpers' at share 16
     slide = TiffSlide(broken)
-    loader = GpuTileLoader(
-        slide, list(TileGrid(slide)), batch_size=3, device="cpu", helpers=jpeg_helpers, helper_share=16
-    )
+    loader = GpuTileLoader(slide, list(TileGrid(slide)), batch_size=3, device="cpu", helpers=jpeg_helpers)
     with pytest.raises(TileReadError, match=rf"broken.tif: cannot decode stored tile \({i % across}, {i // across}\)"):
         _in_thread(lambda: _read_all(loader))
 
@@ -377,10 +379,10 @@ def test_helpers_that_hang_fail_the_batch_and_ended_ones_are_replaced(slide_path
 
     slide = TiffSlide(slide_path)
     tiles = list(TileGrid(slide))
-    helpers = JpegHelpers(2, timeout_s=2)
+    helpers = JpegHelpers(2, 16, timeout_s=2)
 
     def run_all() -> dict:
-        loader = GpuTileLoader(slide, tiles, batch_size=3, device="cpu", helpers=helpers, helper_share=16)
+        loader = GpuTileLoader(slide, tiles, batch_size=3, device="cpu", helpers=helpers)
         return _in_thread(lambda: _read_all(loader))
 
     try:
@@ -417,9 +419,9 @@ def test_without_room_for_the_shared_buffer_nvjpeg_decodes_everything(slide_path
     monkeypatch.setattr(jpeg_processes, "_shared_file", no_room)
     slide = TiffSlide(slide_path)
     tiles = _tissue_with_gaps(TileGrid(slide))
-    helpers = JpegHelpers(1)
+    helpers = JpegHelpers(1, 8)
     try:
-        loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers, helper_share=8)
+        loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers)
         got = _in_thread(lambda: _read_all(loader))
     finally:
         helpers.close()

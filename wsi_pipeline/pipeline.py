@@ -401,9 +401,8 @@ class Pipeline:
         cfg, cuda = self.config, self.executor.is_cuda
         where, why = choose_tile_decode(slide, tiles, cfg.decode, cfg.on_damaged_tile, self.backend_name, cuda)
         helpers = self.jpeg_helpers if where == "gpu" else None
-        share = helpers.tile_share if helpers is not None else 0
-        if share:
-            why += f", {share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
+        if helpers is not None and helpers.tile_share:
+            why += f", {helpers.tile_share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
         log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
         loader, read_seconds = make_slide_loader(
             slide,
@@ -414,7 +413,6 @@ class Pipeline:
             reader_workers=self.reader_workers,
             device=str(self.executor.backend.device) if cuda else None,
             jpeg_helpers=helpers,
-            helper_share=share,
         )
         with loader:
             on_device = stitcher.heatmap_device is not None

@@ -27,8 +27,8 @@ Two stored-tile decoders (``jpeg_decoder``):
     libjpeg-turbo (imagecodecs) in a thread pool, straight into a pinned
     staging buffer, then one H2D copy: the CPU reader's pixels exactly.
 
-With ``"nvjpeg"`` and :class:`~.jpeg_processes.JpegHelpers` (``helpers``,
-``helper_share``), helper processes decode a fixed share of each batch's
+With ``"nvjpeg"`` and :class:`~.jpeg_processes.JpegHelpers` (``helpers``), helper
+processes decode a fixed share (``helpers.tile_share``) of each batch's
 stored tiles with libjpeg-turbo while nvJPEG decodes the rest
 (:mod:`.jpeg_processes`; a pipeline on CUDA starts them).
 
@@ -60,7 +60,7 @@ import numpy as np
 
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
-from .jpeg_processes import SHARE_PERIOD, JpegHelpers, cpu_share_tile
+from .jpeg_processes import JpegHelpers, cpu_share_tile
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +270,6 @@ class GpuTileDecoder:
         jpeg_decoder: str = "nvjpeg",
         threads: int | None = None,
         helpers: JpegHelpers | None = None,
-        helper_share: int = 0,
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
@@ -278,13 +277,10 @@ class GpuTileDecoder:
             raise ConfigError(
                 "jpeg_decoder 'nvjpeg': this torchvision has no JPEG decoding ops with the expected arguments"
             )
-        if not 0 <= helper_share <= SHARE_PERIOD:
-            raise ConfigError(f"helper_share: expected 0..{SHARE_PERIOD}, found {helper_share}")
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
-        # With "nvjpeg": helper processes decode helper_share / SHARE_PERIOD of the stored tiles.
-        self.helpers = helpers if helper_share else None
-        self.helper_share = int(helper_share) if helpers is not None else 0
+        # With "nvjpeg": helper processes decode helpers.tile_share / SHARE_PERIOD of the stored tiles.
+        self.helpers = helpers if helpers is not None and helpers.tile_share else None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         if slide.stored_tile_format(0) is None:
@@ -423,11 +419,12 @@ class GpuTileDecoder:
         staging buffer, then one copy to the device; nvJPEG the rest, at the same time."""
         helpers = self.helpers
         assert helpers is not None
-        mine = [s for s in slots if cpu_share_tile(s[1], s[2], self.helper_share)]
+        mine, rest = [], []
+        for s in slots:
+            (mine if cpu_share_tile(s[1], s[2], helpers.tile_share) else rest).append(s)
         if not mine:
             self._decode_nvjpeg(stored, level, slots, th, tw)
             return
-        rest = [s for s in slots if not cpu_share_tile(s[1], s[2], self.helper_share)]
         try:
             staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
         except OSError as exc:  # no room for the shared buffer: nvJPEG decodes the whole batch
@@ -642,13 +639,10 @@ class GpuTileLoader:
         jpeg_decoder: str = "nvjpeg",
         jpeg_threads: int | None = None,
         helpers: JpegHelpers | None = None,
-        helper_share: int = 0,
     ):
         if batch_size < 1 or prefetch < 1 or decode_threads < 1:
             raise ValueError("batch_size, prefetch and decode_threads must be at least 1")
-        self.decoder = GpuTileDecoder(
-            slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads, helpers=helpers, helper_share=helper_share
-        )
+        self.decoder = GpuTileDecoder(slide, device, jpeg_decoder=jpeg_decoder, threads=jpeg_threads, helpers=helpers)
         self.tiles = list(tiles)
         if self.tiles:
             self.decoder._check(self.tiles)

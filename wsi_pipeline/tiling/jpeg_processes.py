@@ -46,8 +46,9 @@ SHARE_PERIOD = 16
 # The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
 # fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the GPU machine (BENCHMARKS.md,
 # 2026-12-03 16:0x): `Pipeline.run` was fastest with 6 helpers at 8/16 of the tiles of the
-# settings tried, and 4 helpers ran as fast at 5/16 as at 7/16. One helper there decodes about
-# 3,300-3,400 stored tiles/s alone (libjpeg-turbo, one thread); nvJPEG about 22,500 in a run.
+# settings tried, and 4 helpers ran as fast at 5/16 as at 7/16. There libjpeg-turbo on one thread
+# decoded 3,307-3,422 stored tiles/s alone (bench_product_gpu.py's ceiling), and nvJPEG
+# 20,500-22,500 during a run (trace_gpu_run.py: stored tiles it decoded / its busy time).
 _HELPER_TILES_PER_S = 3_750
 _NVJPEG_TILES_PER_S = 22_500
 # Seconds a helper may take over one batch's share before it counts as hung.

@@ -99,15 +99,14 @@ def make_slide_loader(
     reader_workers: int,
     device: str | None = None,
     jpeg_helpers: Any = None,
-    helper_share: int = 0,
 ) -> tuple[Any, Callable[[], float]]:
     """The loader of a run, and a function giving its reader threads' seconds so far.
 
     ``where``: :func:`choose_tile_decode`'s answer. ``batch_size``: the
     executor's batch; ``streams``: its streams (batches in flight);
     ``reader_workers``: CPU reader threads; ``device``: the CUDA device of GPU
-    decoding (whose reads are not timed: 0); ``jpeg_helpers``, ``helper_share``:
-    processes that decode that share of the stored tiles on a GPU run
+    decoding (whose reads are not timed: 0); ``jpeg_helpers``:
+    processes that decode their share of the stored tiles on a GPU run
     (:mod:`.jpeg_processes`).
     """
     if where == "gpu":
@@ -121,7 +120,6 @@ def make_slide_loader(
             prefetch=streams + 1,
             decode_threads=GPU_DECODE_THREADS,
             helpers=jpeg_helpers,
-            helper_share=helper_share,
         )
         return loader, lambda: 0.0
     read = _TimedRead()
