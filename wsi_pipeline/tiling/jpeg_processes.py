@@ -368,14 +368,6 @@ class JpegHelpers:
             raise TileReadError(slide_path, str(exc), None, level) from None
         return _Pending(self, request, str(slide_path), int(level))
 
-    def decode(
-        self, slide_path: str, level: int, items: Sequence[tuple[int, int, int]], staging: SharedStaging
-    ) -> None:
-        """:meth:`start`, then wait. Raises :class:`TileReadError` for a tile that cannot be read or
-        decoded, or where a helper dies or hangs (the next call then starts new helpers)."""
-        if items:
-            self.start(slide_path, level, items, staging).wait()
-
     def acquire_staging(self, slots: int, th: int, tw: int, cuda: bool) -> SharedStaging:
         """A staging buffer of at least ``slots`` stored tiles, free to write (its last copy done).
 
