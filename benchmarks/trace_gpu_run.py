@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import re
 import sys
@@ -51,6 +52,18 @@ _totals: dict = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
 # Every timed call of the run being recorded, (thread, label, start s, end s), with --events.
 _events: list | None = None
+# The interpreter's garbage collections: [seconds, count] per generation, while a run is timed.
+_gc: dict[int, list] = collections.defaultdict(lambda: [0.0, 0])
+_gc_start: list[float] = []
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[:] = [time.perf_counter()]
+    elif _gc_start:
+        entry = _gc[info["generation"]]
+        entry[0] += time.perf_counter() - _gc_start[0]
+        entry[1] += 1
 
 
 def _thread() -> str:
@@ -89,6 +102,7 @@ RUN_SITES = [
     (executor._DeviceDecoder, "finish", "host decoder"),
     (torch.cuda.Event, "synchronize", "CUDA event wait"),
     (torch_backend.TorchRunner, "run", "model launch (graph replay)"),
+    (torch_backend.TorchRunner, "_capture", "model: capture a batch size's graph"),
     (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
     (stitcher.Stitcher, "finish", "stitcher finish"),
     # before the first batch and after the last
@@ -131,6 +145,10 @@ def install(sites: list) -> None:
 
 
 def _print_totals(wall: float) -> None:
+    print(
+        "  garbage collections: "
+        + ", ".join(f"generation {g}: {n} in {sec * 1000:.1f} ms" for g, (sec, n) in sorted(_gc.items()))
+    )
     for (thread, label), (sec, calls) in sorted(_totals.items(), key=lambda kv: (kv[0][0], -kv[1][0])):
         print(f"  {thread:<16} {label:<30} {sec:7.3f} s {sec / wall:6.1%} of the run  {calls:6d} calls")
 
@@ -143,6 +161,7 @@ def trace_batch(pipe: Pipeline, slide: str, n: int, out: Path) -> None:
     marks: dict[str, list[float]] = {}
     finishing: list[threading.Thread] = []
     _totals.clear()
+    _gc.clear()
     t0 = time.perf_counter()
 
     def finish(started: StartedSlide) -> None:
@@ -185,7 +204,11 @@ def main() -> int:
     ap.add_argument("--events", type=Path, help="write the last run's timed calls here (JSON), with a summary")
     args = ap.parse_args()
     install(RUN_SITES)
+    gc.callbacks.append(_gc_callback)
+    t_build = time.perf_counter()
     with Pipeline.from_card(backend=args.backend) as pipe:
+        print(f"pipeline built in {time.perf_counter() - t_build:.2f} s")
+        _print_totals(time.perf_counter() - t_build)
         if args.batch:  # no warm-up: a batch's first slide is its process's first
             install(OUTPUT_SITES)
             trace_batch(pipe, args.slide, args.batch, args.out)
@@ -194,6 +217,7 @@ def main() -> int:
         global _events
         for _ in range(args.runs):
             _totals.clear()
+            _gc.clear()
             _events = [] if args.events else None
             cuda = torch.cuda.is_available()
             segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
