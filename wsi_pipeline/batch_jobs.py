@@ -86,7 +86,9 @@ class PipelineFactory:
         try:
             if self.card is not None:
                 verify_model_file(self.card)
-            return Pipeline(self.card or self.config.model, backend=self.config.backend, config=self.config)
+            return Pipeline(
+                self.card or self.config.model, backend=self.config.backend, config=self.config, start_workers=True
+            )
         except (ConfigError, ModelError) as exc:
             raise UsageError(str(exc)) from exc
         except BackendUnavailableError as exc:

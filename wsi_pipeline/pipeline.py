@@ -121,6 +121,9 @@ class Pipeline:
             a share of the stored JPEG tiles with libjpeg-turbo meanwhile
             (:mod:`.tiling.jpeg_processes`); None: as many as the machine's
             cores allow (:func:`~.tiling.jpeg_processes.default_helpers`), 0: none.
+        start_workers: start the writer processes and the box-merging process
+            now, while the model loads, rather than with the first slide that
+            needs them (a batch does: its slides write files).
 
     :meth:`run` is thread-safe: calls on arrays from several threads share
     batches through a :class:`TileService` (dynamic batching, waiting at most
@@ -135,6 +138,7 @@ class Pipeline:
         max_wait_s: float = 0.005,
         writer_processes: int = DEFAULT_WRITER_PROCESSES,
         jpeg_helpers: int | None = None,
+        start_workers: bool = False,
         **overrides: Any,
     ):
         check_not_importing_main()
@@ -152,11 +156,18 @@ class Pipeline:
             if n > 0:
                 self.jpeg_helpers = JpegHelpers(n)
                 self.jpeg_helpers.start_processes()  # they import their modules while the model loads
+        self.writers = WriterPool(writer_processes)
+        self.merging = MergeProcess()  # started by the first slide that uses it, or here
+        if start_workers:  # their imports overlap the model's load
+            self.writers.start()
+            self.merging.start()
         try:
             self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
         except BaseException:
             if self.jpeg_helpers is not None:
                 self.jpeg_helpers.close()
+            self.writers.close()
+            self.merging.close()
             raise
         self.batch_size = config.batch_size or min(
             default_batch_size(self.card, self.executor.is_cuda), self.executor.max_batch
@@ -165,11 +176,9 @@ class Pipeline:
         self.service = TileService(
             self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
         )
-        self.writers = WriterPool(writer_processes)
         if self.jpeg_helpers is not None and not self.executor.is_cuda:
             self.jpeg_helpers.close()  # the backend runs on the CPU: its runs decode there
             self.jpeg_helpers = None
-        self.merging = MergeProcess()  # started by the first slide that uses it
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False

@@ -391,7 +391,33 @@ def _close_plan(fut: Future) -> None:
         fut.add_done_callback(close)
 
 
+# glibc's mallopt parameter for the size from which each block is mapped on its own.
+_M_MMAP_THRESHOLD = -3
+# Blocks of this many bytes or more are mapped on their own in the slide process.
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def map_large_blocks_alone(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Have glibc's malloc map every block of ``threshold`` bytes or more on its own, so that it goes
+    back to the system when freed; False where that cannot be set (not glibc).
+
+    By default glibc raises that threshold to the largest mapped block freed so far (up to 32 MiB)
+    and carves smaller blocks from its heaps, which seldom shrink. A slide process cycles each
+    slide's arrays of 1-30 MB through several threads, and grew that way: over four 8k slides its
+    peak went from 651 to 738 MB, against 593-596 MB with this setting (BENCHMARKS.md).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: list[str]) -> None:
+    map_large_blocks_alone()
     _serve(*child_connections(argv))
     # Every slide is written and the pipeline closed; the parent waits for this process to end.
     # The interpreter's own teardown (torch's and its CUDA context's) adds nothing but that wait.

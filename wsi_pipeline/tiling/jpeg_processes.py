@@ -44,13 +44,15 @@ from ..errors import TileReadError
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
 SHARE_PERIOD = 16
 # The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
-# fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the GPU machine (BENCHMARKS.md,
-# 2026-12-03 16:0x): `Pipeline.run` was fastest with 6 helpers at 8/16 of the tiles of the
-# settings tried, and 4 helpers ran as fast at 5/16 as at 7/16. There libjpeg-turbo on one thread
-# decoded 3,307-3,422 stored tiles/s alone (bench_product_gpu.py's ceiling), and nvJPEG
-# 20,500-22,500 during a run (trace_gpu_run.py: stored tiles it decoded / its busy time).
-_HELPER_TILES_PER_S = 3_750
-_NVJPEG_TILES_PER_S = 22_500
+# fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (BENCHMARKS.md,
+# 2026-12-03 17:3x): `Pipeline.run` was fastest with 8 helpers at 10/16 of the stored tiles (median
+# 5,941 tiles/s, against 4,752 for 6 at 8/16 and 4,835-5,560 at 12/16). There libjpeg-turbo on one
+# thread decoded 2,831 stored tiles/s alone (bench_product_gpu.py's ceiling), and nvJPEG 15,200
+# during a run where it had half the tiles (trace_gpu_run.py: stored tiles it decoded / its busy
+# time). nvJPEG keeps at least 4/16: the helpers' share sizes their staging buffers.
+_HELPER_TILES_PER_S = 2_830
+_NVJPEG_TILES_PER_S = 15_200
+_MAX_SHARE = 12
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
@@ -60,9 +62,9 @@ _KEPT_STAGING = 2
 def default_helpers(cpu_count: int | None) -> int:
     """Helper processes a GPU run starts on a machine with ``cpu_count`` cores: none below 12 cores
     (the loader, executor and stitching threads, the box-merging process and a batch's writers
-    need the rest), then one per 2 cores beyond 4, at most 6 (6 on the 16-core GPU machine)."""
+    need the rest), then one per 2 cores, at most 8 (8 on the 16-core GPU machine)."""
     cores = cpu_count or 1
-    return 0 if cores < 12 else min(6, (cores - 4) // 2)
+    return 0 if cores < 12 else min(8, cores // 2)
 
 
 def default_share(helpers: int) -> int:
@@ -70,7 +72,7 @@ def default_share(helpers: int) -> int:
     if helpers <= 0:
         return 0
     cpu = helpers * _HELPER_TILES_PER_S
-    return max(1, min(SHARE_PERIOD // 2, round(SHARE_PERIOD * cpu / (cpu + _NVJPEG_TILES_PER_S))))
+    return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + _NVJPEG_TILES_PER_S))))
 
 
 def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
