@@ -86,9 +86,7 @@ class PipelineFactory:
         try:
             if self.card is not None:
                 verify_model_file(self.card)
-            return Pipeline(
-                self.card or self.config.model, backend=self.config.backend, config=self.config, start_workers=True
-            )
+            return Pipeline(self.card or self.config.model, backend=self.config.backend, config=self.config)
         except (ConfigError, ModelError) as exc:
             raise UsageError(str(exc)) from exc
         except BackendUnavailableError as exc:

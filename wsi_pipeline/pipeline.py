@@ -121,9 +121,6 @@ class Pipeline:
             a share of the stored JPEG tiles with libjpeg-turbo meanwhile
             (:mod:`.tiling.jpeg_processes`); None: as many as the machine's
             cores allow (:func:`~.tiling.jpeg_processes.default_helpers`), 0: none.
-        start_workers: start the writer processes and the box-merging process
-            now, while the model loads, rather than with the first slide that
-            needs them (a batch does: its slides write files).
 
     :meth:`run` is thread-safe: calls on arrays from several threads share
     batches through a :class:`TileService` (dynamic batching, waiting at most
@@ -138,7 +135,6 @@ class Pipeline:
         max_wait_s: float = 0.005,
         writer_processes: int = DEFAULT_WRITER_PROCESSES,
         jpeg_helpers: int | None = None,
-        start_workers: bool = False,
         **overrides: Any,
     ):
         check_not_importing_main()
@@ -157,10 +153,7 @@ class Pipeline:
                 self.jpeg_helpers = JpegHelpers(n)
                 self.jpeg_helpers.start_processes()  # they import their modules while the model loads
         self.writers = WriterPool(writer_processes)
-        self.merging = MergeProcess()  # started by the first slide that uses it, or here
-        if start_workers:  # their imports overlap the model's load
-            self.writers.start()
-            self.merging.start()
+        self.merging = MergeProcess()  # started by the first slide that uses it
         try:
             self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
         except BaseException:
