@@ -45,11 +45,12 @@ from ..errors import TileReadError
 SHARE_PERIOD = 16
 # The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
 # fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (BENCHMARKS.md,
-# 2026-12-03 17:3x): `Pipeline.run` was fastest with 8 helpers at 10/16 of the stored tiles (median
-# 5,941 tiles/s, against 4,752 for 6 at 8/16 and 4,835-5,560 at 12/16). There libjpeg-turbo on one
-# thread decoded 2,831 stored tiles/s alone (bench_product_gpu.py's ceiling), and nvJPEG 15,200
-# during a run where it had half the tiles (trace_gpu_run.py: stored tiles it decoded / its busy
-# time). nvJPEG keeps at least 4/16: the helpers' share sizes their staging buffers.
+# 2026-12-03 17:0x-17:5x): `Pipeline.run` was fastest with 8 helpers at 10/16 of the stored tiles
+# (median 5,941 tiles/s, against 4,752 for 6 at 8/16 and 4,835-5,560 at 12/16; in a second sweep
+# 8 at 9/16 led, within the runs' spread). There libjpeg-turbo on one thread decoded 2,831 stored
+# tiles/s alone (bench_product_gpu.py's ceiling), and nvJPEG 15,200 during a run where it had half
+# the tiles (trace_gpu_run.py: stored tiles it decoded / its busy time). nvJPEG keeps at least
+# 4/16: the share also sizes the helpers' staging buffers.
 _HELPER_TILES_PER_S = 2_830
 _NVJPEG_TILES_PER_S = 15_200
 _MAX_SHARE = 12
