@@ -152,15 +152,11 @@ class Pipeline:
             if n > 0:
                 self.jpeg_helpers = JpegHelpers(n)
                 self.jpeg_helpers.start_processes()  # they import their modules while the model loads
-        self.writers = WriterPool(writer_processes)
-        self.merging = MergeProcess()  # started by the first slide that uses it
         try:
             self.executor, self.backend_name = make_executor(self.card, requested, config.streams, config.batch_size)
         except BaseException:
             if self.jpeg_helpers is not None:
                 self.jpeg_helpers.close()
-            self.writers.close()
-            self.merging.close()
             raise
         self.batch_size = config.batch_size or min(
             default_batch_size(self.card, self.executor.is_cuda), self.executor.max_batch
@@ -169,9 +165,11 @@ class Pipeline:
         self.service = TileService(
             self.executor.infer_tiles, max_batch=self.batch_size, workers=self.executor.streams, max_wait_s=max_wait_s
         )
+        self.writers = WriterPool(writer_processes)
         if self.jpeg_helpers is not None and not self.executor.is_cuda:
             self.jpeg_helpers.close()  # the backend runs on the CPU: its runs decode there
             self.jpeg_helpers = None
+        self.merging = MergeProcess()  # started by the first slide that uses it
         # Finishes one run's output folder at a time, while the next run goes on.
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False
