@@ -317,19 +317,25 @@ def _stored_tile_of_each_pixel(slide, tiles) -> tuple[np.ndarray, np.ndarray]:
     return tx, ty
 
 
-@pytest.mark.parametrize("share", [5, 16])
-def test_helper_processes_decode_their_share_with_the_cpu_readers_pixels(slide_path, share):
-    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers, cpu_share_tile
-
-    slide = TiffSlide(slide_path)
-    tiles = _tissue_with_gaps(TileGrid(slide))
-    helpers = JpegHelpers(2, share, timeout_s=60)
+def _read_with_and_without_helpers(slide, tiles, helpers):
+    """(the loader run with ``helpers``, its pixels by tile index, the pixels without helpers);
+    ``helpers`` are closed after their run."""
     try:
         loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers)
         got = _in_thread(lambda: _read_all(loader))
     finally:
         helpers.close()
     nvjpeg = _in_thread(lambda: _read_all(GpuTileLoader(slide, tiles, batch_size=5, device="cpu")))
+    return loader, got, nvjpeg
+
+
+@pytest.mark.parametrize("share", [5, 16])
+def test_helper_processes_decode_their_share_with_the_cpu_readers_pixels(slide_path, share):
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers, cpu_share_tile
+
+    slide = TiffSlide(slide_path)
+    tiles = _tissue_with_gaps(TileGrid(slide))
+    loader, got, nvjpeg = _read_with_and_without_helpers(slide, tiles, JpegHelpers(2, share, timeout_s=60))
     got, nvjpeg = (np.stack([d[t.index] for t in tiles]) for d in (got, nvjpeg))
     cpu = np.stack([read_tile(slide, t) for t in tiles])
     tx, ty = _stored_tile_of_each_pixel(slide, tiles)
@@ -421,13 +427,7 @@ def test_without_room_for_the_shared_buffer_nvjpeg_decodes_everything(slide_path
     monkeypatch.setattr(jpeg_processes, "_shared_file", no_room)
     slide = TiffSlide(slide_path)
     tiles = _tissue_with_gaps(TileGrid(slide))
-    helpers = JpegHelpers(1, 8)
-    try:
-        loader = GpuTileLoader(slide, tiles, batch_size=5, device="cpu", helpers=helpers)
-        got = _in_thread(lambda: _read_all(loader))
-    finally:
-        helpers.close()
-    nvjpeg = _in_thread(lambda: _read_all(GpuTileLoader(slide, tiles, batch_size=5, device="cpu")))
+    loader, got, nvjpeg = _read_with_and_without_helpers(slide, tiles, JpegHelpers(1, 8))
     for t in tiles:
         np.testing.assert_array_equal(got[t.index], nvjpeg[t.index])
     assert loader.decoder.stored_tiles_by_helpers == 0

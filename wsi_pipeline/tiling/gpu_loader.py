@@ -60,7 +60,7 @@ import numpy as np
 
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
-from .jpeg_processes import JpegHelpers, cpu_share_tile
+from .jpeg_processes import JpegHelpers, cpu_share_tile, decode_stored_tile
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +378,6 @@ class GpuTileDecoder:
         return buf, event
 
     def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        import imagecodecs
-
         m = len(slots)
         staging, event = self._staging(m, th, tw)
         host = staging.numpy()
@@ -389,11 +387,8 @@ class GpuTileDecoder:
         def run(chunk: list) -> None:
             for i, (_, tx, ty) in chunk:
                 raw = slide.raw_tile_jpeg(level, tx, ty)
-                if not raw:
-                    host[i] = background
-                    continue
                 try:
-                    imagecodecs.jpeg8_decode(raw, out=host[i])
+                    decode_stored_tile(raw, host[i], background)
                 except Exception as exc:  # imagecodecs raises its own error types
                     raise self._fail(level, tx, ty, exc) from exc
 

@@ -81,6 +81,18 @@ def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
     return (tx + 3 * ty) % SHARE_PERIOD < share
 
 
+def decode_stored_tile(raw: bytes, out: np.ndarray, background_rgb: Sequence[int]) -> None:
+    """Decode a stored JPEG tile's stream (:meth:`~..slide.base.Slide.raw_tile_jpeg`) with
+    libjpeg-turbo into ``out`` (``th x tw x 3`` uint8); an empty stream (a tile stored empty) is
+    the slide's background. Raises what imagecodecs raises for a stream it cannot decode."""
+    import imagecodecs
+
+    if raw:
+        imagecodecs.jpeg8_decode(raw, out=out)
+    else:
+        out[...] = background_rgb
+
+
 def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
     """A new file of ``nbytes`` mapped shared: in ``/dev/shm`` where it has the room, else in the
     temporary folder. Its space is allocated now (``posix_fallocate``), so that a full ``/dev/shm``
@@ -104,7 +116,8 @@ def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
 class SharedStaging:
     """A host buffer of ``slots`` stored tiles (``slots x th x tw x 3`` uint8) shared with the helpers.
 
-    The file behind it is removed once every helper has mapped it (:meth:`JpegHelpers.map_buffer`), so
+    The file behind it is removed once every helper has mapped it (with the first batch
+    :meth:`JpegHelpers.start` sends for it), so
     a process killed after that leaves nothing behind. With ``cuda`` the buffer is page-locked
     (``cudaHostRegister``), so a copy to the device from it is asynchronous. ``event``: the CUDA
     event after the last copy out of it (None: none pending).
@@ -126,7 +139,7 @@ class SharedStaging:
             err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
             self._registered = int(err) == 0  # else the copies are synchronous: slower, still right
         self.event: Any = None
-        self.generation: int | None = None  # of the helpers that mapped it (JpegHelpers.map_buffer)
+        self.generation: int | None = None  # of the helpers that mapped it (JpegHelpers.start)
 
     def unlink(self) -> None:
         if self.path is not None:
@@ -434,8 +447,6 @@ class JpegHelpers:
 
 # -- a helper process ---------------------------------------------------------------------------
 def _serve(recv: Connection, send: Connection) -> None:
-    import imagecodecs
-
     from ..slide.tiff_backend import TiffSlide
 
     buffers: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
@@ -470,11 +481,7 @@ def _serve(recv: Connection, send: Connection) -> None:
                 background = tuple(slide.background_rgb)
                 for i, tx, ty in items:
                     where = f"cannot decode stored tile ({tx}, {ty}) of level {level}"
-                    raw = slide.raw_tile_jpeg(level, tx, ty)
-                    if raw:
-                        imagecodecs.jpeg8_decode(raw, out=out[i])
-                    else:
-                        out[i] = background
+                    decode_stored_tile(slide.raw_tile_jpeg(level, tx, ty), out[i], background)
                 send.send(("done",))
             except Exception as exc:  # imagecodecs and tifffile raise their own types
                 send.send(("error", where, str(exc) or type(exc).__name__))
@@ -489,6 +496,7 @@ __all__ = [
     "JpegHelpers",
     "SharedStaging",
     "cpu_share_tile",
+    "decode_stored_tile",
     "default_helpers",
     "default_share",
 ]
