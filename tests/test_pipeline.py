@@ -17,6 +17,7 @@ from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.models.evaluate import detection_counts, dice
 from wsi_pipeline.pipeline import OUTPUT_FILES
+from wsi_pipeline.result import PendingResult, Result
 from wsi_pipeline.synthetic import SyntheticScene, load_truth, write_synthetic_slide
 
 INDUSTRIAL = "engines/defects_industrial.card.json"
@@ -258,6 +259,46 @@ def test_outputs_can_finish_while_the_caller_goes_on(pipe, slide_path, run_out, 
     assert (tmp_path / "later" / "detections.csv").read_text() == (run_out / "detections.csv").read_text()
     assert res.heatmap.shape == HeatmapFile(run_out / "heatmap.ome.tif").shape
     assert json.loads((tmp_path / "later" / "summary.json").read_text())["seconds"]["write"] > 0
+
+
+def test_runs_that_complete_later_overlap_and_give_the_same_results(pipe, slide_path, run_out, tmp_path):
+    """wait_written=False returns a PendingResult once the tiles are through the model; a second run
+    starts while the first one's merge, summary and files are still under way, and both give what
+    a run alone gives."""
+    first_res, first_out = run_out
+    a = pipe.run(slide_path, out_dir=tmp_path / "a", wait_written=False)
+    b = pipe.run(slide_path, out_dir=tmp_path / "b", wait_written=False)
+    assert isinstance(a, PendingResult) and isinstance(b, PendingResult)
+    for pending, folder in ((a, "a"), (b, "b")):
+        res = pending.wait_written()
+        assert isinstance(res, Result)
+        np.testing.assert_array_equal(res.detections, first_res.detections)
+        np.testing.assert_array_equal(pending.detections, res.detections)  # attributes wait, then read through
+        assert res.summary["counts"] == first_res.summary["counts"]
+        assert res.summary["heatmap_scores"] == first_res.summary["heatmap_scores"]
+        assert (tmp_path / folder / "detections.csv").read_text() == (first_out / "detections.csv").read_text()
+        assert json.loads((tmp_path / folder / "summary.json").read_text())["counts"] == res.summary["counts"]
+
+
+def test_a_run_that_fails_after_returning_raises_from_wait_written(pipe, slide_path, tmp_path, monkeypatch):
+    """A failure of a run's last steps (here the stitching's end) comes out of wait_written and of any
+    attribute read; the pipeline goes on with the next run."""
+    from wsi_pipeline.stitch.stitcher import Stitcher
+
+    real_finish = Stitcher.finish
+
+    def failing_finish(self):
+        raise OSError("the merge failed")
+
+    monkeypatch.setattr(Stitcher, "finish", failing_finish)
+    pending = pipe.run(slide_path, out_dir=tmp_path / "f", wait_written=False)
+    with pytest.raises(OSError, match="the merge failed"):
+        pending.wait_written()
+    with pytest.raises(OSError, match="the merge failed"):
+        pending.summary  # noqa: B018
+    assert not (tmp_path / "f" / "summary.json").exists()
+    monkeypatch.setattr(Stitcher, "finish", real_finish)
+    assert len(pipe.run(slide_path).detections) > 0
 
 
 def test_a_plan_made_ahead_runs_as_the_slide_itself(pipe, slide_path, run_out, tmp_path):

@@ -47,7 +47,7 @@ from .io.detections import make_detections
 from .io.writer_pool import DEFAULT_PROCESSES as DEFAULT_WRITER_PROCESSES
 from .io.writer_pool import WriterPool, check_not_importing_main
 from .outputs import OUTPUT_FILES, SlideOutputs
-from .result import Result
+from .result import PendingResult, Result
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
 from .stitch.merge_runner import MergeProcess
@@ -170,7 +170,10 @@ class Pipeline:
             self.jpeg_helpers.close()  # the backend runs on the CPU: its runs decode there
             self.jpeg_helpers = None
         self.merging = MergeProcess()  # started by the first slide that uses it
-        # Finishes one run's output folder at a time, while the next run goes on.
+        # Runs with wait_written=False: one completes (stitching's end, summary, files started) at a
+        # time, in order, on the first; the second waits for one run's files at a time, while the
+        # next runs go on.
+        self._completer = ThreadPoolExecutor(1, thread_name_prefix="complete-run")
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish-outputs")
         self._closed = False
 
@@ -205,7 +208,7 @@ class Pipeline:
         keep_heatmap: bool | None = None,
         extra_summary: dict[str, Any] | None = None,
         wait_written: bool = True,
-    ) -> Result:
+    ) -> Result | PendingResult:
         """Detect and map over ``source``: a slide path, an open :class:`Slide`, an RGB array, or a
         :class:`SlidePlan` of one (:meth:`plan`; its steps are not done again).
 
@@ -217,10 +220,12 @@ class Pipeline:
         in memory as ``result.heatmap`` (default: when nothing is written);
         with ``out_dir``, ``result.heatmap`` otherwise reads the OME-TIFF
         lazily. ``extra_summary``: entries added to the summary (e.g. the
-        batch's run key). ``wait_written=False`` returns once the slide is
-        stitched, while its files are still being written (the next slide
-        can start meanwhile); :meth:`Result.wait_written` waits for them and
-        raises what failed.
+        batch's run key). ``wait_written=False`` returns a
+        :class:`~.result.PendingResult` once the slide's tiles have been
+        through the model: the merge's last rows, the summary and the files
+        follow on the pipeline's threads while the caller goes on (a batch's
+        next slide runs meanwhile); its :meth:`~.result.PendingResult.wait_written`
+        waits for them, returns the :class:`Result` and raises what failed.
         """
         if self._closed:
             if isinstance(source, SlidePlan):
@@ -243,12 +248,24 @@ class Pipeline:
             t_start -= sum(plan.seconds.values())
         else:
             plan = self._plan(source, timer)
+        handed_over = False
         try:
-            return self._run_slide(
-                plan, out_dir, progress, keep_heatmap, timer, t_start, extra_summary or {}, wait_written
-            )
+            complete = self._run_slide(plan, out_dir, progress, keep_heatmap, timer, t_start, extra_summary or {})
+            if wait_written:
+                return complete(True)
+
+            def complete_later() -> Result:
+                try:
+                    return complete(False)
+                finally:
+                    plan.close()
+
+            pending = PendingResult(str(plan.slide.path), self._completer.submit(complete_later))
+            handed_over = True
+            return pending
         finally:
-            plan.close()
+            if not handed_over:
+                plan.close()
 
     def plan(self, source: str | os.PathLike[str] | Slide | np.ndarray) -> SlidePlan:
         """A run's first steps for ``source`` (see :meth:`run`): open it, tile it, find its tissue.
@@ -304,8 +321,9 @@ class Pipeline:
         timer: StageTimer,
         t_start: float,
         extra_summary: dict[str, Any],
-        wait_written: bool = True,
-    ) -> Result:
+    ) -> Callable[[bool], Result]:
+        """Run the plan's tiles through the model into a stitcher; the step that completes the run
+        (given ``wait_written``: the stitching's end, the summary and the files)."""
         cfg, card = self.config, self.card
         slide, is_array, geometry, grid = plan.slide, plan.is_array, plan.geometry, plan.grid
         method, mask, tiles = plan.method, plan.mask, plan.tiles
@@ -364,22 +382,8 @@ class Pipeline:
                     self._infer_array(slide, tiles, stitcher, report)
                 else:
                     self._infer_slide(slide, tiles, stitcher, report, timer, run_info)
-            with timer("stitch"):
-                dets = make_detections(*stitcher.finish())
-            with timer("write"):
-                heatmap = outputs.close_heatmap() if out is None else None
-                result = self._result(
-                    slide,
-                    outputs,
-                    dets,
-                    heatmap,
-                    tissue_info(method, mask, slide.mpp),
-                    tiles_info(grid, len(tiles)),
-                    {**run_info, **extra_summary},
-                    timer,
-                    t_start,
-                    wait_written,
-                )
+            # This run's peak, read before the next run (which may start before this one completes) resets it.
+            peak_gpu_mb = peak_gpu_memory_mb()
         except BaseException:
             stitcher.close()
             outputs.abort()
@@ -387,7 +391,32 @@ class Pipeline:
         finally:
             if bar is not None:
                 bar.close()
-        return result
+
+        def complete(wait_written: bool) -> Result:
+            try:
+                with timer("stitch"):
+                    dets = make_detections(*stitcher.finish())
+                with timer("write"):
+                    heatmap = outputs.close_heatmap() if out is None else None
+                    return self._result(
+                        slide,
+                        outputs,
+                        dets,
+                        heatmap,
+                        tissue_info(method, mask, slide.mpp),
+                        tiles_info(grid, len(tiles)),
+                        {**run_info, **extra_summary},
+                        timer,
+                        t_start,
+                        peak_gpu_mb,
+                        wait_written,
+                    )
+            except BaseException:
+                stitcher.close()
+                outputs.abort()
+                raise
+
+        return complete
 
     def _infer_slide(
         self,
@@ -466,6 +495,7 @@ class Pipeline:
         extra_summary: dict[str, Any],
         timer: StageTimer,
         t_start: float,
+        peak_gpu_mb: float | None,
         wait_written: bool = True,
     ) -> Result:
         """The run's result and summary; with an output folder, its files started, and finished
@@ -483,7 +513,7 @@ class Pipeline:
             seconds={**timer.as_dict(), "total": round(time.perf_counter() - t_start, 4)},
             run={
                 "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
-                "peak_gpu_memory_mb": _round(peak_gpu_memory_mb()),
+                "peak_gpu_memory_mb": _round(peak_gpu_mb),
                 "backend": self.backend_name,
                 "batch_size": self.batch_size,
                 "streams": self.executor.streams,
@@ -529,6 +559,7 @@ class Pipeline:
         if not self._closed:
             self._closed = True
             self.service.close()
+            self._completer.shutdown(wait=True)
             self.executor.close()
             self._finisher.shutdown(wait=True)
             self.writers.close()

@@ -65,4 +65,32 @@ class Result:
         return detection_boxes(self.detections)
 
 
-__all__ = ["Result"]
+class PendingResult:
+    """A run's :class:`Result` while its last steps go on in the pipeline's threads.
+
+    ``Pipeline.run(..., wait_written=False)`` returns one once the slide's tiles have been through
+    the model: the merge's last rows, the summary and the output files follow on threads while the
+    caller goes on (a batch runs its next slide). :meth:`wait_written` waits for all of it and
+    returns the :class:`Result`, raising what failed; reading any of the Result's attributes here
+    (``pending.detections``, ``pending.summary``) waits the same way.
+    """
+
+    def __init__(self, source: str, completed: Future):
+        self.source = source
+        self._completed = completed  # the Result, once stitched and its files started
+
+    def wait_written(self) -> Result:
+        """Wait until the run is stitched and every output file written; the Result. Raises what failed."""
+        return self._completed.result().wait_written()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.wait_written(), name)
+
+    def __repr__(self) -> str:
+        state = "done" if self._completed.done() else "running"
+        return f"PendingResult({self.source!r}, {state})"
+
+
+__all__ = ["PendingResult", "Result"]
