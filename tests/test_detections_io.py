@@ -4,9 +4,13 @@ import csv
 import json
 
 import numpy as np
+import pytest
 from helpers import random_detections
 
+from wsi_pipeline.io.atomic import write_joined
 from wsi_pipeline.io.detections import (
+    CSV_PARTS,
+    GEOJSON_PARTS,
     feature_ids,
     make_detections,
     read_geojson,
@@ -72,3 +76,36 @@ def test_csv_rows_and_quoting(tmp_path):
     for row, d in zip(rows[1:], dets, strict=True):
         assert float(row[0]) == round(float(d["x0"]), 2) and float(row[4]) == round(float(d["score"]), 5)
         assert row[6] == CLASSES[int(d["label"])]["name"]  # 'scratch, "long"' survives quoting
+
+
+@pytest.mark.parametrize("n_parts", [1, 2, 3, 7])
+@pytest.mark.parametrize("fmt", ["geojson", "csv"])
+def test_a_file_written_in_parts_equals_the_file_written_whole(tmp_path, fmt, n_parts):
+    """Parts written separately (rows numbered from their place in the whole array) and joined give
+    the whole-file writer's bytes, with boxes that are no polygon in between (a part of only
+    such rows is empty in the GeoJSON)."""
+    d = _dets(500, seed=3)
+    d[40:120]["x1"] = d[40:120]["x0"]  # no area: left out of the GeoJSON
+    whole, parts_writer, writer = {
+        "geojson": ("whole.geojson", GEOJSON_PARTS, write_geojson),
+        "csv": ("whole.csv", CSV_PARTS, write_csv),
+    }[fmt]
+    writer(tmp_path / whole, d, CLASSES)
+    bounds = [0, 40, 120, 500] if n_parts == 3 else np.linspace(0, len(d), n_parts + 1).astype(int).tolist()
+    paths = [tmp_path / f"part{i}" for i in range(len(bounds) - 1)]
+    prefix = feature_ids(d)
+    for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
+        parts_writer.write_part(path, d[a:b], CLASSES, prefix, a)
+    if n_parts == 3 and fmt == "geojson":
+        assert paths[1].stat().st_size == 0
+    write_joined(tmp_path / "joined", paths, parts_writer.head, parts_writer.sep, parts_writer.tail)
+    assert (tmp_path / "joined").read_bytes() == (tmp_path / whole).read_bytes()
+    assert not any(p.exists() for p in paths)  # the parts are removed once joined
+
+
+def test_a_join_that_fails_leaves_no_file_and_no_parts(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("1")
+    with pytest.raises(FileNotFoundError):
+        write_joined(tmp_path / "out", [a, b], "[", ",", "]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -280,6 +280,23 @@ def test_runs_that_complete_later_overlap_and_give_the_same_results(pipe, slide_
         assert json.loads((tmp_path / folder / "summary.json").read_text())["counts"] == res.summary["counts"]
 
 
+def test_detection_files_written_in_parts_by_the_writer_processes_equal_the_whole(
+    pipe, slide_path, run_out, tmp_path, monkeypatch
+):
+    """With parts of a few rows, the GeoJSON and CSV are written in parts by the writer processes
+    and joined: the same bytes as written whole, and no part left in the folder."""
+    import wsi_pipeline.io.writer_pool as writer_pool
+
+    first_res, first_out = run_out
+    assert pipe.writers.parts(len(first_res.detections)) == 1  # written whole by the fixture's run
+    monkeypatch.setattr(writer_pool, "PART_ROWS", max(1, len(first_res.detections) // 5))
+    assert pipe.writers.parts(len(first_res.detections)) == pipe.writers.processes > 1
+    pipe.run(slide_path, out_dir=tmp_path / "parts")
+    for name in ("detections.geojson", "detections.csv"):
+        assert (tmp_path / "parts" / name).read_bytes() == (first_out / name).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == sorted(OUTPUT_FILES)
+
+
 def test_a_run_that_fails_after_returning_raises_from_wait_written(pipe, slide_path, tmp_path, monkeypatch):
     """A failure of a run's last steps (here the stitching's end) comes out of wait_written and of any
     attribute read; the pipeline goes on with the next run."""

@@ -26,8 +26,8 @@ import numpy as np
 from .config import RunConfig
 from .geometry import TilingGeometry
 from .inference.card import ModelCard
-from .io.atomic import write_json
-from .io.detections import detection_boxes, parse_color
+from .io.atomic import partial_name, write_joined, write_json
+from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color
 from .io.formats import (
     DEFAULT_FORMATS,
     DETECTIONS,
@@ -190,23 +190,48 @@ class SlideOutputs:
             "mpp": self.slide.mpp,
         }
         jobs = WriteJobs()
+        joins: list[tuple[PartsWriter, Path, list[Path]]] = []  # files written in parts, joined at the end
+        n_parts = writers.parts(len(dets))
+        prefix = feature_ids(dets) if n_parts > 1 else ""
         for fmt in chosen(formats):
-            if fmt.kind in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
+            if fmt.kind not in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
+                continue
+            split = fmt.parts_writer() if fmt.kind == DETECTIONS and n_parts > 1 else None
+            if split is None:
                 args = (dets, classes) if fmt.kind == DETECTIONS else overlay
                 writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *args)
+                continue
+            bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
+            paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
+            for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
+                writers.submit(jobs, fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
+            joins.append((split, out / fmt.filename, paths))
 
         def finish() -> np.ndarray | HeatmapFile | None:
             try:
-                heatmap = self.close_heatmap()
-                # Files made from the finished heatmap file (its pyramid read back, not the stream).
-                for fmt in chosen(formats, HEATMAP_FILE) if self.writer is not None else ():
-                    job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
-                    writers.submit(
-                        jobs, fmt.filename, job, out / fmt.filename, self.writer.path, list(self.card.heatmap.classes)
-                    )
-                return heatmap
-            finally:
-                jobs.wait()
+                try:
+                    heatmap = self.close_heatmap()
+                    # Files made from the finished heatmap file (its pyramid read back, not the stream).
+                    for fmt in chosen(formats, HEATMAP_FILE) if self.writer is not None else ():
+                        job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
+                        writers.submit(
+                            jobs,
+                            fmt.filename,
+                            job,
+                            out / fmt.filename,
+                            self.writer.path,
+                            list(self.card.heatmap.classes),
+                        )
+                finally:
+                    jobs.wait()
+                for split, path, paths in joins:
+                    write_joined(path, paths, split.head, split.sep, split.tail)
+            except BaseException:
+                for _, _, paths in joins:
+                    for part in paths:
+                        part.unlink(missing_ok=True)
+                raise
+            return heatmap
 
         return finish
 

@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,6 +48,53 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", **open_kw: Any) 
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def write_joined(
+    path: str | os.PathLike[str], parts: Sequence[str | os.PathLike[str]], head: str = "", sep: str = "", tail: str = ""
+) -> None:
+    """Write ``head``, the contents of the non-empty files ``parts`` separated by ``sep``, then
+    ``tail`` (UTF-8) to ``path``, atomically; the parts are removed afterwards, also on failure.
+
+    The parts' bytes are copied by the kernel (``os.copy_file_range``) where the file system
+    allows it, without passing through this process.
+    """
+    try:
+        with atomic_write(path, "wb", buffering=0) as out:
+            out.write(head.encode("utf-8"))
+            first = True
+            for part in parts:
+                size = os.path.getsize(part)
+                if not size:
+                    continue
+                if not first:
+                    out.write(sep.encode("utf-8"))
+                first = False
+                with open(part, "rb") as src:
+                    _copy_all(src, out, size)
+            out.write(tail.encode("utf-8"))
+    finally:
+        for part in parts:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(part)
+
+
+def _copy_all(src: IO[bytes], dst: IO[bytes], size: int) -> None:
+    """Append ``size`` bytes of ``src`` (from its start) to ``dst`` (unbuffered, at its position)."""
+    done = 0
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is not None:
+        try:
+            while done < size:
+                n = copy_range(src.fileno(), dst.fileno(), size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError:  # a file system or kernel without it: copy through this process
+            pass
+    if done < size:
+        src.seek(done)
+        shutil.copyfileobj(src, dst)
 
 
 def replace_tree(tmp: Path, final: Path) -> None:

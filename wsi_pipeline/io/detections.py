@@ -19,7 +19,8 @@ import io
 import json
 import os
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
@@ -147,7 +148,21 @@ def feature_ids(dets: np.ndarray) -> str:
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-"
 
 
-def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None = None):
+GEOJSON_HEAD = '{"type":"FeatureCollection","features":['
+GEOJSON_TAIL = "]}"
+
+
+def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None = None) -> Iterator[str]:
+    yield GEOJSON_HEAD
+    yield from _geojson_features(dets, classes, feature_ids(dets), 0, chunk)
+    yield GEOJSON_TAIL
+
+
+def _geojson_features(
+    dets: np.ndarray, classes: Sequence[dict], prefix: str, row0: int, chunk: int | None = None
+) -> Iterator[str]:
+    """The features of ``dets`` (rows numbered from ``row0`` in the ids), comma-separated, as
+    text pieces: the part of the FeatureCollection's ``features`` list between its brackets."""
     # Formatting rows from a template is ~10x faster than json.dump of nested dicts,
     # which matters at the 10^5-10^6 detections of a whole slide.
     chunk = chunk or CHUNK
@@ -161,8 +176,6 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
         )
         for lab in labels_present(dets)
     }
-    prefix = feature_ids(dets)
-    yield '{"type":"FeatureCollection","features":['
     sep = ""
     for start in range(0, len(dets), chunk):
         d = dets[start : start + chunk]
@@ -174,13 +187,12 @@ def _geojson_chunks(dets: np.ndarray, classes: Sequence[dict], chunk: int | None
         rows = [
             _FEATURE % (prefix, i, a, b, c, b, c, e, a, e, a, b, cls_json[lab], s_)
             for i, a, b, c, e, s_, lab in zip(
-                (rows_kept + start).tolist(), x0, y0, x1, y1, sc, d["label"].tolist(), strict=True
+                (rows_kept + (row0 + start)).tolist(), x0, y0, x1, y1, sc, d["label"].tolist(), strict=True
             )
         ]
         if rows:
             yield sep + ",".join(rows)
             sep = ","
-    yield "]}"
 
 
 def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
@@ -190,7 +202,8 @@ def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Seque
     :func:`read_geojson` read it); ``.zip``, a zip archive holding the document
     as the path's name without ``.zip`` (QuPath's File > Import objects reads
     it); otherwise plain text. Boxes that are no polygon are left out
-    (:func:`polygon_rows`).
+    (:func:`polygon_rows`). A plain file can also be written in parts by
+    several processes (:data:`GEOJSON_PARTS`).
     """
     parts = _geojson_chunks(dets, classes)
     name = os.path.basename(os.fspath(path))
@@ -201,6 +214,16 @@ def write_geojson(path: str | os.PathLike[str], dets: np.ndarray, classes: Seque
         return
     with atomic_write(path) as f:
         f.writelines(parts)
+
+
+def write_geojson_part(
+    path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict], prefix: str, row0: int
+) -> None:
+    """Write the features of the rows ``dets`` (rows ``row0...`` of a slide's detections, whose
+    :func:`feature_ids` are ``prefix``) to ``path``: one part of a plain GeoJSON file, joined by
+    :func:`~.atomic.write_joined` with :data:`GEOJSON_PARTS`' head, separator and tail."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(_geojson_features(dets, classes, prefix, row0))
 
 
 @contextlib.contextmanager
@@ -217,23 +240,61 @@ def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
         yield entry
 
 
+CSV_HEAD = ",".join(CSV_COLUMNS) + "\r\n"
+
+
 def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
     """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels), atomically.
 
-    Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs.
+    Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs. The file can
+    also be written in parts by several processes (:data:`CSV_PARTS`).
     """
+    with atomic_write(path, newline="") as f:
+        f.write(CSV_HEAD)
+        f.writelines(_csv_rows(dets, classes))
+
+
+def write_csv_part(
+    path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict], prefix: str, row0: int
+) -> None:
+    """Write the rows ``dets`` to ``path`` as CSV lines without the header: one part of a CSV
+    file, joined by :func:`~.atomic.write_joined` with :data:`CSV_PARTS`' head. (``prefix``
+    and ``row0`` are not written: the arguments are those of every part writer.)"""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.writelines(_csv_rows(dets, classes))
+
+
+def _csv_rows(dets: np.ndarray, classes: Sequence[dict]) -> Iterator[str]:
     labels = labels_present(dets)
     names = {lab: _csv_field(detection_class(classes, int(lab))["name"]) for lab in labels}
-    with atomic_write(path, newline="") as f:
-        f.write(",".join(CSV_COLUMNS) + "\r\n")
-        for start in range(0, len(dets), CHUNK):
-            d = dets[start : start + CHUNK]
-            cols = [d[k].astype(np.float64).tolist() for k in ("x0", "y0", "x1", "y1", "score")]
-            rows = [
-                f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
-                for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)
-            ]
-            f.write("".join(rows))
+    for start in range(0, len(dets), CHUNK):
+        d = dets[start : start + CHUNK]
+        cols = [d[k].astype(np.float64).tolist() for k in ("x0", "y0", "x1", "y1", "score")]
+        rows = [
+            f"{a:.2f},{b:.2f},{c:.2f},{e:.2f},{sc:.5f},{lab},{names[lab]}\r\n"
+            for a, b, c, e, sc, lab in zip(*cols, d["label"].tolist(), strict=True)
+        ]
+        yield "".join(rows)
+
+
+@dataclass(frozen=True)
+class PartsWriter:
+    """A detection file that several processes can write in parts, joined in order afterwards.
+
+    ``write_part(path, dets, classes, prefix, row0)`` writes one part: the rows ``dets``, which are
+    rows ``row0...`` of the slide's detections (``prefix``: their :func:`feature_ids`). The file
+    is ``head``, the non-empty parts separated by ``sep``, then ``tail``
+    (:func:`~.atomic.write_joined`); it equals what the whole-file writer makes.
+    """
+
+    write_part: Callable[..., None]
+    head: str
+    sep: str
+    tail: str
+
+
+GEOJSON_PARTS = PartsWriter(write_geojson_part, GEOJSON_HEAD, ",", GEOJSON_TAIL)
+CSV_PARTS = PartsWriter(write_csv_part, CSV_HEAD, "", "")
 
 
 def _csv_field(text: str) -> str:

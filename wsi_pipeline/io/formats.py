@@ -47,6 +47,8 @@ class OutputFormat:
         about: what it is, in a few words (for ``--help``).
         made_from: formats it is made from, which must be chosen with it.
         slide_args: the job also takes the slide's ``dimensions``, ``slide_path`` and ``mpp``.
+        parts: ``"module:NAME"`` of a :class:`~.detections.PartsWriter`, where the file can be
+            written in parts by several writer processes at once (large slides).
     """
 
     name: str
@@ -58,6 +60,7 @@ class OutputFormat:
     about: str = ""
     made_from: tuple[str, ...] = ()
     slide_args: bool = False
+    parts: str | None = None
 
     def write_function(self) -> Callable:
         """The writer-pool job function (a module-level function: the pool pickles it)."""
@@ -71,6 +74,13 @@ class OutputFormat:
         (picklable: a partial of a module-level function)."""
         fn = self.write_function()
         return functools.partial(fn, **slide_args) if self.slide_args else fn
+
+    def parts_writer(self) -> Any:
+        """The format's :class:`~.detections.PartsWriter`, or None where it is written whole."""
+        if self.parts is None:
+            return None
+        module, name = self.parts.split(":")
+        return getattr(importlib.import_module(module), name)
 
     def missing(self) -> list[str]:
         """The required modules that cannot be imported here."""
@@ -86,6 +96,7 @@ FORMATS: dict[str, OutputFormat] = {
             DETECTIONS,
             "wsi_pipeline.io.detections:write_geojson",
             about="QuPath GeoJSON",
+            parts="wsi_pipeline.io.detections:GEOJSON_PARTS",
         ),
         OutputFormat(
             "geojson.gz",
@@ -101,7 +112,14 @@ FORMATS: dict[str, OutputFormat] = {
             "wsi_pipeline.io.detections:write_geojson",
             about="the same in a zip archive, which QuPath imports as it is",
         ),
-        OutputFormat("csv", "detections.csv", DETECTIONS, "wsi_pipeline.io.detections:write_csv", about="CSV table"),
+        OutputFormat(
+            "csv",
+            "detections.csv",
+            DETECTIONS,
+            "wsi_pipeline.io.detections:write_csv",
+            about="CSV table",
+            parts="wsi_pipeline.io.detections:CSV_PARTS",
+        ),
         OutputFormat(
             "parquet",
             "detections.parquet",
