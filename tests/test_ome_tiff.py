@@ -10,7 +10,7 @@ import tifffile
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
-from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
+from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 from wsi_pipeline.stitch import BlendGeometry, HeatmapBlender, tile_weights
 
 OME_NS = {"ome": "http://www.openmicroscopy.org/Schemas/OME/2016-06"}
@@ -110,3 +110,27 @@ def test_failure_leaves_no_file(tmp_path):
     with pytest.raises(WSIPipelineError, match="10 of 64"):
         writer.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_spool_pages_dropped_as_often_as_possible_keep_their_data(tmp_path, monkeypatch):
+    """The spool's pages are unmapped after every row band, reduction band and tile row (without
+    writing them to the spool file first on Linux): the file holds what a writer that never drops
+    them writes, at every level."""
+    import wsi_pipeline.io.ome_tiff as ome_tiff
+
+    rng = np.random.default_rng(4)
+    heat = rng.random((2, 300, 520), dtype=np.float32)
+
+    def write(path):
+        with OmeTiffHeatmapWriter(path, 520, 300, 2, ["a", "b"], tile=64) as w:
+            for y in range(0, 300, 25):
+                w(y, heat[:, y : y + 25])
+        return HeatmapFile(path)
+
+    kept = write(tmp_path / "kept.ome.tif")
+    monkeypatch.setattr(ome_tiff, "_RESIDENT_BYTES", 1)
+    dropped = write(tmp_path / "dropped.ome.tif")
+    assert dropped.level_count == kept.level_count > 3
+    for level in range(kept.level_count):
+        np.testing.assert_array_equal(dropped.read(level), kept.read(level))
+    np.testing.assert_allclose(dropped.read(0), heat, atol=0.5 / 255 + 1e-6)

@@ -33,6 +33,7 @@ import math
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,18 +53,23 @@ _RESIDENT_BYTES = 32 * 1024 * 1024
 
 
 def _drop_pages(array: np.ndarray) -> None:
-    """Write a memmap's dirty pages to its file and unmap them from this process.
+    """Unmap a spool memmap's pages from this process, keeping their data.
 
     The spool is a shared file mapping: pages touched while rows arrive (and
     read back while the file is written) would otherwise count towards the
     process's resident memory until the end, growing with the heatmap.
-    MADV_DONTNEED on a shared mapping keeps the data (it is in the page cache
-    and the file); the next access maps it again.
+    On Linux, MADV_DONTNEED on a shared file mapping keeps the data (dirty
+    pages stay in the page cache, the next access maps them again), so the
+    pages are not written out first: the spool is removed once the file is
+    written, and ``mmap.flush`` (msync) holds the interpreter lock while the
+    disk writes, stalling every other thread of a run. Elsewhere they are
+    written to the file before being dropped.
     """
     mm = getattr(array, "_mmap", None)
     if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    array.flush()
+    if not sys.platform.startswith("linux"):
+        array.flush()
     mm.madvise(mmap.MADV_DONTNEED)
 
 
@@ -294,8 +300,7 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
             return self.path
         tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
         try:
-            self._level0.flush()
-            levels = [self._level0]
+            levels = [self._level0]  # read back through the page cache: no flush to the spool file needed
             for k, shape in enumerate(self.shapes[1:], start=1):
                 levels.append(self._reduce(levels[-1], shape, self._spool / f"level{k}.npy"))
             self._write(tmp, levels)
