@@ -1,4 +1,4 @@
-"""Detection writers on a slide's worth of boxes: the row-template GeoJSON and CSV writers
+"""Detection writers on a slide's worth of boxes: the GeoJSON and CSV writers (rows as byte arrays)
 against ``json.dump`` of the same FeatureCollection as nested dicts and ``csv.writer`` row by row;
 and the overlay of the same boxes on a 2048 x 2048 thumbnail with a 512 x 512 heatmap.
 
