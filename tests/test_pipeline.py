@@ -363,28 +363,6 @@ def test_a_failed_write_job_raises_after_every_job_ended(tmp_path, processes):
         pool.close()
 
 
-def _write_niceness(path) -> None:
-    import os
-
-    path.write_text(str(os.nice(0)))
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "nice"), reason="no process priorities here")
-def test_writer_processes_run_below_the_callers_priority(tmp_path):
-    import os
-
-    from wsi_pipeline.io.writer_pool import WRITER_NICENESS, WriteJobs, WriterPool
-
-    pool = WriterPool(1)
-    try:
-        jobs = WriteJobs()
-        pool.submit(jobs, "niceness", _write_niceness, tmp_path / "niceness")
-        jobs.wait()
-        assert int((tmp_path / "niceness").read_text()) == min(19, os.nice(0) + WRITER_NICENESS)
-    finally:
-        pool.close()
-
-
 def test_a_script_without_a_main_guard_gets_told_why_writing_failed(slide_path, tmp_path):
     """Writer processes import the main script first: one without a guard must fail there at once, and say why."""
     import subprocess

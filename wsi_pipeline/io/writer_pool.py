@@ -15,7 +15,6 @@ cluster runners use) or ``processes=0``, jobs run in the calling thread.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import threading
@@ -41,9 +40,6 @@ DEFAULT_PROCESSES = default_processes()
 # at once (one part per process, each of at least this many rows); the GeoJSON of a slide's
 # 286,528 detections took about 1.5 s to format in one process.
 PART_ROWS = 50_000
-# How much lower than the caller's the writer processes' CPU priority is (``os.nice``): their files
-# can wait, the tile loading, the model and the stitching of the next slide should not.
-WRITER_NICENESS = 10
 
 
 _MAIN_GUARD = (
@@ -61,13 +57,6 @@ def check_not_importing_main() -> None:
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise ConfigError(f"a pipeline was started while a new process imported the main script; {_MAIN_GUARD}")
-
-
-def _start_worker(parent: int) -> None:
-    """A writer process's first step: lower its priority, and exit once ``parent`` is gone."""
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no os.nice (Windows)
-        os.nice(WRITER_NICENESS)
-    watch_parent(parent)
 
 
 def _ready() -> None:
@@ -121,7 +110,7 @@ class WriterPool:
             self._pool = ProcessPoolExecutor(
                 self.processes,
                 mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start_worker,
+                initializer=watch_parent,
                 initargs=(os.getpid(),),
             )
             return self._pool, True
