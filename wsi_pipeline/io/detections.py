@@ -33,7 +33,8 @@ DETECTION_DTYPE = np.dtype(
     [("x0", "<f4"), ("y0", "<f4"), ("x1", "<f4"), ("y1", "<f4"), ("score", "<f4"), ("label", "<i4")]
 )
 CSV_COLUMNS = ("x0", "y0", "x1", "y1", "score", "label", "class")
-# Rows formatted at a time: a chunk of GeoJSON is ~16 MiB of text.
+# Rows formatted at a time: a chunk of GeoJSON is ~21 MiB of text; building it (io/text_rows.py)
+# peaks at ~70 MiB.
 CHUNK = 65536
 # gzip level of detections.geojson.gz: level 1 compresses this text to ~13 %, level 6 (zlib's
 # default) to ~11 % in 3x the time (BENCHMARKS.md, output formats).
