@@ -114,17 +114,28 @@ def join_rows(columns: Sequence[np.ndarray | bytes]) -> bytes:
     n = next((len(c) for c in columns if isinstance(c, np.ndarray)), None)
     if n is None:
         raise ValueError("join_rows: expected at least one column array")
-    parts = []
+    widths = []
     for c in columns:
         if isinstance(c, np.ndarray):
             if c.ndim != 2 or len(c) != n:
                 raise ValueError(f"join_rows: expected {n} x W columns, found shape {c.shape}")
-            parts.append(c)
-        elif c:
+            widths.append(c.shape[1])
+        else:
             if b"\0" in c:
                 raise ValueError("join_rows: constant text may not hold NUL bytes")
-            parts.append(np.broadcast_to(np.frombuffer(c, np.uint8), (n, len(c))))
+            widths.append(len(c))
     if n == 0:
         return b""
-    flat = np.concatenate(parts, axis=1).ravel()
+    # One row's layout with the constant text in place, copied to every row; then the columns.
+    starts = np.cumsum([0, *widths]).tolist()
+    template = np.zeros(starts[-1], np.uint8)
+    for c, a, b in zip(columns, starts[:-1], starts[1:], strict=True):
+        if not isinstance(c, np.ndarray) and c:
+            template[a:b] = np.frombuffer(c, np.uint8)
+    rows = np.empty((n, starts[-1]), np.uint8)
+    rows[:] = template
+    for c, a, b in zip(columns, starts[:-1], starts[1:], strict=True):
+        if isinstance(c, np.ndarray):
+            rows[:, a:b] = c
+    flat = rows.ravel()
     return flat[flat != 0].tobytes()
