@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -134,3 +135,57 @@ def test_spool_pages_dropped_as_often_as_possible_keep_their_data(tmp_path, monk
     for level in range(kept.level_count):
         np.testing.assert_array_equal(dropped.read(level), kept.read(level))
     np.testing.assert_allclose(dropped.read(0), heat, atol=0.5 / 255 + 1e-6)
+
+
+def test_spooled_heatmap_written_by_another_process_equals_close(tmp_path):
+    """A spooled heatmap pickled to a spawned process (as the writer pool does) writes the same
+    levels and metadata as ``close()`` in the process that streamed the rows, and removes its spool."""
+    import multiprocessing
+    import pickle
+    from concurrent.futures import ProcessPoolExecutor
+
+    from wsi_pipeline.io.ome_tiff import write_spooled_heatmap
+
+    heat = np.random.default_rng(5).random((2, 300, 520), dtype=np.float32)
+
+    def stream(path):
+        w = OmeTiffHeatmapWriter(path, 520, 300, 2, ["a", "b"], (0.5, 0.5), tile=64)
+        for y in range(0, 300, 25):
+            w(y, heat[:, y : y + 25])
+        return w
+
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    stream(tmp_path / "here" / "h.ome.tif").close()
+    writer = stream(tmp_path / "there" / "h.ome.tif")
+    spooled = writer.spooled()
+    assert spooled.spool.is_dir()
+    with pytest.raises(WSIPipelineError, match="closed"):
+        writer(300, heat[:, :1])
+    with pytest.raises(WSIPipelineError, match="already closed"):
+        writer.spooled()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        path = pool.submit(write_spooled_heatmap, pickle.loads(pickle.dumps(spooled))).result()
+    assert path == tmp_path / "there" / "h.ome.tif"
+    here, there = HeatmapFile(tmp_path / "here" / "h.ome.tif"), HeatmapFile(path)
+    assert there.level_count == here.level_count > 3
+    for level in range(here.level_count):
+        np.testing.assert_array_equal(there.read(level), here.read(level))
+
+    def xml(p):  # the OME metadata, less the UUID that each file gets
+        with tifffile.TiffFile(p) as tif:
+            return re.sub(r'UUID="[^"]*"', "", tif.ome_metadata)
+
+    assert xml(path) == xml(tmp_path / "here" / "h.ome.tif")
+    assert [p.name for p in (tmp_path / "there").iterdir()] == ["h.ome.tif"]  # the spool removed
+    assert writer.close() == path  # already finished: nothing more to do
+
+
+def test_spooled_heatmap_that_fails_leaves_neither_file_nor_spool(tmp_path):
+    writer = OmeTiffHeatmapWriter(tmp_path / "h.ome.tif", 64, 64, 1, tile=16)
+    writer(0, np.zeros((1, 64, 64), dtype=np.float32))
+    spooled = writer.spooled()
+    np.save(spooled.spool / "level0.npy", np.zeros((1, 32, 64), np.uint8))  # not what was streamed
+    with pytest.raises(WSIPipelineError, match=r"h\.ome\.tif: the heatmap spool holds uint8 \(1, 32, 64\), expected"):
+        spooled.write()
+    assert list(tmp_path.iterdir()) == []

@@ -38,7 +38,7 @@ from .io.formats import (
     detection_notes,
     output_files,
 )
-from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
+from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, write_spooled_heatmap
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide
 from .stitch.blend import Sink
@@ -129,14 +129,17 @@ class SlideOutputs:
         if self._background is not None:
             self._background.close()
 
-    def close_heatmap(self) -> np.ndarray | HeatmapFile | None:
-        """Finish the heatmap file; the heatmap in memory, the file's lazy reader, or None."""
+    def close_heatmap(self, finish_file: bool = True) -> np.ndarray | HeatmapFile | None:
+        """Finish the heatmap sinks; the heatmap in memory, the file's lazy reader, or None.
+
+        ``finish_file=False`` leaves the OME-TIFF to the caller (:meth:`OmeTiffHeatmapWriter.spooled`).
+        """
         self.drain_heatmap()
         if self.reduced is not None:
             self.reduced.close()
         if self.zarr_writer is not None:
             self.zarr_writer.close()
-        path = self.writer.close() if self.writer is not None else None
+        path = self.writer.close() if self.writer is not None and finish_file else None
         if self.array_sink is not None:
             return self.array_sink.array
         return HeatmapFile(path) if path is not None else None
@@ -208,25 +211,38 @@ class SlideOutputs:
             joins.append((split, out / fmt.filename, paths))
 
         def finish() -> np.ndarray | HeatmapFile | None:
+            spooled: SpooledHeatmap | None = None
             try:
                 try:
-                    heatmap = self.close_heatmap()
-                    # Files made from the finished heatmap file (its pyramid read back, not the stream).
-                    for fmt in chosen(formats, HEATMAP_FILE) if self.writer is not None else ():
-                        job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
-                        writers.submit(
-                            jobs,
-                            fmt.filename,
-                            job,
-                            out / fmt.filename,
-                            self.writer.path,
-                            list(self.card.heatmap.classes),
-                        )
+                    heatmap = self.close_heatmap(finish_file=False)
+                    if self.writer is not None:
+                        # The heatmap file's pyramid and compression run in a writer process: done by a
+                        # thread here, they contended for the interpreter lock with the next slide's run.
+                        spooled = self.writer.spooled()
+                        heatmap_jobs = WriteJobs()
+                        writers.submit(heatmap_jobs, self.writer.path.name, write_spooled_heatmap, spooled)
+                        heatmap_jobs.wait()
+                        heatmap = heatmap if heatmap is not None else HeatmapFile(self.writer.path)
+                        # Files made from the finished heatmap file (its pyramid read back, not the stream).
+                        for fmt in chosen(formats, HEATMAP_FILE):
+                            job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
+                            writers.submit(
+                                jobs,
+                                fmt.filename,
+                                job,
+                                out / fmt.filename,
+                                self.writer.path,
+                                list(self.card.heatmap.classes),
+                            )
                 finally:
                     jobs.wait()
                 for split, path, paths in joins:
                     write_joined(path, paths, split.head, split.sep, split.tail)
             except BaseException:
+                if spooled is not None:
+                    spooled.discard()  # where the writer process died before removing it
+                elif self.writer is not None:
+                    self.writer.abort()
                 for _, _, paths in joins:
                     for part in paths:
                         part.unlink(missing_ok=True)

@@ -36,6 +36,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -294,32 +295,94 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         self._next_row = y1
 
     # -- finishing --------------------------------------------------------
+    def spooled(self) -> SpooledHeatmap:
+        """End the streaming and return what writes the file from the spool (no rows may follow).
+
+        :meth:`SpooledHeatmap.write` builds the pyramid and writes the file; it
+        may run in another process (the spool is a file, the object pickles).
+        Whoever takes it writes it or calls :meth:`SpooledHeatmap.discard`.
+        """
+        if not self._must_finish():
+            msg = f"{self.path}: the heatmap was already closed"
+            raise WSIPipelineError(msg)
+        if not sys.platform.startswith("linux"):
+            self._level0.flush()  # Linux shares the page cache between processes: no write-out needed
+        self._finished = True
+        self._level0 = None  # type: ignore[assignment]  # unmapped here; the spool file keeps the rows
+        return SpooledHeatmap(
+            path=self.path,
+            spool=self._spool,
+            shapes=tuple(self.shapes),
+            channels=self.channels,
+            dtype=self.dtype.name,
+            tile=self.tile,
+            compression=self.compression,
+            channel_names=tuple(self.channel_names),
+            physical_size_um=self.physical_size_um,
+            value_scale=self.value_scale,
+        )
+
     def close(self) -> Path:
         """Build the pyramid, write the file, move it into place; returns its path."""
-        if not self._must_finish():
+        if self._finished:
             return self.path
+        return self.spooled().write()
+
+    def abort(self) -> None:
+        """Drop everything written so far; no output file is made."""
+        self._finished = True
+        self._level0 = None  # type: ignore[assignment]  # release the memmap before removing it
+        shutil.rmtree(self._spool, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class SpooledHeatmap:
+    """A streamed heatmap's spool (its level 0 as ``level0.npy``) and the settings of its file.
+
+    Made by :meth:`OmeTiffHeatmapWriter.spooled`; :meth:`write` makes the
+    file. It pickles, so that a writer process can write the file while the
+    process that streamed the rows goes on with the next slide.
+    """
+
+    path: Path
+    spool: Path
+    shapes: tuple[tuple[int, int], ...]
+    channels: int
+    dtype: str
+    tile: int
+    compression: str
+    channel_names: tuple[str, ...]
+    physical_size_um: tuple[float, float] | None
+    value_scale: float
+
+    def write(self) -> Path:
+        """Build the pyramid, write the file under a temporary name, move it into place, remove the
+        spool (also on failure); returns the file's path."""
         tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
         try:
-            levels = [self._level0]  # read back through the page cache: no flush to the spool file needed
+            # Read back through the page cache: the rows need no flush to the spool file first.
+            levels = [np.load(self.spool / "level0.npy", mmap_mode="r")]
+            if levels[0].shape != (self.channels, *self.shapes[0]) or levels[0].dtype != np.dtype(self.dtype):
+                msg = (
+                    f"{self.path}: the heatmap spool holds {levels[0].dtype} {levels[0].shape}, "
+                    f"expected {self.dtype} {(self.channels, *self.shapes[0])}"
+                )
+                raise WSIPipelineError(msg)
             for k, shape in enumerate(self.shapes[1:], start=1):
-                levels.append(self._reduce(levels[-1], shape, self._spool / f"level{k}.npy"))
+                levels.append(self._reduce(levels[-1], shape, self.spool / f"level{k}.npy"))
             self._write(tmp, levels)
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         finally:
-            self._cleanup()
+            levels = []
+            self.discard()
         return self.path
 
-    def abort(self) -> None:
-        """Drop everything written so far; no output file is made."""
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        self._finished = True
-        self._level0 = None  # type: ignore[assignment]  # release the memmap before removing it
-        shutil.rmtree(self._spool, ignore_errors=True)
+    def discard(self) -> None:
+        """Remove the spool without writing the file."""
+        shutil.rmtree(self.spool, ignore_errors=True)
 
     def _reduce(self, src: np.ndarray, shape: tuple[int, int], path: Path) -> np.ndarray:
         """2x2 mean of ``src`` (C x H x W) into a new memmap of ``shape``, band by band."""
@@ -356,12 +419,12 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         meta: dict[str, Any] = {
             "axes": "CYX",
             "Name": self.path.name.split(".")[0],
-            "Channel": {"Name": self.channel_names},
+            "Channel": {"Name": list(self.channel_names)},
             "MapAnnotation": {
                 "value_scale": repr(self.value_scale),
                 "value_offset": "0",
                 "value_formula": "value = stored * value_scale",
-                "stored_dtype": self.dtype.name,
+                "stored_dtype": self.dtype,
             },
         }
         if self.physical_size_um is not None:
@@ -372,7 +435,8 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         return meta
 
     def _write(self, tmp: Path, levels: list[np.ndarray]) -> None:
-        raw_bytes = sum(a.size for a in levels) * self.dtype.itemsize
+        itemsize = np.dtype(self.dtype).itemsize
+        raw_bytes = sum(a.size for a in levels) * itemsize
         options: dict[str, Any] = {
             "tile": (self.tile, self.tile),
             "compression": self.compression,
@@ -381,12 +445,13 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         }
         # Tiles are compressed by several threads (zlib and zstd release the GIL).
         options["maxworkers"] = min(8, os.cpu_count() or 1)
+        height, width = self.shapes[0]
         with tifffile.TiffWriter(tmp, bigtiff=raw_bytes > 2**31, ome=True) as tif:
             for k, data in enumerate(levels):
                 extra: dict[str, Any] = {}
                 if self.physical_size_um is not None:
-                    scale_x = self.width / data.shape[2]
-                    scale_y = self.height / data.shape[1]
+                    scale_x = width / data.shape[2]
+                    scale_y = height / data.shape[1]
                     px, py = self.physical_size_um
                     extra["resolution"] = (1e4 / (px * scale_x), 1e4 / (py * scale_y))
                     extra["resolutionunit"] = "CENTIMETER"
@@ -397,6 +462,11 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
                     extra["subfiletype"] = 1
                     extra["metadata"] = None
                 tif.write(self._tiles(data), shape=data.shape, **options, **extra)
+
+
+def write_spooled_heatmap(spooled: SpooledHeatmap) -> Path:
+    """:meth:`SpooledHeatmap.write` as a module-level function (a writer-pool job)."""
+    return spooled.write()
 
 
 class HeatmapFile:
