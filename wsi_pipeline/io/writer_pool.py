@@ -9,19 +9,37 @@ process that has initialised CUDA can use it), writes its file atomically
 :meth:`WriteJobs.wait`; a worker that dies (killed, out of memory) fails the
 jobs it held with a :class:`~wsi_pipeline.errors.WSIPipelineError`.
 
+Large array arguments (the detections, the overlay's thumbnail and heatmap)
+reach a worker through a file (:class:`ArrayFile`), not the job's pickle:
+pickling copies them with the interpreter lock held, about 24 ms for a 16 MB
+array, while the file is written with the lock released.
+
 Where no child process can be started (a daemonic worker process, as some
 cluster runners use) or ``processes=0``, jobs run in the calling thread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no orphaned folders are looked for
+    fcntl = None  # type: ignore[assignment]
 
 from ..child_process import watch_parent
 from ..errors import ConfigError, WSIPipelineError
@@ -57,6 +75,66 @@ def check_not_importing_main() -> None:
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise ConfigError(f"a pipeline was started while a new process imported the main script; {_MAIN_GUARD}")
+
+
+# Array arguments of at least this many bytes go to the worker through a file (see the module docstring).
+FILE_ARG_BYTES = 1 << 20
+_ARGS_PREFIX = "wsi-pipeline-args-"
+
+
+class ArrayFile:
+    """An array argument of a job, written to a file by the submitting process; the worker reads it
+    back (:meth:`load`) and removes the file. Pickles as its path, dtype and shape."""
+
+    def __init__(self, path: Path, array: np.ndarray):
+        self.path, self.dtype, self.shape = path, array.dtype, array.shape
+        data = np.ascontiguousarray(array)
+        with open(path, "wb") as f:
+            f.write(memoryview(data.reshape(-1).view(np.uint8)))  # written without the interpreter lock
+
+    def load(self) -> np.ndarray:
+        try:
+            data = np.fromfile(self.path, np.uint8)
+        finally:
+            self.path.unlink(missing_ok=True)
+        expected = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        if data.size != expected:
+            raise WSIPipelineError(f"{self.path}: expected {expected} bytes of a job's array, found {data.size}")
+        return data.view(self.dtype).reshape(self.shape)
+
+    def discard(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _call_with_files(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on the arguments, the :class:`ArrayFile` ones read back first (in the worker)."""
+    return fn(*(a.load() if isinstance(a, ArrayFile) else a for a in args))
+
+
+def _own_folder(folder: Path) -> Any:
+    """Lock ``folder`` for this process (the lock ends with the process); the open lock file, or None."""
+    if fcntl is None:
+        return None
+    f = open(folder / "lock", "wb")  # noqa: SIM115  (held open for the pool's life)
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return f
+
+
+def _remove_orphaned_arg_dirs(parent: Path) -> None:
+    """Remove the argument folders of pools whose process is gone (killed before it could remove
+    them): those whose lock file nobody holds, left alone for a minute after they are made (the
+    lock is taken just after)."""
+    if fcntl is None:
+        return
+    for folder in parent.glob(f"{_ARGS_PREFIX}*"):
+        try:
+            if time.time() - folder.stat().st_mtime < 60:
+                continue
+            with open(folder / "lock", "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held by a running pool (BlockingIOError), or not ours to remove
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _ready() -> None:
@@ -99,6 +177,31 @@ class WriterPool:
         self.processes = max(0, int(processes))
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._arg_dir: Path | None = None
+        self._arg_lock: Any = None
+        self._arg_ids = itertools.count()
+
+    def _file_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with each large array written to a file of this pool's folder (:class:`ArrayFile`)."""
+        if not any(isinstance(a, np.ndarray) and a.nbytes >= FILE_ARG_BYTES and not a.dtype.hasobject for a in args):
+            return args
+        with self._lock:
+            if self._arg_dir is None:
+                parent = Path(tempfile.gettempdir())
+                _remove_orphaned_arg_dirs(parent)
+                self._arg_dir = Path(tempfile.mkdtemp(prefix=_ARGS_PREFIX, dir=parent))
+                self._arg_lock = _own_folder(self._arg_dir)
+            folder = self._arg_dir
+        out: list[Any] = []
+        try:
+            for a in args:
+                if isinstance(a, np.ndarray) and a.nbytes >= FILE_ARG_BYTES and not a.dtype.hasobject:
+                    a = ArrayFile(folder / f"{next(self._arg_ids)}.bin", a)
+                out.append(a)
+        except BaseException:
+            _discard_files(out)
+            raise
+        return tuple(out)
 
     def _executor(self) -> tuple[ProcessPoolExecutor | None, bool]:
         """The pool (None: jobs run in the caller) and whether it was made just now."""
@@ -139,16 +242,39 @@ class WriterPool:
                 fut.set_exception(exc)
             jobs.add(name, fut)
             return
+        args = self._file_args(args)
         try:
-            jobs.add(name, pool.submit(fn, *args))
-        except BrokenProcessPool:  # a worker died in an earlier run: a fresh pool takes the job
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            jobs.add(name, self._executor()[0].submit(fn, *args))
+            try:
+                fut = pool.submit(_call_with_files, fn, *args)
+            except BrokenProcessPool:  # a worker died in an earlier run: a fresh pool takes the job
+                with self._lock:
+                    if self._pool is pool:
+                        self._pool = None
+                fut = self._executor()[0].submit(_call_with_files, fn, *args)
+        except BaseException:
+            _discard_files(args)
+            raise
+        if any(isinstance(a, ArrayFile) for a in args):
+            # The worker removes the files it reads; these are those of a job that never ran.
+            fut.add_done_callback(lambda _f: _discard_files(args))
+        jobs.add(name, fut)
 
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            folder, self._arg_dir = self._arg_dir, None
+            lock, self._arg_lock = self._arg_lock, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            lock.close()
+
+
+def _discard_files(args: Any) -> None:
+    for a in args:
+        if isinstance(a, ArrayFile):
+            with contextlib.suppress(OSError):
+                a.discard()

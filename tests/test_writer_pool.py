@@ -1,0 +1,98 @@
+"""The writer pool's large array arguments travel through files, which are removed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io import writer_pool
+from wsi_pipeline.io.writer_pool import ArrayFile, WriteJobs, WriterPool
+
+
+def _echo(path, *arrays):
+    """A job: the arrays it was given, with whether each is writable."""
+    return path, [(a.copy(), a.flags.writeable) for a in arrays]
+
+
+def _arrays():
+    rng = np.random.default_rng(3)
+    dets = np.zeros(70_000, dtype=[("x0", "<f4"), ("y0", "<f4"), ("score", "<f4"), ("label", "<i4")])
+    dets["x0"] = rng.random(len(dets))
+    dets["label"] = rng.integers(0, 5, len(dets))
+    heat = rng.random((1, 600, 700), dtype=np.float32)
+    strided = np.asfortranarray(rng.integers(0, 255, (800, 900, 3), dtype=np.uint8))  # not C-contiguous
+    small = np.arange(10)
+    return dets, heat, strided, small
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_array_arguments_arrive_equal_and_their_files_are_removed(tmp_path, monkeypatch, processes):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    arrays = _arrays()
+    pool = WriterPool(processes)
+    try:
+        fut_jobs = []
+        for k in range(3):
+            j = WriteJobs()
+            pool.submit(j, f"job{k}", _echo, tmp_path / f"out{k}", *arrays)
+            fut_jobs.append(j)
+        for j in fut_jobs:
+            j.wait()
+            ((_, fut),) = j._futures
+            path, got = fut.result()
+            assert len(got) == len(arrays)
+            for (a, writable), expected in zip(got, arrays, strict=True):
+                assert a.dtype == expected.dtype and a.shape == expected.shape
+                np.testing.assert_array_equal(a, expected)
+                assert writable
+        folders = list(tmp_path.glob("wsi-pipeline-args-*"))
+        assert len(folders) == (1 if processes else 0)
+        for folder in folders:
+            assert sorted(p.name for p in folder.iterdir()) == ["lock"]  # every array's file removed
+    finally:
+        pool.close()
+    assert list(tmp_path.glob("wsi-pipeline-args-*")) == []
+
+
+def test_array_file_of_the_wrong_size_is_an_error(tmp_path):
+    af = ArrayFile(tmp_path / "a.bin", np.arange(1000, dtype=np.float64))
+    with open(af.path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(WSIPipelineError, match=r"a\.bin: expected 8000 bytes of a job's array, found 100"):
+        af.load()
+    assert not af.path.exists()
+
+
+@pytest.mark.skipif(writer_pool.fcntl is None, reason="no flock here")
+def test_orphaned_argument_folders_are_removed_and_held_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    orphan = tmp_path / "wsi-pipeline-args-orphan"
+    orphan.mkdir()
+    (orphan / "lock").touch()
+    (orphan / "3.bin").write_bytes(b"x" * 10)
+    young = tmp_path / "wsi-pipeline-args-young"
+    young.mkdir()
+    old = time.time() - 3600
+    os.utime(orphan, (old, old))
+    held_pool = WriterPool(1)
+    held_pool._file_args((np.zeros(FILE_BYTES, np.uint8),))
+    held = held_pool._arg_dir
+    os.utime(held, (old, old))
+    other = WriterPool(1)
+    try:
+        args = other._file_args((np.zeros(FILE_BYTES, np.uint8),))
+        writer_pool._discard_files(args)
+        assert not orphan.exists()  # nobody held its lock
+        assert young.exists()  # too new to judge
+        assert held.is_dir() and (held / "lock").exists()  # its pool is alive
+    finally:
+        other.close()
+        held_pool.close()
+    assert not held.exists()
+
+
+FILE_BYTES = writer_pool.FILE_ARG_BYTES
