@@ -318,6 +318,36 @@ def test_a_run_that_fails_after_returning_raises_from_wait_written(pipe, slide_p
     assert len(pipe.run(slide_path).detections) > 0
 
 
+def test_a_heatmap_file_that_fails_in_the_writer_process_leaves_no_file_and_no_spool(
+    pipe, slide_path, tmp_path, monkeypatch
+):
+    """The heatmap file is written from its spool by a writer process; when that fails (here the
+    spool is gone), the run raises, and the folder holds no heatmap file, spool, partial file or
+    summary.json."""
+    import shutil
+
+    from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
+
+    real_spooled = OmeTiffHeatmapWriter.spooled
+
+    def spool_lost(self):
+        spooled = real_spooled(self)
+        shutil.rmtree(spooled.spool)
+        return spooled
+
+    monkeypatch.setattr(OmeTiffHeatmapWriter, "spooled", spool_lost)
+    assert pipe.writers.processes > 0
+    pending = pipe.run(slide_path, out_dir=tmp_path / "f", wait_written=False)
+    with pytest.raises(FileNotFoundError, match="level0.npy"):
+        pending.wait_written()
+    left = sorted(p.name for p in (tmp_path / "f").iterdir())
+    assert "heatmap.ome.tif" not in left and "summary.json" not in left
+    assert not [n for n in left if n.startswith(".")], left  # no spool, no partial file
+    monkeypatch.setattr(OmeTiffHeatmapWriter, "spooled", real_spooled)
+    pipe.run(slide_path, out_dir=tmp_path / "g")
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == sorted(OUTPUT_FILES)
+
+
 def test_a_plan_made_ahead_runs_as_the_slide_itself(pipe, slide_path, run_out, tmp_path):
     """Pipeline.plan (open, tiling, tissue) then run(plan): the same files; the plan's steps counted
     in the summary; its slide closed by the run, or by close() when it is not run."""
