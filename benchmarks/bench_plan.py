@@ -1,24 +1,42 @@
 """Seconds of ``Pipeline.plan`` (open the slide, find its tissue, select its tiles), repeated.
 
-Usage: ``python benchmarks/bench_plan.py SLIDE [--calls 6]``. One pipeline (ONNX Runtime: the plan
-does not use the model); prints each call's seconds (the first opens the slide's files cold) and
-the number of tiles selected.
+Usage: ``python benchmarks/bench_plan.py SLIDE [--calls 6] [--thumbnail] [--serial-regions]``.
+One pipeline (ONNX Runtime: the plan does not use the model); prints each call's seconds (the
+first opens the slide's files cold) and the number of tiles selected. ``--thumbnail`` times
+only the tissue mask's thumbnail read, the slide opened afresh for each call (its tiles not
+cached), and prints the median; ``--serial-regions`` decodes a region's stored tiles in the
+calling thread only (no region threads), for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
-from wsi_pipeline import Pipeline
+from wsi_pipeline import Pipeline, open_slide
+from wsi_pipeline.slide import tiff_backend
+from wsi_pipeline.tiling.tissue import DEFAULT_THUMBNAIL_SIZE
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("slide")
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--thumbnail", action="store_true", help="time the thumbnail read only")
+    ap.add_argument("--serial-regions", action="store_true", help="no region threads")
     args = ap.parse_args()
+    if args.serial_regions:
+        tiff_backend.PARALLEL_REGION_TILES = 1 << 62
     seconds, tiles = [], 0
+    if args.thumbnail:
+        for _ in range(args.calls):
+            with open_slide(args.slide) as slide:
+                t0 = time.perf_counter()
+                slide.get_thumbnail(DEFAULT_THUMBNAIL_SIZE)
+                seconds.append(round(time.perf_counter() - t0, 4))
+        print(f"thumbnail seconds {seconds}; median {statistics.median(seconds):.4f}")
+        return 0
     with Pipeline.from_card(backend="ort") as pipe:
         for _ in range(args.calls):
             t0 = time.perf_counter()

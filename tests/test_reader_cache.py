@@ -163,3 +163,43 @@ def test_loader_with_many_batches_in_flight_still_decodes_each_tile_once(pyramid
             n = sum(len(b) for b in loader)
         assert n == len(grid)
         assert len(decoded) == len(set(decoded)) == 17 * 12
+
+
+@pytest.mark.parametrize("cache_tiles", [4, 10_000])
+def test_large_regions_decoded_by_several_threads_equal_one_thread(pyramid_tiff, monkeypatch, cache_tiles):
+    """A region of many stored tiles (a thumbnail's level) is decoded by the region threads: the
+    same pixels as tile by tile in the calling thread, with a cache smaller than the region too."""
+    import wsi_pipeline.slide.tiff_backend as tiff_backend
+
+    ref = _level_pixels(pyramid_tiff, 0)
+    h, w = ref.shape[:2]
+    regions = [((0, 0), (w, h)), ((-300, 130), (w, h - 50)), ((517, 263), (2100, 1300))]
+    got = {}
+    for tiles, name in ((10**9, "serial"), (1, "parallel")):
+        monkeypatch.setattr(tiff_backend, "PARALLEL_REGION_TILES", tiles)
+        with TiffSlide(pyramid_tiff, cache_bytes=cache_tiles * TILE_BYTES) as s:
+            got[name] = [s.read_region(loc, 0, size) for loc, size in regions]
+    for serial, parallel in zip(got["serial"], got["parallel"], strict=True):
+        np.testing.assert_array_equal(parallel, serial)
+    np.testing.assert_array_equal(got["parallel"][0], ref)
+
+
+def test_a_damaged_tile_in_a_large_region_fails_the_read_and_names_it(tmp_path, monkeypatch):
+    """The region threads' failure is the read's: the caller gets it, naming the file and the tile,
+    and the slide reads its other tiles afterwards."""
+    from helpers import corrupt_stored_tile
+
+    import wsi_pipeline.slide.tiff_backend as tiff_backend
+    from wsi_pipeline.errors import TileReadError
+
+    path = str(tmp_path / "t.tif")
+    image = smooth_rgb(1500, 2000, seed=4)
+    write_pyramid_tiff(path, image, levels=1)
+    ref = _level_pixels(path, 0)
+    corrupt_stored_tile(path, index=7)
+    monkeypatch.setattr(tiff_backend, "PARALLEL_REGION_TILES", 1)
+    with TiffSlide(path) as s:
+        out = np.zeros((1500, 2000, 3), np.uint8)
+        with pytest.raises(TileReadError, match=r"t\.tif: cannot decode stored tile \(7, 0\)"):
+            s.read_region_into((0, 0), 0, (2000, 1500), out)
+        np.testing.assert_array_equal(s.read_region((0, 256), 0, (2000, 1244)), ref[256:])

@@ -22,6 +22,7 @@ tile table are checked against the file before anything is allocated
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import threading
@@ -195,6 +196,25 @@ class _TileCache:
             self._pins.clear()
             self._free.clear()
             self.allocated = 0
+
+
+# A region of at least this many stored tiles has them decoded by the region threads.
+PARALLEL_REGION_TILES = 16
+_REGION_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_REGION_POOL_LOCK = threading.Lock()
+
+
+def _region_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's threads that decode the stored tiles of large regions (made on first use, and
+    again in a forked child, which has none of its parent's threads)."""
+    global _REGION_POOL
+    with _REGION_POOL_LOCK:
+        if _REGION_POOL is None or _REGION_POOL[0] != os.getpid():
+            pool = concurrent.futures.ThreadPoolExecutor(
+                min(8, os.cpu_count() or 1), thread_name_prefix="region-decode"
+            )
+            _REGION_POOL = (os.getpid(), pool)
+        return _REGION_POOL[1]
 
 
 class TiffSlide(Slide):
@@ -619,18 +639,30 @@ class TiffSlide(Slide):
         lv = self._levels[level]
         tw, th = lv.tile_w, lv.tile_h
         cache = self._cache
-        for ty in range(iy0 // th, (iy1 - 1) // th + 1):
-            ty0 = ty * th
+
+        def copy_tile(tx: int, ty: int) -> None:
+            ty0, tx0 = ty * th, tx * tw
             sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
-            dst_rows = out[sy0 - y0 : sy1 - y0]
-            for tx in range(ix0 // tw, (ix1 - 1) // tw + 1):
-                tx0 = tx * tw
-                sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
-                key, tile = self._get_tile(level, tx, ty)
-                try:
-                    dst_rows[:, sx0 - x0 : sx1 - x0] = tile[sy0 - ty0 : sy1 - ty0, sx0 - tx0 : sx1 - tx0]
-                finally:
-                    cache.unpin(key)
+            sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
+            key, tile = self._get_tile(level, tx, ty)
+            try:
+                out[sy0 - y0 : sy1 - y0, sx0 - x0 : sx1 - x0] = tile[sy0 - ty0 : sy1 - ty0, sx0 - tx0 : sx1 - tx0]
+            finally:
+                cache.unpin(key)
+
+        tiles = [
+            (tx, ty) for ty in range(iy0 // th, (iy1 - 1) // th + 1) for tx in range(ix0 // tw, (ix1 - 1) // tw + 1)
+        ]
+        if len(tiles) < PARALLEL_REGION_TILES:
+            for tx, ty in tiles:
+                copy_tile(tx, ty)
+            return
+        # A large region (a thumbnail's level, say): its tiles decoded by several threads (the
+        # decoders release the interpreter lock), each copying into its own part of ``out``.
+        futures = [_region_pool().submit(copy_tile, tx, ty) for tx, ty in tiles]
+        concurrent.futures.wait(futures)  # every copy ended before ``out`` goes back to the caller
+        for fut in futures:
+            fut.result()
 
     def close(self) -> None:
         if not self._closed:
