@@ -96,3 +96,15 @@ def test_orphaned_argument_folders_are_removed_and_held_ones_kept(tmp_path, monk
 
 
 FILE_BYTES = writer_pool.FILE_ARG_BYTES
+
+
+def test_a_pool_left_unclosed_removes_its_folder_when_collected(tmp_path, monkeypatch):
+    import gc
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    pool = WriterPool(1)
+    pool._file_args((np.zeros(FILE_BYTES, np.uint8),))
+    (folder,) = tmp_path.glob("wsi-pipeline-args-*")
+    del pool
+    gc.collect()
+    assert not folder.exists()

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -178,7 +179,7 @@ class WriterPool:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._arg_dir: Path | None = None
-        self._arg_lock: Any = None
+        self._arg_cleanup: weakref.finalize | None = None
         self._arg_ids = itertools.count()
 
     def _file_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -190,7 +191,9 @@ class WriterPool:
                 parent = Path(tempfile.gettempdir())
                 _remove_orphaned_arg_dirs(parent)
                 self._arg_dir = Path(tempfile.mkdtemp(prefix=_ARGS_PREFIX, dir=parent))
-                self._arg_lock = _own_folder(self._arg_dir)
+                lock = _own_folder(self._arg_dir)
+                # Removed by close(), or when the pool is collected or the interpreter exits unclosed.
+                self._arg_cleanup = weakref.finalize(self, _remove_arg_dir, self._arg_dir, lock)
             folder = self._arg_dir
         out: list[Any] = []
         try:
@@ -265,12 +268,15 @@ class WriterPool:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            folder, self._arg_dir = self._arg_dir, None
-            lock, self._arg_lock = self._arg_lock, None
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        if lock is not None:
-            lock.close()
+            cleanup, self._arg_cleanup, self._arg_dir = self._arg_cleanup, None, None
+        if cleanup is not None:
+            cleanup()
+
+
+def _remove_arg_dir(folder: Path, lock: Any) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    if lock is not None:
+        lock.close()
 
 
 def _discard_files(args: Any) -> None:
