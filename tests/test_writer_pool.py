@@ -108,3 +108,32 @@ def test_a_pool_left_unclosed_removes_its_folder_when_collected(tmp_path, monkey
     del pool
     gc.collect()
     assert not folder.exists()
+
+
+@pytest.mark.parametrize("problem", ["full", "no folder"])
+def test_arrays_go_in_the_pickle_where_the_temporary_folder_cannot_take_them(tmp_path, monkeypatch, problem):
+    if problem == "full":
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+        def disk_full(self, path, array):
+            path.write_bytes(b"x")  # a partial file, as a failed write leaves
+            raise OSError(28, "No space left on device", str(path))
+
+        monkeypatch.setattr(ArrayFile, "__init__", disk_full)
+    else:
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "gone"))
+    arrays = _arrays()
+    pool = WriterPool(1)
+    try:
+        jobs = WriteJobs()
+        pool.submit(jobs, "job", _echo, tmp_path / "out", *arrays)
+        jobs.wait()
+        ((_, fut),) = jobs._futures
+        _, got = fut.result()
+        for (a, _), expected in zip(got, arrays, strict=True):
+            np.testing.assert_array_equal(a, expected)
+        if problem == "full":
+            (folder,) = tmp_path.glob("wsi-pipeline-args-*")
+            assert sorted(p.name for p in folder.iterdir()) == ["lock"]  # the partial files removed
+    finally:
+        pool.close()

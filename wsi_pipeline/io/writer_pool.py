@@ -112,12 +112,26 @@ def _call_with_files(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*(a.load() if isinstance(a, ArrayFile) else a for a in args))
 
 
+def _goes_to_file(arg: Any) -> bool:
+    return isinstance(arg, np.ndarray) and arg.nbytes >= FILE_ARG_BYTES and not arg.dtype.hasobject
+
+
 def _own_folder(folder: Path) -> Any:
-    """Lock ``folder`` for this process (the lock ends with the process); the open lock file, or None."""
+    """Lock ``folder`` for this process (the lock ends with the process); the open lock file, or
+    None where it cannot be locked (no lock file is left then, so no other pool removes it)."""
     if fcntl is None:
         return None
-    f = open(folder / "lock", "wb")  # noqa: SIM115  (held open for the pool's life)
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    path = folder / "lock"
+    try:
+        f = open(path, "wb")  # noqa: SIM115  (held open for the pool's life)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        path.unlink(missing_ok=True)
+        return None
     return f
 
 
@@ -183,28 +197,43 @@ class WriterPool:
         self._arg_ids = itertools.count()
 
     def _file_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` with each large array written to a file of this pool's folder (:class:`ArrayFile`)."""
-        if not any(isinstance(a, np.ndarray) and a.nbytes >= FILE_ARG_BYTES and not a.dtype.hasobject for a in args):
+        """``args`` with each large array written to a file of this pool's folder (:class:`ArrayFile`);
+        where the temporary folder cannot take it (full, read-only), the array stays in the pickle."""
+        if not any(_goes_to_file(a) for a in args):
             return args
-        with self._lock:
-            if self._arg_dir is None:
-                parent = Path(tempfile.gettempdir())
-                _remove_orphaned_arg_dirs(parent)
-                self._arg_dir = Path(tempfile.mkdtemp(prefix=_ARGS_PREFIX, dir=parent))
-                lock = _own_folder(self._arg_dir)
-                # Removed by close(), or when the pool is collected or the interpreter exits unclosed.
-                self._arg_cleanup = weakref.finalize(self, _remove_arg_dir, self._arg_dir, lock)
-            folder = self._arg_dir
+        folder = self._folder()
+        if folder is None:
+            return args
         out: list[Any] = []
         try:
             for a in args:
-                if isinstance(a, np.ndarray) and a.nbytes >= FILE_ARG_BYTES and not a.dtype.hasobject:
-                    a = ArrayFile(folder / f"{next(self._arg_ids)}.bin", a)
+                if _goes_to_file(a):
+                    path = folder / f"{next(self._arg_ids)}.bin"
+                    try:
+                        a = ArrayFile(path, a)
+                    except OSError:
+                        path.unlink(missing_ok=True)
                 out.append(a)
         except BaseException:
             _discard_files(out)
             raise
         return tuple(out)
+
+    def _folder(self) -> Path | None:
+        """This pool's folder for array files (made on first use), or None where none can be made."""
+        with self._lock:
+            if self._arg_dir is None:
+                try:
+                    parent = Path(tempfile.gettempdir())
+                    _remove_orphaned_arg_dirs(parent)
+                    folder = Path(tempfile.mkdtemp(prefix=_ARGS_PREFIX, dir=parent))
+                except OSError:
+                    return None
+                lock = _own_folder(folder)
+                self._arg_dir = folder
+                # Removed by close(), or when the pool is collected or the interpreter exits unclosed.
+                self._arg_cleanup = weakref.finalize(self, _remove_arg_dir, folder, lock)
+            return self._arg_dir
 
     def _executor(self) -> tuple[ProcessPoolExecutor | None, bool]:
         """The pool (None: jobs run in the caller) and whether it was made just now."""
