@@ -44,6 +44,7 @@ import numpy as np
 import tifffile
 
 from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.io.atomic import partial_name
 from wsi_pipeline.io.ome_xml import OmePixels, read_ome_pixels
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
@@ -358,7 +359,7 @@ class SpooledHeatmap:
     def write(self) -> Path:
         """Build the pyramid, write the file under a temporary name, move it into place, remove the
         spool (also on failure); returns the file's path."""
-        tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}")
+        tmp = partial_name(self.path)
         try:
             # Read back through the page cache: the rows need no flush to the spool file first.
             levels = [np.load(self.spool / "level0.npy", mmap_mode="r")]
@@ -376,7 +377,7 @@ class SpooledHeatmap:
             tmp.unlink(missing_ok=True)
             raise
         finally:
-            levels = []
+            levels = []  # the memmaps closed before their files are removed
             self.discard()
         return self.path
 

@@ -23,13 +23,17 @@ import numpy as np
 _ZERO = ord("0")
 
 
-def _digits(values: np.ndarray, width: int) -> np.ndarray:
-    """``N x width`` ASCII digits of non-negative int64 ``values`` (leading zeros kept)."""
+_DIGITS = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def _digits(values: np.ndarray, width: int, base: int = 10) -> np.ndarray:
+    """``N x width`` ASCII digits (lower-case beyond 9) of non-negative int64 ``values`` in ``base``
+    (at most 16), leading zeros kept."""
     out = np.empty((len(values), width), np.uint8)
     rest = values.copy()
     for k in range(width - 1, -1, -1):
-        out[:, k] = _ZERO + rest % 10
-        rest //= 10
+        out[:, k] = _DIGITS[rest % base]
+        rest //= base
     return out
 
 
@@ -88,13 +92,7 @@ def hex_column(values: np.ndarray, width: int) -> np.ndarray:
     values = np.asarray(values, np.int64)
     if len(values) and (values.min() < 0 or values.max() >= 16**width):
         raise ValueError(f"hex_column: values must lie in [0, 16**{width})")
-    table = np.frombuffer(b"0123456789abcdef", np.uint8)
-    out = np.empty((len(values), width), np.uint8)
-    rest = values.copy()
-    for k in range(width - 1, -1, -1):
-        out[:, k] = table[rest & 15]
-        rest >>= 4
-    return out
+    return _digits(values, width, 16)
 
 
 def choice_column(index: np.ndarray, texts: Sequence[bytes]) -> np.ndarray:

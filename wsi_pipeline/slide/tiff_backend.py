@@ -659,7 +659,8 @@ class TiffSlide(Slide):
             return
         # A large region (a thumbnail's level, say): its tiles decoded by several threads (the
         # decoders release the interpreter lock), each copying into its own part of ``out``.
-        futures = [_region_pool().submit(copy_tile, tx, ty) for tx, ty in tiles]
+        pool = _region_pool()
+        futures = [pool.submit(copy_tile, tx, ty) for tx, ty in tiles]
         concurrent.futures.wait(futures)  # every copy ended before ``out`` goes back to the caller
         for fut in futures:
             fut.result()
