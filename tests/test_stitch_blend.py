@@ -304,6 +304,22 @@ def test_background_sink_keeps_order_and_raises_the_sinks_failure():
     with pytest.raises(OSError, match="disk full"):
         bg.close()
 
+    # Two sinks on two threads: each gets every band in order; a failure of either reaches the caller.
+    first, second = [], []
+    bg = BackgroundSink(lambda y0, rows: first.append(y0), lambda y0, rows: second.append(y0), max_pending=2)
+    for y0 in range(0, 50, 5):
+        bg(y0, np.zeros((1, 5, 3), np.float32))
+    bg.close()
+    assert first == second == list(range(0, 50, 5))
+    bg = BackgroundSink(lambda y0, rows: None, failing, max_pending=1)
+    with pytest.raises(OSError, match="disk full"):
+        for y0 in range(0, 1000, 5):
+            bg(y0, np.zeros((1, 5, 3), np.float32))
+    with pytest.raises(OSError, match="disk full"):
+        bg.close()
+    with pytest.raises(ValueError, match="at least one sink"):
+        BackgroundSink()
+
 
 @pytest.mark.parametrize("step", [12, 7])  # 7: tiles two columns apart overlap, one add per tile
 def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
@@ -359,8 +375,15 @@ BLEND_DEVICES = [
 
 @pytest.mark.parametrize("device", BLEND_DEVICES)
 @pytest.mark.parametrize("step", [12, 7])
-def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step):
-    """Numpy on the host, torch on the CPU and on CUDA: runs with gaps, single tiles, skips, all alike."""
+@pytest.mark.parametrize("background", [False, True])
+def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, background):
+    """Numpy on the host, torch on the CPU and on CUDA: runs with gaps, single tiles, skips, all alike.
+
+    ``background``: the rows go through a :class:`BackgroundSink` (two sinks on two threads), which
+    takes them while their copy from the device is under way (``put_copy``).
+    """
+    from wsi_pipeline.stitch.sinks import BackgroundSink
+
     rng = np.random.default_rng(5)
     n_rows, n_cols = 5, 13
     geom = BlendGeometry(
@@ -382,7 +405,9 @@ def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step):
     tiles = {(r, c): rng.random((3, 16, 16)).astype(np.float32) for r, cs in present.items() for c in cs}
     skipped = {(r, c) for r in range(n_rows) for c in range(n_cols) if (r, c) not in tiles}
     sink = Collect(3, geom.out_height, geom.out_width)
-    blender = HeatmapBlender(geom, 3, weights, sink, window_rows=2, device=device)
+    other = Collect(3, geom.out_height, geom.out_width)
+    given = BackgroundSink(sink, other, max_pending=2) if background else sink
+    blender = HeatmapBlender(geom, 3, weights, given, window_rows=2, device=device)
     for r, cs in present.items():
         for c in range(n_cols):
             if (r, c) in skipped:
@@ -397,5 +422,8 @@ def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step):
         else:
             blender.add_run(r, np.array(cs, np.int64), hm)
     blender.close()
+    if background:
+        given.close()
+        np.testing.assert_array_equal(other.out, sink.out)
     assert sink.next_row == geom.out_height
     np.testing.assert_allclose(sink.out, naive_blend(geom, tiles, skipped, weights, 3), atol=1e-5)

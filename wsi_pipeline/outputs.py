@@ -1,13 +1,14 @@
 """One slide's outputs: the heatmap sinks the stitcher feeds, and the files written after it.
 
 :class:`SlideOutputs` is built per slide by the pipeline and hands the
-stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out, from a
-thread of its own (:class:`~.stitch.sinks.BackgroundSink`), to the OME-TIFF
-writer (with an output folder), an in-memory array (when asked), per-class
-statistics over the tissue and, when an overlay is written, a reduced copy
-for it (and the OME-Zarr writer where ``ome-zarr`` is chosen). Whatever reads them
-(:meth:`SlideOutputs.heatmap_scores`, the overlay, :meth:`SlideOutputs.close_heatmap`)
-waits for that thread first; :meth:`SlideOutputs.abort` ends it too.
+stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out, from
+threads of its own (:class:`~.stitch.sinks.BackgroundSink`), to the OME-TIFF
+writer (with an output folder; and the OME-Zarr writer where ``ome-zarr`` is
+chosen) on one thread, and on another to an in-memory array (when asked),
+per-class statistics over the tissue and, when an overlay is written, a
+reduced copy for it. Whatever reads them (:meth:`SlideOutputs.heatmap_scores`,
+the overlay, :meth:`SlideOutputs.close_heatmap`) waits for those threads
+first; :meth:`SlideOutputs.abort` ends them too.
 After stitching, :meth:`SlideOutputs.write` sends the detection files and
 overlay of ``config.formats`` (:mod:`.io.formats`) to the writer processes
 and returns the step that closes the heatmap file; ``summary.json``, the
@@ -89,20 +90,21 @@ class SlideOutputs:
         if hm is None:
             return
         g, c = geometry, len(hm.classes)
+        files: list[Sink] = []  # the heatmap files' writers, on one thread; the other sinks on another
         sinks: list[Sink] = []
         plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
         if out is not None and "ome-tiff" in config.formats:
             self.writer = OmeTiffHeatmapWriter(
                 out / FORMATS["ome-tiff"].filename, g.heatmap_width, g.heatmap_height, c, **plane
             )
-            sinks.append(self.writer)
+            files.append(self.writer)
         if out is not None and "ome-zarr" in config.formats:
             from .io.ome_zarr import OmeZarrHeatmapWriter  # needs zarr: only where chosen
 
             self.zarr_writer = OmeZarrHeatmapWriter(
                 out / FORMATS["ome-zarr"].filename, g.heatmap_width, g.heatmap_height, c, **plane
             )
-            sinks.append(self.zarr_writer)
+            files.append(self.zarr_writer)
         if keep_heatmap:
             self.array_sink = ArraySink(c, g.heatmap_height, g.heatmap_width)
             sinks.append(self.array_sink)
@@ -115,7 +117,7 @@ class SlideOutputs:
                 c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
             )
             sinks.append(self.reduced)
-        self.heatmap_sink = self._background = BackgroundSink(fan_out(*sinks))
+        self.heatmap_sink = self._background = BackgroundSink(*(fan_out(*group) for group in (files, sinks) if group))
         self.heatmap_weights = tile_weights(
             g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
         )

@@ -75,13 +75,21 @@ def _drop_pages(array: np.ndarray) -> None:
     mm.madvise(mmap.MADV_DONTNEED)
 
 
-def quantise(values: np.ndarray, dtype: np.dtype, value_scale: float) -> np.ndarray:
-    """Values (float) to stored values: ``values / value_scale``, rounded and clipped to an integer ``dtype``."""
-    scaled = np.asarray(values).astype(np.float32) * np.float32(1.0 / value_scale)
-    if dtype.kind == "f":
+def quantise(values: np.ndarray, dtype: np.dtype, value_scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Values (float) to stored values: ``values / value_scale``, rounded and clipped to an integer ``dtype``.
+
+    ``out``: an array of ``dtype`` and ``values``' shape to write them into (returned).
+    """
+    # float32 arithmetic in one scratch array, rounded and clipped in place.
+    scaled = np.multiply(values, np.float32(1.0 / value_scale), dtype=np.float32)
+    if dtype.kind != "f":
+        info = np.iinfo(dtype)
+        np.rint(scaled, out=scaled)
+        np.clip(scaled, info.min, info.max, out=scaled)
+    if out is None:
         return scaled.astype(dtype)
-    info = np.iinfo(dtype)
-    return np.clip(np.rint(scaled), info.min, info.max).astype(dtype)
+    out[...] = scaled
+    return out
 
 
 def halve(band: np.ndarray) -> np.ndarray:
@@ -288,7 +296,7 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
     def write_rows(self, y0_out: int, rows: np.ndarray) -> None:
         """Same as calling the writer."""
         rows, y1 = self._check_rows(y0_out, rows)
-        self._level0[:, y0_out:y1] = quantise(rows, self.dtype, self.value_scale)
+        quantise(rows, self.dtype, self.value_scale, out=self._level0[:, y0_out:y1])
         self._unflushed += self._level0[:, y0_out:y1].nbytes
         if self._unflushed >= _RESIDENT_BYTES:
             _drop_pages(self._level0)

@@ -38,6 +38,27 @@ from wsi_pipeline.geometry import TilingGeometry
 Sink = Callable[[int, np.ndarray], None]
 
 
+class HostCopy:
+    """Rows on their way to the host: read them as :meth:`wait` returns them.
+
+    The blender on a CUDA device starts each band's copy to pinned host memory
+    and hands this over at once; a sink that takes it (``sink.put_copy(y0,
+    copy)``, as :class:`~.sinks.BackgroundSink` does) waits for the copy on its
+    own thread, so the stitching thread never waits for the device.
+    """
+
+    def __init__(self, rows: np.ndarray, event: Any = None):
+        self._rows = rows
+        self._event = event
+
+    def wait(self) -> np.ndarray:
+        """The rows (C x h x W float32), once the copy has finished."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._rows
+
+
 @dataclass(frozen=True)
 class BlendGeometry:
     """Where tiles land on the heatmap canvas, all in heatmap pixels.
@@ -114,6 +135,10 @@ class _HostArrays:
         return a
 
     @staticmethod
+    def to_host_later(a: np.ndarray) -> HostCopy:
+        return HostCopy(a)
+
+    @staticmethod
     def permute(a: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
         return a.transpose(axes)
 
@@ -157,6 +182,19 @@ class _TorchArrays:
     def to_host(a: Any) -> np.ndarray:
         return a.cpu().numpy()
 
+    def to_host_later(self, a: Any) -> HostCopy:
+        """``a``'s copy to the host, started on this thread's stream (into pinned memory on CUDA)."""
+        if not self._cuda:
+            return HostCopy(a.cpu().numpy())
+        torch = self.torch
+        # Pinned blocks come from torch's caching host allocator: one is reused once the copy
+        # recorded on it has finished and nothing holds it.
+        host = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+        host.copy_(a, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return HostCopy(host.numpy(), event)
+
     @staticmethod
     def permute(a: Any, axes: tuple[int, ...]) -> Any:
         return a.permute(axes)
@@ -179,7 +217,9 @@ class HeatmapBlender:
         sink: called as ``sink(y0_out, rows)`` with rows a C x h x out_width
             float32 array of final output rows starting at output row
             ``y0_out``; calls come top to bottom, contiguous, and together
-            cover rows 0..out_height-1 exactly once.
+            cover rows 0..out_height-1 exactly once. A sink with a
+            ``put_copy(y0_out, copy)`` method gets a :class:`HostCopy` that way
+            instead, the rows' copy from the device maybe still under way.
         window_rows: how many tile rows may be open at once. A tile of row r
             is accepted while r < (first incomplete row) + window_rows;
             larger windows tolerate more out-of-order arrival and hold a
@@ -220,6 +260,8 @@ class HeatmapBlender:
         self.channels = channels
         self.weights = weights
         self.sink = sink
+        # A sink that takes rows still being copied (HostCopy) gets them so.
+        self._put_copy: Callable[[int, HostCopy], None] | None = getattr(sink, "put_copy", None)
         self._xp: Any = _HostArrays() if device is None else _TorchArrays(device)
         self.device = self._xp.device
         self._w = self._xp.put(weights)
@@ -386,8 +428,11 @@ class HeatmapBlender:
         off = self._off
         num = self._num[:, off : off + h, : g.out_width]
         # Every finished canvas pixel lies under some tile, and every tile adds weights > 0.
-        rows = self._xp.to_host(num / self._weight_sum(y0, y1)[None])
-        self.sink(y0, rows)
+        rows = num / self._weight_sum(y0, y1)[None]
+        if self._put_copy is not None:
+            self._put_copy(y0, self._xp.to_host_later(rows))
+        else:
+            self.sink(y0, self._xp.to_host(rows))
         self._emitted = y1
 
     def _weight_sum(self, y0: int, y1: int) -> Any:
