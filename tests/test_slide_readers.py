@@ -242,3 +242,25 @@ def test_stored_tiles_read_at_once_equal_each_read_alone(tmp_path):
                 assert buf.tobytes() == b"".join(each)
                 ref_buf, ref_lengths = Slide.raw_tiles_jpeg(slide, level, pick)
                 assert ref_buf.tobytes() == buf.tobytes() and ref_lengths.tolist() == lengths.tolist()
+                # Into this thread's reused buffers: the same bytes, call after call.
+                for _ in range(2):
+                    reused, reused_lengths = slide.raw_tiles_jpeg(level, pick, reuse=True)
+                    assert reused.tobytes() == buf.tobytes() and reused_lengths.tolist() == lengths.tolist()
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_stored_tiles_past_the_files_end_are_an_error_naming_it(tmp_path, reuse):
+    from wsi_pipeline.errors import SlideError
+    from wsi_pipeline.slide.tiff_backend import TiffSlide
+    from wsi_pipeline.synthetic import write_synthetic_slide
+
+    path = tmp_path / "s.tiff"
+    write_synthetic_slide(path, 1024, 1024, seed=3, kind="pathology")
+    with TiffSlide(path) as slide:
+        _, _, across, down = slide.tile_grid_shape(0)
+        coords = [(x, y) for y in range(down) for x in range(across)]
+        lv = slide._levels[0]
+        end = int((lv.offsets + lv.bytecounts).max())
+        os.truncate(path, end - 10)  # the opened file loses its last stored tile's end
+        with pytest.raises(SlideError, match=r"s\.tiff.*ends inside its stored tiles"):
+            slide.raw_tiles_jpeg(0, coords, reuse=reuse)

@@ -337,7 +337,8 @@ class GpuTileDecoder:
 
     def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
-        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
+        # nvJPEG is done with the streams when its call returns: this thread's read buffers are reused.
+        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots], reuse=True)
         sizes = lengths.tolist()
         where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
         empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
