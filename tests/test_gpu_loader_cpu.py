@@ -174,9 +174,7 @@ def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
 
     monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
     # Batched reads through the per-tile reads above (the generic definition).
-    monkeypatch.setattr(
-        slide, "raw_tiles_jpeg", lambda level, coords, reuse=False: Slide.raw_tiles_jpeg(slide, level, coords)
-    )
+    monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(
         slide, tiles, batch_size=3, device="cpu", decode_threads=decode_threads, jpeg_decoder=jpeg_decoder
     )
@@ -232,9 +230,7 @@ def test_a_stored_tile_of_another_size_is_named(slide_path, monkeypatch, other_s
         return small.tobytes() if (tx, ty) == (1, 0) or h == w else real(level, tx, ty)
 
     monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
-    monkeypatch.setattr(
-        slide, "raw_tiles_jpeg", lambda level, coords, reuse=False: Slide.raw_tiles_jpeg(slide, level, coords)
-    )
+    monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(slide, tiles, batch_size=2, device="cpu", jpeg_decoder="nvjpeg")
     with pytest.raises(TileReadError, match=rf"decoded to \[3, {h}, {w}\], expected \[3, {STORED}, {STORED}\]"):
         _in_thread(lambda: list(loader))

@@ -167,15 +167,11 @@ class Slide(abc.ABC):
         """Stored tile (tx, ty) of ``level`` as a self-contained JPEG stream (empty: no data)."""
         raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
 
-    def raw_tiles_jpeg(
-        self, level: int, tiles: Sequence[tuple[int, int]], reuse: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`raw_tile_jpeg` of many stored tiles ``(tx, ty)``, back to back.
 
         Returns one uint8 array holding the streams one after the other and
         their lengths (int64, 0 for a tile without data), in the order given.
-        ``reuse``: the array may live in a buffer of the calling thread that
-        its next call with ``reuse`` overwrites (no allocation per call).
         """
         streams = [self.raw_tile_jpeg(level, tx, ty) for tx, ty in tiles]
         lengths = np.fromiter((len(b) for b in streams), np.int64, len(streams))

@@ -79,21 +79,6 @@ def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
     return data[:2], tables[2:-2], data[2:]
 
 
-_buffers = threading.local()
-# A thread keeps a buffer up to this size between calls; a larger one is made for the call alone.
-KEEP_BUFFER_BYTES = 64 << 20
-
-
-def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
-    """``nbytes`` of this thread's uint8 buffer ``name``, kept between calls (grown by half again as needed)."""
-    buf = getattr(_buffers, name, None)
-    if buf is None or len(buf) < nbytes:
-        size = max(nbytes, min(int(len(buf) * 1.5) if buf is not None else 0, KEEP_BUFFER_BYTES))
-        buf = np.empty(size, np.uint8)
-        setattr(_buffers, name, buf if size <= KEEP_BUFFER_BYTES else None)
-    return buf[:nbytes]
-
-
 def _with_tables(tables: bytes | None, data: bytes) -> bytes:
     """A TIFF JPEG tile as a self-contained JPEG stream (:func:`_stream_parts`)."""
     return b"".join(_stream_parts(tables, data))
@@ -387,9 +372,7 @@ class TiffSlide(Slide):
         n = int(lv.bytecounts[i])
         return os.pread(self._fd, n, int(lv.offsets[i])) if n else b""
 
-    def raw_tiles_jpeg(
-        self, level: int, tiles: Sequence[tuple[int, int]], reuse: bool = False
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`raw_tile_jpeg` of many stored tiles, back to back (see :meth:`Slide.raw_tiles_jpeg`).
 
         Stored tiles usually lie in the file in row order: the byte span of
@@ -400,9 +383,6 @@ class TiffSlide(Slide):
         copy from the page cache; a read per tile costs a call and Python
         work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
         helpers had every other few tiles of each row, BENCHMARKS.md.)
-        With ``reuse``, the read and the streams go into two buffers of the
-        calling thread, kept for its next call: a fresh multi-megabyte array
-        per call is mapped, faulted in and unmapped each time.
         """
         lv = self._jpeg_level(level)
         if not tiles:
@@ -417,13 +397,8 @@ class TiffSlide(Slide):
         span = int((offsets + counts)[has].max()) - start
         if span > max(4 * int(counts.sum()), 1 << 24) or span > 1 << 28:
             return super().raw_tiles_jpeg(level, tiles)
-        if reuse:
-            buf = _thread_buffer("read", span)
-            got = os.preadv(self._fd, [buf], start)
-        else:
-            buf = np.frombuffer(os.pread(self._fd, span, start), np.uint8)
-            got = len(buf)
-        if got < span:
+        buf = np.frombuffer(os.pread(self._fd, span, start), np.uint8)
+        if len(buf) < span:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
         tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
         parts = [
@@ -435,8 +410,6 @@ class TiffSlide(Slide):
         # _stream_parts adds the tables' body (all but their SOI and EOI) to a tile of 2 bytes or more.
         body = len(tables) - 4 if tables is not None and len(tables) >= 4 else 0
         lengths = counts + np.where(counts >= 2, body, 0)
-        if reuse:
-            return np.concatenate(parts, out=_thread_buffer("streams", int(lengths.sum()))), lengths
         return np.concatenate(parts), lengths
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:

@@ -337,8 +337,7 @@ class GpuTileDecoder:
 
     def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
-        # nvJPEG is done with the streams when its call returns: this thread's read buffers are reused.
-        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots], reuse=True)
+        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
         sizes = lengths.tolist()
         where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
         empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
