@@ -191,7 +191,9 @@ class _TorchArrays:
         # recorded on it has finished and nothing holds it.
         host = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
         host.copy_(a, non_blocking=True)
-        event = torch.cuda.Event()
+        # A blocking event: the sinks' threads sleep while they wait instead of spinning on a core
+        # the JPEG helpers and the loader need.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return HostCopy(host.numpy(), event)
 
