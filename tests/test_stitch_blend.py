@@ -321,6 +321,34 @@ def test_background_sink_keeps_order_and_raises_the_sinks_failure():
         BackgroundSink()
 
 
+def test_background_sink_reads_copied_rows_only_after_their_copy():
+    """``put_copy``: each sink's thread waits for the copy's event before the sink sees the rows."""
+    import threading
+
+    from wsi_pipeline.stitch.blend import HostCopy
+    from wsi_pipeline.stitch.sinks import BackgroundSink
+
+    class Copying:  # stands in for a CUDA event: the rows are written when it completes
+        def __init__(self, rows: np.ndarray, value: float):
+            self.rows, self.value, self.lock = rows, value, threading.Lock()
+
+        def synchronize(self) -> None:
+            with self.lock:
+                self.rows[...] = self.value
+
+    seen: dict[str, list[float]] = {"a": [], "b": []}
+    bg = BackgroundSink(
+        lambda y0, rows: seen["a"].append(float(rows.min())),
+        lambda y0, rows: seen["b"].append(float(rows.max())),
+        max_pending=2,
+    )
+    for k in range(20):
+        rows = np.full((1, 3, 4), -1.0, np.float32)  # not yet copied
+        bg.put_copy(3 * k, HostCopy(rows, Copying(rows, float(k))))
+    bg.close()
+    assert seen["a"] == seen["b"] == [float(k) for k in range(20)]
+
+
 @pytest.mark.parametrize("step", [12, 7])  # 7: tiles two columns apart overlap, one add per tile
 def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
     rng = np.random.default_rng(3)

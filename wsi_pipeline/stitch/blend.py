@@ -52,10 +52,9 @@ class HostCopy:
         self._event = event
 
     def wait(self) -> np.ndarray:
-        """The rows (C x h x W float32), once the copy has finished."""
+        """The rows (C x h x W float32), once the copy has finished (any thread, any number of times)."""
         if self._event is not None:
             self._event.synchronize()
-            self._event = None
         return self._rows
 
 
