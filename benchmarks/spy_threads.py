@@ -37,7 +37,7 @@ def main() -> None:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             frames = stack.split(";")
-            thread = next((THREAD.match(fr) for fr in frames if THREAD.match(fr)), None)
+            thread = next((m for fr in frames if (m := THREAD.match(fr))), None)
             name = group(thread.group(1)) if thread else "?"
             if args.thread and args.thread not in name:
                 continue

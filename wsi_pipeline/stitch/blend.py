@@ -184,7 +184,7 @@ class _TorchArrays:
     def to_host_later(self, a: Any) -> HostCopy:
         """``a``'s copy to the host, started on this thread's stream (into pinned memory on CUDA)."""
         if not self._cuda:
-            return HostCopy(a.cpu().numpy())
+            return HostCopy(self.to_host(a))
         torch = self.torch
         # Pinned blocks come from torch's caching host allocator: one is reused once the copy
         # recorded on it has finished and nothing holds it.
