@@ -11,7 +11,8 @@ the hand-off wait, reading stored tiles, a worker's batch, waiting on CUDA
 events, the host decoder, the stitcher) with timers that add up wall seconds
 per call site and thread (names without their numbers), then runs the
 pipeline (torch backend, no outputs) once to warm up and ``--runs`` times
-measured. Prints, for the last run, each thread's seconds per call site next
+measured (``--cold``: without the warm-up, each run's calls printed, the
+first run being the process's first). Prints, for the last run, each thread's seconds per call site next
 to the run's wall time. Nested calls are counted in both (a batch's
 assembly includes its nvJPEG call).
 
@@ -202,6 +203,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="the batch's output folder")
     ap.add_argument("--backend", default="torch", help="the backend (ort tries the script without a GPU)")
     ap.add_argument("--events", type=Path, help="write the last run's timed calls here (JSON), with a summary")
+    ap.add_argument(
+        "--cold", action="store_true", help="no warm-up run; print every run's calls (the first is the process's first)"
+    )
     args = ap.parse_args()
     install(RUN_SITES)
     gc.callbacks.append(_gc_callback)
@@ -213,7 +217,8 @@ def main() -> int:
             install(OUTPUT_SITES)
             trace_batch(pipe, args.slide, args.batch, args.out)
             return 0
-        pipe.run(args.slide)
+        if not args.cold:
+            pipe.run(args.slide)
         global _events
         for _ in range(args.runs):
             _totals.clear()
@@ -231,7 +236,10 @@ def main() -> int:
                 f"device memory segments allocated {stats.get('segment.all.allocated', 0) - segments}, "
                 f"reserved {stats.get('reserved_bytes.all.current', 0) / 2**20:,.0f} MiB"
             )
-        _print_totals(wall)
+            if args.cold:
+                _print_totals(wall)
+        if not args.cold:
+            _print_totals(wall)
         if args.events:
             _write_events(args.events, _events or [], t0, wall)
     return 0

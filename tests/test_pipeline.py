@@ -297,6 +297,30 @@ def test_detection_files_written_in_parts_by_the_writer_processes_equal_the_whol
     assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == sorted(OUTPUT_FILES)
 
 
+def test_a_part_that_fails_fails_the_run_and_leaves_no_part_and_no_summary(
+    pipe, slide_path, run_out, tmp_path, monkeypatch
+):
+    """One part of the GeoJSON cannot be written (its name is taken by a folder): the run raises
+    that, after every other job ended, and the folder holds no other part, no spool and no
+    summary.json."""
+    import wsi_pipeline.io.writer_pool as writer_pool
+    from wsi_pipeline.io.atomic import partial_name
+
+    first_res, _ = run_out
+    monkeypatch.setattr(writer_pool, "PART_ROWS", max(1, len(first_res.detections) // 5))
+    out = tmp_path / "broken"
+    out.mkdir()
+    blocked = partial_name(out / "detections.geojson.part1")
+    blocked.mkdir()
+    with pytest.raises(OSError) as err:
+        pipe.run(slide_path, out_dir=out)
+    assert str(blocked) in str(err.value)
+    left = sorted(p.name for p in out.iterdir())
+    assert "summary.json" not in left
+    assert [n for n in left if ".part" in n or "spool" in n] == [blocked.name]
+    assert len(pipe.run(slide_path).detections) == len(first_res.detections)
+
+
 def test_a_run_that_fails_after_returning_raises_from_wait_written(pipe, slide_path, tmp_path, monkeypatch):
     """A failure of a run's last steps (here the stitching's end) comes out of wait_written and of any
     attribute read; the pipeline goes on with the next run."""

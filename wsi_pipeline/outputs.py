@@ -9,15 +9,17 @@ per-class statistics over the tissue and, when an overlay is written, a
 reduced copy for it. Whatever reads them (:meth:`SlideOutputs.heatmap_scores`,
 the overlay, :meth:`SlideOutputs.close_heatmap`) waits for those threads
 first; :meth:`SlideOutputs.abort` ends them too.
-After stitching, :meth:`SlideOutputs.write` sends the detection files and
-overlay of ``config.formats`` (:mod:`.io.formats`) to the writer processes
-and returns the step that closes the heatmap file; ``summary.json``, the
-mark of a complete folder, is written last.
+After stitching, :meth:`SlideOutputs.write` sends the heatmap file's
+pyramid, the overlay and the detection files of ``config.formats``
+(:mod:`.io.formats`) to the writer processes and returns the step that waits
+for them; ``summary.json``, the mark of a complete folder, is written last.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -177,12 +179,16 @@ class SlideOutputs:
         return thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors
 
     def write(self, dets: np.ndarray, writers: WriterPool) -> Callable[[], np.ndarray | HeatmapFile | None]:
-        """Start writing the detection files and the overlay; return the step that finishes them.
+        """Start writing the heatmap file, the overlay and the detection files; return the step that
+        finishes them.
 
-        The returned callable closes the heatmap file, waits for the writer
-        processes (raising the first failure) and returns the heatmap (its
-        file's lazy reader, or the array when kept in memory). Write
-        ``summary.json`` (:meth:`write_summary`) after it, last.
+        The jobs go to the writer processes longest first, so that the one-piece
+        jobs (the heatmap file's pyramid, the overlay) do not wait behind the
+        detection files' parts. The returned callable waits for the writer
+        processes (raising the first failure), joins each detection file's parts
+        as soon as they are written, and returns the heatmap (its file's lazy
+        reader, or the array when kept in memory). Write ``summary.json``
+        (:meth:`write_summary`) after it, last.
         """
         out = self._folder()
         formats = self.config.formats
@@ -194,36 +200,54 @@ class SlideOutputs:
             "slide_path": self.slide.absolute_path,
             "mpp": self.slide.mpp,
         }
-        jobs = WriteJobs()
-        joins: list[tuple[PartsWriter, Path, list[Path]]] = []  # files written in parts, joined at the end
-        n_parts = writers.parts(len(dets))
-        prefix = feature_ids(dets) if n_parts > 1 else ""
-        for fmt in chosen(formats):
-            if fmt.kind not in (DETECTIONS, OVERLAY):  # heatmap files are sinks, written while stitching
-                continue
-            split = fmt.parts_writer() if fmt.kind == DETECTIONS and n_parts > 1 else None
-            if split is None:
-                args = (dets, classes) if fmt.kind == DETECTIONS else overlay
-                writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *args)
-                continue
-            bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
-            paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
-            for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
-                writers.submit(jobs, fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
-            joins.append((split, out / fmt.filename, paths))
+        heatmap = self.close_heatmap(finish_file=False)
+        heatmap_jobs, jobs = WriteJobs(), WriteJobs()
+        # Files written in parts: each file's part jobs apart, joined once they are written.
+        joins: list[tuple[PartsWriter, Path, list[Path], WriteJobs]] = []
+        spooled: SpooledHeatmap | None = None
+        try:
+            if self.writer is not None:
+                # The heatmap file's pyramid and compression run in a writer process: done by a
+                # thread here, they contended for the interpreter lock with the next slide's run.
+                spooled = self.writer.spooled()
+                writers.submit(heatmap_jobs, self.writer.path.name, write_spooled_heatmap, spooled)
+            for fmt in chosen(formats, OVERLAY):
+                writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *overlay)
+            n_parts = writers.parts(len(dets))
+            prefix = feature_ids(dets) if n_parts > 1 else ""
+            for fmt in chosen(formats, DETECTIONS):
+                split = fmt.parts_writer() if n_parts > 1 else None
+                if split is None:
+                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, dets, classes)
+                    continue
+                bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
+                paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
+                joins.append((split, out / fmt.filename, paths, WriteJobs()))
+                for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
+                    writers.submit(joins[-1][3], fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
+        except BaseException:
+            # Nothing may write into the folder after this returns: the jobs begun end first.
+            for begun in (heatmap_jobs, jobs, *(j[3] for j in joins)):
+                with contextlib.suppress(BaseException):
+                    begun.wait()
+            _remove_parts(joins)
+            if spooled is not None:
+                spooled.discard()
+            raise
+
+        def join(split: PartsWriter, path: Path, paths: list[Path], part_jobs: WriteJobs) -> None:
+            part_jobs.wait()
+            write_joined(path, paths, split.head, split.sep, split.tail)
 
         def finish() -> np.ndarray | HeatmapFile | None:
-            spooled: SpooledHeatmap | None = None
+            nonlocal heatmap
+            # Each file's parts are joined (copied by the kernel, then synced) while the other jobs
+            # run, on a thread of its own.
+            joiners = [_Joiner(join, *j) for j in joins]
             try:
                 try:
-                    heatmap = self.close_heatmap(finish_file=False)
+                    heatmap_jobs.wait()
                     if self.writer is not None:
-                        # The heatmap file's pyramid and compression run in a writer process: done by a
-                        # thread here, they contended for the interpreter lock with the next slide's run.
-                        spooled = self.writer.spooled()
-                        heatmap_jobs = WriteJobs()
-                        writers.submit(heatmap_jobs, self.writer.path.name, write_spooled_heatmap, spooled)
-                        heatmap_jobs.wait()
                         heatmap = heatmap if heatmap is not None else HeatmapFile(self.writer.path)
                         # Files made from the finished heatmap file (its pyramid read back, not the stream).
                         for fmt in chosen(formats, HEATMAP_FILE):
@@ -237,17 +261,17 @@ class SlideOutputs:
                                 list(self.card.heatmap.classes),
                             )
                 finally:
-                    jobs.wait()
-                for split, path, paths in joins:
-                    write_joined(path, paths, split.head, split.sep, split.tail)
+                    try:
+                        jobs.wait()
+                    finally:
+                        for joiner in joiners:
+                            joiner.join()
+                for joiner in joiners:
+                    joiner.raise_failure()
             except BaseException:
                 if spooled is not None:
                     spooled.discard()  # where the writer process died before removing it
-                elif self.writer is not None:
-                    self.writer.abort()
-                for _, _, paths in joins:
-                    for part in paths:
-                        part.unlink(missing_ok=True)
+                _remove_parts(joins)
                 raise
             return heatmap
 
@@ -273,6 +297,36 @@ class SlideOutputs:
         if self.out is None:
             raise ValueError("this slide's outputs have no folder")
         return self.out
+
+
+class _Joiner(threading.Thread):
+    """Runs ``fn(*args)`` on a thread of its own; :meth:`raise_failure` (after :meth:`join`) raises
+    what it raised."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        super().__init__(name="join-parts", daemon=True)
+        self._call = (fn, args)
+        self.failure: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        fn, args = self._call
+        try:
+            fn(*args)
+        except BaseException as exc:
+            self.failure = exc
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
+def _remove_parts(joins: list) -> None:
+    """Remove the parts of the files written in parts (those not yet joined and removed)."""
+    for _, _, paths, _ in joins:
+        for part in paths:
+            with contextlib.suppress(OSError):  # a failure is being raised: this one would hide it
+                part.unlink(missing_ok=True)
 
 
 __all__ = ["OUTPUT_FILES", "SlideOutputs"]
