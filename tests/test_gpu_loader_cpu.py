@@ -457,3 +457,34 @@ def test_requests_from_several_threads_queue_in_the_helpers(slide_path, jpeg_hel
     finally:
         for b in bufs:
             jpeg_helpers.release_staging(b)
+
+
+@pytest.mark.parametrize("device", JPEG_DEVICES)
+def test_the_warm_up_decodes_its_tiles_and_the_loader_then_decodes_as_before(slide_path, device):
+    """``warm_up_nvjpeg`` decodes its batch (its own check: every tile, at its size) and leaves the
+    decoder as it found it: a slide's stored tiles decode afterwards to torchvision's pixels."""
+    import torch
+    import torchvision.io
+
+    from wsi_pipeline.tiling import gpu_loader
+
+    assert gpu_loader.warm_up_nvjpeg(device, tiles=8, tile_px=64) > 0
+    with TiffSlide(str(slide_path)) as slide:
+        raw = [slide.raw_tile_jpeg(0, tx, 0) for tx in range(3)]
+    data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
+    got = gpu_loader.nvjpeg_decode(data, torch.device(device))
+    want = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_pipeline_warms_nvjpeg_up_on_its_import_thread_only_where_cuda_is(monkeypatch):
+    import torch
+
+    from wsi_pipeline.tiling import gpu_loader, slide_loader
+
+    calls = []
+    monkeypatch.setattr(gpu_loader, "warm_up_nvjpeg", lambda: calls.append(True) or 0.0)
+    for available, warm_up in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
+        slide_loader.import_gpu_loader_ahead(warm_up=warm_up).join(60)
+    assert calls == [True]

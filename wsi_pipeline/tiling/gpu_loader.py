@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -145,6 +146,44 @@ def nvjpeg_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.
     if device.type == "cuda":
         return torch.ops.image.decode_jpegs_cuda(data, _READ_MODE_RGB, device)
     return [torch.ops.image.decode_jpeg(d, _READ_MODE_RGB, False) for d in data]
+
+
+# The stored tiles :func:`warm_up_nvjpeg` decodes, and their size: the usual stored tile of a slide,
+# in a number like a loader batch's share for nvJPEG.
+WARM_UP_TILES = 256
+WARM_UP_TILE_PX = 256
+
+
+def warm_up_nvjpeg(
+    device: torch.device | str = "cuda", tiles: int = WARM_UP_TILES, tile_px: int = WARM_UP_TILE_PX
+) -> float:
+    """Decode ``tiles`` JPEG streams of ``tile_px`` square with nvJPEG once, on the loaders' first
+    stream, and wait for them; returns the seconds it took (on a CPU ``device``, for tests, the
+    CPU decoder runs instead).
+
+    nvJPEG sets itself up on a process's first calls (its decoder, its host and device buffers,
+    the loading of its kernels): a process's first run spent 0.98 s in nvJPEG calls against 0.22 s
+    for the next run of the same slide (BENCHMARKS.md). A pipeline on CUDA calls this on a thread
+    while its model loads, so that its first slide does not wait for that set-up.
+    """
+    import simplejpeg
+
+    device = torch.device(device)
+    rng = np.random.default_rng(0)
+    # Smooth noise: JPEG streams of about a slide tile's size and entropy.
+    noise = rng.integers(0, 256, (tile_px // 8, tile_px // 8, 3), dtype=np.uint8)
+    image = np.ascontiguousarray(np.repeat(np.repeat(noise, 8, axis=0), 8, axis=1))
+    stream = np.frombuffer(bytearray(simplejpeg.encode_jpeg(image, quality=90, colorspace="RGB")), np.uint8)
+    data = [torch.from_numpy(stream)] * int(tiles)
+    t0 = time.perf_counter()
+    cuda = device.type == "cuda"
+    with torch.cuda.stream(_decode_stream(device, 0)) if cuda else contextlib.nullcontext():
+        decoded = nvjpeg_decode(data, device)
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()
+    if len(decoded) != len(data) or decoded[0].shape != (3, tile_px, tile_px):
+        raise RuntimeError(f"nvJPEG's warm-up decoded {len(decoded)} of {len(data)} tiles")
+    return time.perf_counter() - t0
 
 
 @dataclass

@@ -9,6 +9,7 @@ patches assembled on the device) or the CPU :class:`~.loader.TileLoader`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,8 @@ from ..slide.base import Slide
 from .grid import Tile, read_tile
 from .loader import TileLoader
 
+log = logging.getLogger("wsi_pipeline")
+
 # A GPU-decoded loader batch holds this many executor batches: the stored tiles that
 # neighbouring patches share are decoded once per loader batch (and those shared with the
 # previous loader batch copied from it), in one nvJPEG call per loader batch.
@@ -29,19 +32,30 @@ GPU_DECODE_BATCHES = 4
 GPU_DECODE_THREADS = 2
 
 
-def import_gpu_loader_ahead() -> threading.Thread:
-    """Import the GPU loader (torch and torchvision) on a thread of its own; returns the thread.
+def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
+    """Import the GPU loader (torch and torchvision) on a thread of its own, then, with
+    ``warm_up`` and where CUDA is there, set nvJPEG up (:func:`~.gpu_loader.warm_up_nvjpeg`);
+    returns the thread.
 
     Importing torchvision took 6.9 s of a GPU machine's first slide where its files were slow to
     read (BENCHMARKS.md); started while the model loads, it is done or under way when the first
-    slide asks (Python's import lock makes that wait for it). A failure is left to that import.
+    slide asks (Python's import lock makes that wait for it). A failure of the import is left to
+    that import; a failure of the warm-up to the first slide's decoding (logged here at debug level).
     """
 
     def run() -> None:
         try:
-            from . import gpu_loader  # noqa: F401
+            from . import gpu_loader
         except Exception:  # raised again, with its message, where the loader is needed
-            pass
+            return
+        if not warm_up or not gpu_loader.torch.cuda.is_available():
+            return
+        try:
+            seconds = gpu_loader.warm_up_nvjpeg()
+        except Exception as exc:
+            log.debug("nvJPEG's warm-up failed: %s", exc)
+        else:
+            log.debug("nvJPEG warmed up in %.2f s", seconds)
 
     thread = threading.Thread(target=run, name="import-gpu-loader", daemon=True)
     thread.start()
