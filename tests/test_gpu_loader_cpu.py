@@ -488,3 +488,23 @@ def test_a_pipeline_warms_nvjpeg_up_on_its_import_thread_only_where_cuda_is(monk
         monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
         slide_loader.import_gpu_loader_ahead(warm_up=warm_up).join(60)
     assert calls == [True]
+
+
+def test_the_interpreter_waits_at_exit_for_the_warm_up_under_way(tmp_path):
+    """A script that exits while the import thread is still warming nvJPEG up waits for it: the
+    thread is not stopped inside its call (here a stand-in that sleeps, then leaves a mark)."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "warmed"
+    script = (
+        "import time, torch\n"
+        "from wsi_pipeline.tiling import gpu_loader, slide_loader\n"
+        "torch.cuda.is_available = lambda: True\n"
+        f"def slow():\n    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n    return 1.5\n"
+        "gpu_loader.warm_up_nvjpeg = slow\n"
+        "slide_loader.import_gpu_loader_ahead()\n"
+        "time.sleep(0.2)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    assert mark.exists()

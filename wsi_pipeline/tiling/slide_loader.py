@@ -9,6 +9,7 @@ patches assembled on the device) or the CPU :class:`~.loader.TileLoader`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
     read (BENCHMARKS.md); started while the model loads, it is done or under way when the first
     slide asks (Python's import lock makes that wait for it). A failure of the import is left to
     that import; a failure of the warm-up to the first slide's decoding (logged here at debug level).
+    The interpreter's exit waits for the thread (:data:`AHEAD_EXIT_WAIT_S` at most).
     """
 
     def run() -> None:
@@ -58,8 +60,28 @@ def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
             log.debug("nvJPEG warmed up in %.2f s", seconds)
 
     thread = threading.Thread(target=run, name="import-gpu-loader", daemon=True)
+    with _AHEAD_LOCK:
+        _AHEAD[:] = [t for t in _AHEAD if t.is_alive()]
+        _AHEAD.append(thread)
     thread.start()
     return thread
+
+
+# The threads of import_gpu_loader_ahead, waited for (each up to AHEAD_EXIT_WAIT_S) when the
+# interpreter exits: a daemon thread still inside a CUDA call when the interpreter finalises is
+# stopped as it takes the interpreter lock back, and a thread stopped inside C++ frames can abort
+# the process. They are daemons so that a hung import or device cannot keep the process alive.
+_AHEAD: list[threading.Thread] = []
+_AHEAD_LOCK = threading.Lock()
+AHEAD_EXIT_WAIT_S = 60.0
+
+
+@atexit.register
+def _wait_for_threads_ahead() -> None:
+    with _AHEAD_LOCK:
+        threads = list(_AHEAD)
+    for t in threads:
+        t.join(AHEAD_EXIT_WAIT_S)
 
 
 def choose_tile_decode(
