@@ -46,9 +46,12 @@ def main() -> int:
     os.environ[_LOG_ENV] = str(log_path)
 
     submit = writer_pool.WriterPool.submit
+    # Pickled by module name, so that a writer process (which does not import this script as its
+    # main module) finds it: this script's folder is on the path the pool gives its processes.
+    import trace_writes
 
     def traced_submit(self, jobs, name, fn, *fn_args):
-        return submit(self, jobs, name, timed_job, fn, *fn_args)
+        return submit(self, jobs, name, trace_writes.timed_job, fn, *fn_args)
 
     writer_pool.WriterPool.submit = traced_submit
     marks: list[tuple[str, float, float]] = []

@@ -1,9 +1,12 @@
-"""The writer pool's large array arguments travel through files, which are removed."""
+"""The writer pool: large array arguments travel through files, which are removed; a process that
+dies fails its job and is replaced; a job's failure is raised as it was raised; closing."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
@@ -137,3 +140,59 @@ def test_arrays_go_in_the_pickle_where_the_temporary_folder_cannot_take_them(tmp
             assert sorted(p.name for p in folder.iterdir()) == ["lock"]  # the partial files removed
     finally:
         pool.close()
+
+
+def _die():
+    """A job that kills its writer process."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fail():
+    raise ValueError("row 7: no such class")
+
+
+def _pid(seconds: float = 0.0):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_a_writer_process_that_dies_fails_its_job_and_a_new_one_takes_the_next(tmp_path):
+    pool = WriterPool(1)
+    try:
+        first = WriteJobs()
+        pool.submit(first, "before", _pid)
+        first.wait()
+        doomed, after = WriteJobs(), WriteJobs()
+        pool.submit(doomed, "doomed.csv", _die)
+        pool.submit(after, "after", _pid)
+        with pytest.raises(WSIPipelineError, match=r"writing doomed\.csv: the writer process died \(exit code -9\)"):
+            doomed.wait()
+        after.wait()
+        assert first._futures[0][1].result() != after._futures[0][1].result()  # a new process
+    finally:
+        pool.close()
+
+
+def test_a_jobs_failure_is_raised_as_it_was_raised_there():
+    pool = WriterPool(2)
+    try:
+        jobs = WriteJobs()
+        pool.submit(jobs, "a.csv", _fail)
+        pool.submit(jobs, "b", _pid)
+        with pytest.raises(ValueError, match="row 7: no such class"):
+            jobs.wait()
+        assert jobs.done()
+    finally:
+        pool.close()
+
+
+def test_closing_lets_begun_jobs_end_and_cancels_the_others():
+    pool = WriterPool(1)
+    begun, queued = WriteJobs(), WriteJobs()
+    pool.submit(begun, "begun", _pid, 0.5)
+    time.sleep(0.2)
+    pool.submit(queued, "queued", _pid)
+    pool.close()
+    assert isinstance(begun._futures[0][1].result(), int)
+    with pytest.raises(CancelledError):
+        queued.wait()

@@ -1,7 +1,8 @@
 """Helper processes: started as ``python -m MODULE`` with a pipe each way, ended with their parent.
 
-A batch's slide process (:mod:`.slide_worker`) and a pipeline's box-merging
-process (:mod:`.stitch.merge_runner`) start this way. The child imports its
+A batch's slide process (:mod:`.slide_worker`), a pipeline's box-merging
+process (:mod:`.stitch.merge_runner`), writer processes (:mod:`.io.writer_process`)
+and JPEG helper processes (:mod:`.tiling.jpeg_processes`) start this way. The child imports its
 own module and what that needs, nothing more: a process started by
 multiprocessing's ``spawn`` imports the caller's main script first, which
 may import torch and other large packages (hundreds of MB per process) or,
@@ -9,8 +10,7 @@ without a main guard, start a run of its own.
 
 A process killed with SIGKILL (a batch stopping a slide past its limit, the
 kernel's out-of-memory killer) runs no clean-up, so each helper watches its
-parent and exits once it is gone (:func:`watch_parent`; the writer pool's
-processes too).
+parent and exits once it is gone (:func:`watch_parent`).
 """
 
 from __future__ import annotations

@@ -3,18 +3,22 @@
 Formatting a slide's 10^5-10^6 detections as GeoJSON and CSV, and drawing
 its overlay, is CPU work that holds the interpreter lock: run in threads it
 would stall the next slide's tile loading and stitching. Each job here runs
-in a process of a small pool (started on first use with ``spawn``, so a
-process that has initialised CUDA can use it), writes its file atomically
-(:mod:`.atomic`) and returns the path. A job that fails raises its error from
-:meth:`WriteJobs.wait`; a worker that dies (killed, out of memory) fails the
-jobs it held with a :class:`~wsi_pipeline.errors.WSIPipelineError`.
+in a process of a small pool (started on first use as ``python -m
+wsi_pipeline.io.writer_process``, so it imports the writers and nothing of
+the caller's main script: a process started with multiprocessing's ``spawn``
+imports that script first, torch included where the script imports it), writes
+its file atomically (:mod:`.atomic`) and returns the path. A job that fails
+raises its error from :meth:`WriteJobs.wait`; a worker that dies (killed,
+out of memory) fails the job it held with a
+:class:`~wsi_pipeline.errors.WSIPipelineError`, and a new worker takes the
+next jobs.
 
 Large array arguments (the detections, the overlay's thumbnail and heatmap)
 reach a worker through a file (:class:`ArrayFile`), not the job's pickle:
 pickling copies them with the interpreter lock held, about 24 ms for a 16 MB
 array, while the file is written with the lock released.
 
-Where no child process can be started (a daemonic worker process, as some
+Where no child process should be started (a daemonic worker process, as some
 cluster runners use) or ``processes=0``, jobs run in the calling thread.
 """
 
@@ -24,14 +28,17 @@ import contextlib
 import itertools
 import multiprocessing
 import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +49,7 @@ try:
 except ImportError:  # Windows: no orphaned folders are looked for
     fcntl = None  # type: ignore[assignment]
 
-from ..child_process import watch_parent
+from ..child_process import exception_from, start_child
 from ..errors import ConfigError, WSIPipelineError
 
 
@@ -62,17 +69,18 @@ PART_ROWS = 50_000
 
 
 _MAIN_GUARD = (
-    "writer processes start by importing the main script: a script must run the pipeline "
-    'under `if __name__ == "__main__":`'
+    "a process started with multiprocessing's spawn imports the main script first: a script that "
+    'starts such processes must run the pipeline under `if __name__ == "__main__":`'
 )
 
 
 def check_not_importing_main() -> None:
-    """Raise :class:`ConfigError` in a writer process that is importing the user's main script.
+    """Raise :class:`ConfigError` in a process started with ``spawn`` that is importing the user's
+    main script (the caller's own multiprocessing: this package's processes do not import it).
 
     A process started with ``spawn`` imports ``__main__`` first; a script that
     builds a pipeline at its top level (no main guard) would otherwise run a
-    whole slide there before failing.
+    whole slide there.
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise ConfigError(f"a pipeline was started while a new process imported the main script; {_MAIN_GUARD}")
@@ -107,7 +115,7 @@ class ArrayFile:
         self.path.unlink(missing_ok=True)
 
 
-def _call_with_files(fn: Callable[..., Any], *args: Any) -> Any:
+def call_with_files(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` on the arguments, the :class:`ArrayFile` ones read back first (in the worker)."""
     return fn(*(a.load() if isinstance(a, ArrayFile) else a for a in args))
 
@@ -152,11 +160,6 @@ def _remove_orphaned_arg_dirs(parent: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _ready() -> None:
-    """A no-op job: its only effect is a started worker process."""
-    from . import detections, overlay  # noqa: F401  (the modules the jobs need, imported ahead)
-
-
 class WriteJobs:
     """The jobs of one output folder; :meth:`wait` returns when every file is written."""
 
@@ -172,10 +175,8 @@ class WriteJobs:
         for name, fut in self._futures:
             try:
                 fut.result()
-            except BrokenProcessPool as exc:
-                first = first or WSIPipelineError(
-                    f"writing {name}: the writer process died ({exc}); if this runs from a script, {_MAIN_GUARD}"
-                )
+            except WriterDied as exc:
+                first = first or WSIPipelineError(f"writing {name}: {exc}")
             except BaseException as exc:
                 first = first or exc
         if first is not None:
@@ -190,7 +191,7 @@ class WriterPool:
 
     def __init__(self, processes: int = DEFAULT_PROCESSES):
         self.processes = max(0, int(processes))
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: _WriterProcesses | None = None
         self._lock = threading.Lock()
         self._arg_dir: Path | None = None
         self._arg_cleanup: weakref.finalize | None = None
@@ -235,27 +236,20 @@ class WriterPool:
                 self._arg_cleanup = weakref.finalize(self, _remove_arg_dir, folder, lock)
             return self._arg_dir
 
-    def _executor(self) -> tuple[ProcessPoolExecutor | None, bool]:
-        """The pool (None: jobs run in the caller) and whether it was made just now."""
+    def _executor(self) -> _WriterProcesses | None:
+        """The processes (None: jobs run in the caller), started on first use."""
         if self.processes == 0 or multiprocessing.current_process().daemon:
-            return None, False
+            return None
         with self._lock:
-            if self._pool is not None:
-                return self._pool, False
-            self._pool = ProcessPoolExecutor(
-                self.processes,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=watch_parent,
-                initargs=(os.getpid(),),
-            )
-            return self._pool, True
+            if self._pool is None:
+                self._pool = _WriterProcesses(self.processes)
+                # A pool collected unclosed ends its processes (once their jobs are done).
+                weakref.finalize(self, self._pool.shut)
+            return self._pool
 
     def start(self) -> None:
-        """Start the processes now (each imports its modules: seconds), e.g. while a slide runs."""
-        pool, created = self._executor()
-        if created:
-            for _ in range(self.processes):
-                pool.submit(_ready)
+        """Start the processes now (each imports its modules: a second or more), e.g. while a slide runs."""
+        self._executor()
 
     def parts(self, rows: int) -> int:
         """In how many parts a detection file of ``rows`` rows is written (1: whole, by one job)."""
@@ -265,7 +259,7 @@ class WriterPool:
 
     def submit(self, jobs: WriteJobs, name: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` (a module-level function: it is pickled) for ``jobs``."""
-        pool, _ = self._executor()
+        pool = self._executor()
         if pool is None:
             fut: Future = Future()
             try:
@@ -276,13 +270,7 @@ class WriterPool:
             return
         args = self._file_args(args)
         try:
-            try:
-                fut = pool.submit(_call_with_files, fn, *args)
-            except BrokenProcessPool:  # a worker died in an earlier run: a fresh pool takes the job
-                with self._lock:
-                    if self._pool is pool:
-                        self._pool = None
-                fut = self._executor()[0].submit(_call_with_files, fn, *args)
+            fut = pool.submit(fn, args)
         except BaseException:
             _discard_files(args)
             raise
@@ -295,11 +283,141 @@ class WriterPool:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.close()
         with self._lock:
             cleanup, self._arg_cleanup, self._arg_dir = self._arg_cleanup, None, None
         if cleanup is not None:
             cleanup()
+
+
+class WriterDied(WSIPipelineError):
+    """A writer process ended while it held a job."""
+
+
+# Seconds a writer process is given to end after it is asked to, before it is killed.
+CLOSE_WAIT_S = 30.0
+
+
+class _Worker:
+    """One writer process and its connections."""
+
+    def __init__(self) -> None:
+        self.proc, self.send, self.recv = start_child("wsi_pipeline.io.writer_process")
+
+    def run(self, payload: bytes) -> Any:
+        """Send a job, wait for its reply; the job's result, or raise its failure (:class:`WriterDied`
+        when the process ends first)."""
+        try:
+            self.send.send(("job", payload))
+            kind, value = self.recv.recv()
+        except (EOFError, OSError):
+            raise WriterDied(f"the writer process died (exit code {self.stop(kill=True)})") from None
+        if kind == "ok":
+            return pickle.loads(value)
+        raise exception_from(value)
+
+    def stop(self, kill: bool = False) -> int | None:
+        """End the process (asked to, or killed) and return its exit code."""
+        if not kill:
+            with contextlib.suppress(OSError):
+                self.send.send(("close",))
+        for conn in (self.send, self.recv):
+            conn.close()
+        if kill and self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            return self.proc.wait(None if kill else CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class _WriterProcesses:
+    """``count`` writer processes, each fed by a thread of this process from one queue of jobs, in
+    the order they are submitted. A process that dies fails its job and is replaced."""
+
+    def __init__(self, count: int):
+        self._jobs: deque[tuple[Future, bytes]] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._failure: BaseException | None = None  # no process could be started
+        self._path = list(sys.path)
+        self._threads = [
+            threading.Thread(target=self._feed, name="writer-feed", daemon=True) for _ in range(int(count))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future:
+        """Queue ``call_with_files(fn, *args)``; ``fn`` and ``args`` are pickled now (an error here)."""
+        payload = pickle.dumps((fn, args))
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the writer processes are closed")
+            if self._failure is not None:
+                raise WSIPipelineError(f"no writer process could be started: {self._failure}")
+            self._jobs.append((fut, payload))
+            self._cond.notify()
+        return fut
+
+    def _next(self) -> tuple[Future, bytes] | None:
+        with self._cond:
+            while not self._jobs and not self._closed:
+                self._cond.wait()
+            return self._jobs.popleft() if self._jobs else None
+
+    def _start(self) -> _Worker | None:
+        """A new process, told this process's ``sys.path`` (so that jobs' functions unpickle there);
+        None where none can be started (every queued job then fails)."""
+        try:
+            worker = _Worker()
+            worker.send.send(("path", self._path))
+            return worker
+        except OSError as exc:
+            with self._cond:
+                self._failure = exc
+                failed, self._jobs = list(self._jobs), deque()
+            for fut, _ in failed:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(WSIPipelineError(f"no writer process could be started: {exc}"))
+            return None
+
+    def _feed(self) -> None:
+        worker = self._start()
+        try:
+            while worker is not None:
+                job = self._next()
+                if job is None:
+                    return
+                fut, payload = job
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(worker.run(payload))
+                except WriterDied as exc:
+                    fut.set_exception(exc)
+                    worker = self._start()
+                except BaseException as exc:
+                    fut.set_exception(exc)
+        finally:
+            if worker is not None:
+                worker.stop()
+
+    def shut(self) -> None:
+        """Cancel the jobs not begun; the processes end once the jobs begun are done (not waited for)."""
+        with self._cond:
+            self._closed = True
+            cancelled, self._jobs = list(self._jobs), deque()
+            self._cond.notify_all()
+        for fut, _ in cancelled:
+            fut.cancel()
+
+    def close(self) -> None:
+        """:meth:`shut`, then wait for the processes to end."""
+        self.shut()
+        for t in self._threads:
+            t.join()
 
 
 def _remove_arg_dir(folder: Path, lock: Any) -> None:
