@@ -196,3 +196,16 @@ def test_closing_lets_begun_jobs_end_and_cancels_the_others():
     assert isinstance(begun._futures[0][1].result(), int)
     with pytest.raises(CancelledError):
         queued.wait()
+
+
+def test_jobs_run_in_the_caller_where_processes_cannot_be_handed_pipes(monkeypatch):
+    monkeypatch.setattr(writer_pool, "_POSIX", False)
+    pool = WriterPool(3)
+    try:
+        jobs = WriteJobs()
+        pool.submit(jobs, "here", _pid)
+        jobs.wait()
+        assert jobs._futures[0][1].result() == os.getpid()
+        assert pool.parts(10**6) == 1
+    finally:
+        pool.close()

@@ -19,7 +19,8 @@ pickling copies them with the interpreter lock held, about 24 ms for a 16 MB
 array, while the file is written with the lock released.
 
 Where no child process should be started (a daemonic worker process, as some
-cluster runners use) or ``processes=0``, jobs run in the calling thread.
+cluster runners use; a system that is not POSIX) or ``processes=0``, jobs run
+in the calling thread.
 """
 
 from __future__ import annotations
@@ -236,9 +237,14 @@ class WriterPool:
                 self._arg_cleanup = weakref.finalize(self, _remove_arg_dir, folder, lock)
             return self._arg_dir
 
+    def _in_caller(self) -> bool:
+        """Whether jobs run in the calling thread: no processes asked for, a daemonic process (which
+        some cluster runners use), or a system whose processes cannot be handed pipes (not POSIX)."""
+        return self.processes == 0 or multiprocessing.current_process().daemon or not _POSIX
+
     def _executor(self) -> _WriterProcesses | None:
         """The processes (None: jobs run in the caller), started on first use."""
-        if self.processes == 0 or multiprocessing.current_process().daemon:
+        if self._in_caller():
             return None
         with self._lock:
             if self._pool is None:
@@ -253,7 +259,7 @@ class WriterPool:
 
     def parts(self, rows: int) -> int:
         """In how many parts a detection file of ``rows`` rows is written (1: whole, by one job)."""
-        if self.processes < 2 or multiprocessing.current_process().daemon:
+        if self.processes < 2 or self._in_caller():
             return 1
         return max(1, min(self.processes, rows // PART_ROWS))
 
@@ -294,6 +300,8 @@ class WriterDied(WSIPipelineError):
     """A writer process ended while it held a job."""
 
 
+# Writer processes are handed their pipes by descriptor (child_process.start_child): POSIX only.
+_POSIX = os.name == "posix"
 # Seconds a writer process is given to end after it is asked to, before it is killed.
 CLOSE_WAIT_S = 30.0
 
