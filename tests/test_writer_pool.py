@@ -190,7 +190,9 @@ def test_closing_lets_begun_jobs_end_and_cancels_the_others():
     pool = WriterPool(1)
     begun, queued = WriteJobs(), WriteJobs()
     pool.submit(begun, "begun", _pid, 0.5)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while not begun._futures[0][1].running() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the job has reached its process
     pool.submit(queued, "queued", _pid)
     pool.close()
     assert isinstance(begun._futures[0][1].result(), int)

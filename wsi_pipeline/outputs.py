@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -222,9 +222,10 @@ class SlideOutputs:
                     continue
                 bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
                 paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
-                joins.append((split, out / fmt.filename, paths, WriteJobs()))
+                part_jobs = WriteJobs()
+                joins.append((split, out / fmt.filename, paths, part_jobs))
                 for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
-                    writers.submit(joins[-1][3], fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
+                    writers.submit(part_jobs, fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
         except BaseException:
             # Nothing may write into the folder after this returns: the jobs begun end first.
             for begun in (heatmap_jobs, jobs, *(j[3] for j in joins)):
@@ -241,33 +242,30 @@ class SlideOutputs:
 
         def finish() -> np.ndarray | HeatmapFile | None:
             nonlocal heatmap
-            # Each file's parts are joined (copied by the kernel, then synced) while the other jobs
-            # run, on a thread of its own.
-            joiners = [_Joiner(join, *j) for j in joins]
             try:
-                try:
-                    heatmap_jobs.wait()
-                    if self.writer is not None:
-                        heatmap = heatmap if heatmap is not None else HeatmapFile(self.writer.path)
-                        # Files made from the finished heatmap file (its pyramid read back, not the stream).
-                        for fmt in chosen(formats, HEATMAP_FILE):
-                            job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
-                            writers.submit(
-                                jobs,
-                                fmt.filename,
-                                job,
-                                out / fmt.filename,
-                                self.writer.path,
-                                list(self.card.heatmap.classes),
-                            )
-                finally:
+                # Each file's parts are joined (copied by the kernel, then synced) while the other
+                # jobs run, on a thread of its own; leaving the block waits for the joins.
+                with ThreadPoolExecutor(max(1, len(joins)), thread_name_prefix="join-parts") as joiner:
+                    joined = [joiner.submit(join, *j) for j in joins]
                     try:
-                        jobs.wait()
+                        heatmap_jobs.wait()
+                        if self.writer is not None:
+                            heatmap = heatmap if heatmap is not None else HeatmapFile(self.writer.path)
+                            # Files made from the finished heatmap file (its pyramid read back, not the stream).
+                            for fmt in chosen(formats, HEATMAP_FILE):
+                                job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
+                                writers.submit(
+                                    jobs,
+                                    fmt.filename,
+                                    job,
+                                    out / fmt.filename,
+                                    self.writer.path,
+                                    list(self.card.heatmap.classes),
+                                )
                     finally:
-                        for joiner in joiners:
-                            joiner.join()
-                for joiner in joiners:
-                    joiner.raise_failure()
+                        jobs.wait()
+                for done in joined:
+                    done.result()
             except BaseException:
                 if spooled is not None:
                     spooled.discard()  # where the writer process died before removing it
@@ -297,28 +295,6 @@ class SlideOutputs:
         if self.out is None:
             raise ValueError("this slide's outputs have no folder")
         return self.out
-
-
-class _Joiner(threading.Thread):
-    """Runs ``fn(*args)`` on a thread of its own; :meth:`raise_failure` (after :meth:`join`) raises
-    what it raised."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any):
-        super().__init__(name="join-parts", daemon=True)
-        self._call = (fn, args)
-        self.failure: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        fn, args = self._call
-        try:
-            fn(*args)
-        except BaseException as exc:
-            self.failure = exc
-
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
 
 
 def _remove_parts(joins: list) -> None:
