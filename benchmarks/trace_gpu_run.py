@@ -32,6 +32,7 @@ import collections
 import functools
 import gc
 import json
+import os
 import re
 import sys
 import threading
@@ -65,6 +66,43 @@ def _gc_callback(phase: str, info: dict) -> None:
         entry = _gc[info["generation"]]
         entry[0] += time.perf_counter() - _gc_start[0]
         entry[1] += 1
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (Linux /proc; 0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far (/proc/stat)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / hz, sum(ticks) / hz
+
+
+def _cpu_snapshot(pipe: Pipeline) -> dict[str, float]:
+    snap = {"this process": _cpu_seconds(os.getpid())}
+    helpers = pipe.jpeg_helpers.processes if pipe.jpeg_helpers is not None else []
+    snap["JPEG helpers"] = sum(_cpu_seconds(p.pid) for p in helpers)
+    if pipe.merging.pid is not None:
+        snap["box merging"] = _cpu_seconds(pipe.merging.pid)
+    snap["machine busy"], snap["machine"] = _machine_busy()
+    return snap
+
+
+def _cpu_line(before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    cores = d.pop("machine") / wall
+    return (
+        "  CPU seconds: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in d.items())
+        + f" (the machine's {cores:.0f} cores {d['machine busy'] / (cores * wall):.0%} busy)"
+    )
 
 
 def _thread() -> str:
@@ -233,9 +271,11 @@ def main() -> int:
             _events = [] if args.events else None
             cuda = torch.cuda.is_available()
             segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
+            cpu0 = _cpu_snapshot(pipe)
             t0 = time.perf_counter()
             r = pipe.run(args.slide)
             wall = time.perf_counter() - t0
+            cpu1 = _cpu_snapshot(pipe)
             tiles = r.summary["tiles"]["read"]
             stats = torch.cuda.memory_stats() if cuda else {}
             print(
@@ -244,6 +284,7 @@ def main() -> int:
                 f"reserved {stats.get('reserved_bytes.all.current', 0) / 2**20:,.0f} MiB; garbage collections "
                 + ", ".join(f"{g}: {n} in {sec * 1000:.0f} ms" for g, (sec, n) in sorted(_gc.items()))
             )
+            print(_cpu_line(cpu0, cpu1, wall))
             if args.cold:
                 _print_totals(wall)
         if not args.cold:
