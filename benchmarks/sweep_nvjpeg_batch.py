@@ -6,7 +6,8 @@ Usage: ``python benchmarks/sweep_nvjpeg_batch.py SLIDE [--batches 128,256,512,10
 rounds; prints the median rate and the median milliseconds per call, from which a call's fixed
 cost can be read. ``--with-model``: the same, then again while the shipped model (torch backend,
 fp16, batch 64, CUDA graph) runs without pause on a stream of its own, as it does during a run:
-what sharing the GPU with the model costs nvJPEG.
+what sharing the GPU with the model costs nvJPEG. ``--pinned``: each size also with the streams
+in page-locked host memory (views of one pinned buffer), interleaved with the pageable ones.
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ def main() -> int:
     ap.add_argument("--batches", default="128,256,512,1024,2048")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--with-model", action="store_true")
+    ap.add_argument("--pinned", action="store_true", help="also with the streams in page-locked memory")
     args = ap.parse_args()
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in stored_tiles(args.slide) if r]
-    sizes = [int(b) for b in args.batches.split(",")]
-    torchvision.io.decode_jpeg(data[: max(sizes)], device="cuda")
+    sizes: list = [int(b) for b in args.batches.split(",")]
+    if args.pinned:
+        pinned = torch.cat(data).pin_memory()
+        views = list(torch.split(pinned, [len(d) for d in data]))
+        sizes = [*sizes, *((b, views) for b in sizes)]
+    torchvision.io.decode_jpeg(data[:2048], device="cuda")
     torch.cuda.synchronize()
     out = {"stored_tiles": len(data), "alone": sweep(data, sizes, args.rounds)}
     print(f"alone: {out['alone']}", file=sys.stderr, flush=True)
@@ -73,26 +79,29 @@ def main() -> int:
     return 0
 
 
-def sweep(data: list, sizes: list[int], rounds: int) -> dict:
-    rates: dict[int, list[float]] = {b: [] for b in sizes}
-    per_call: dict[int, list[float]] = {b: [] for b in sizes}
+def sweep(data: list, sizes: list, rounds: int) -> dict:
+    """``sizes``: call sizes, each an int (``data``) or ``(size, streams)`` (those streams instead)."""
+    names = {b: str(b) if isinstance(b, int) else f"{b[0]} pinned" for b in sizes}
+    rates: dict[str, list[float]] = {names[b]: [] for b in sizes}
+    per_call: dict[str, list[float]] = {names[b]: [] for b in sizes}
     for _ in range(rounds):
-        for b in sizes:
+        for spec in sizes:
+            b, streams = (spec, data) if isinstance(spec, int) else spec
             t0 = time.perf_counter()
             calls = 0
-            for i in range(0, len(data), b):
-                torchvision.io.decode_jpeg(data[i : i + b], device="cuda")
+            for i in range(0, len(streams), b):
+                torchvision.io.decode_jpeg(streams[i : i + b], device="cuda")
                 calls += 1
             torch.cuda.current_stream().synchronize()  # the decoded tiles are ready on it
             dt = time.perf_counter() - t0
-            rates[b].append(len(data) / dt)
-            per_call[b].append(dt / calls * 1000)
+            rates[names[spec]].append(len(streams) / dt)
+            per_call[names[spec]].append(dt / calls * 1000)
     return {
-        b: {
-            "stored_tiles_per_s": round(statistics.median(rates[b])),
-            "ms_per_call": round(statistics.median(per_call[b]), 2),
+        name: {
+            "stored_tiles_per_s": round(statistics.median(rates[name])),
+            "ms_per_call": round(statistics.median(per_call[name]), 2),
         }
-        for b in sizes
+        for name in rates
     }
 
 
