@@ -380,12 +380,12 @@ class GpuTileDecoder:
         sizes = lengths.tolist()
         where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
         empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
-        data = list(torch.split(torch.from_numpy(buf), [n for n in sizes if n])) if where else []
+        data = list(torch.split(self._streams_buffer(buf), [n for n in sizes if n])) if where else []
         if empty:
             stored[empty] = self.background
         if data:
             try:
-                decoded = nvjpeg_decode(data, self.device)
+                decoded = self._nvjpeg_from_buffer(data)
             except RuntimeError:
                 # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
                 # batch instead and reports the tile that really cannot be decoded.
@@ -402,6 +402,38 @@ class GpuTileDecoder:
                     self.slide.path, f"stored tile decoded to {found}, expected [3, {th}, {tw}]", None, level
                 )
             stored[where] = stacked.permute(0, 2, 3, 1)
+
+    def _streams_buffer(self, buf: np.ndarray) -> torch.Tensor:
+        """The JPEG streams ``buf`` as a tensor nvJPEG reads: on CUDA, a copy in this thread's
+        page-locked buffer (kept for its next batches, grown as needed).
+
+        nvJPEG copies each stream to the device on its own. From pageable memory the CUDA driver
+        stages such a copy and may wait for the decoder's stream first, behind the previous tile's
+        work, which waits behind the model's kernels; from page-locked memory each copy is queued
+        and the call goes on (BENCHMARKS.md, 2026-12-04 03:4x).
+        """
+        if not self.cuda:
+            return torch.from_numpy(buf)
+        pinned = getattr(self._local, "streams", None)
+        copied = getattr(self._local, "streams_copied", None)
+        if copied is None:
+            copied = self._local.streams_copied = torch.cuda.Event()
+        copied.synchronize()  # the previous batch's streams have been copied out of it
+        if pinned is None or pinned.numel() < len(buf):
+            size = max(len(buf) * 5 // 4, 1 << 20)
+            pinned = self._local.streams = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        out = pinned[: len(buf)]
+        out.numpy()[:] = buf
+        return out
+
+    def _nvjpeg_from_buffer(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:func:`nvjpeg_decode` of views of :meth:`_streams_buffer`; on CUDA, marks when nvJPEG's
+        copies out of it are done (its stream is waited on by the current one), even if it raised."""
+        try:
+            return nvjpeg_decode(data, self.device)
+        finally:
+            if self.cuda:
+                self._local.streams_copied.record(torch.cuda.current_stream(self.device))
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
