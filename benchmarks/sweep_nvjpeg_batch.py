@@ -81,11 +81,11 @@ def main() -> int:
 
 def sweep(data: list, sizes: list, rounds: int) -> dict:
     """``sizes``: call sizes, each an int (``data``) or ``(size, streams)`` (those streams instead)."""
-    names = {b: str(b) if isinstance(b, int) else f"{b[0]} pinned" for b in sizes}
-    rates: dict[str, list[float]] = {names[b]: [] for b in sizes}
-    per_call: dict[str, list[float]] = {names[b]: [] for b in sizes}
+    names = [str(b) if isinstance(b, int) else f"{b[0]} pinned" for b in sizes]
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    per_call: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
-        for spec in sizes:
+        for name, spec in zip(names, sizes, strict=True):
             b, streams = (spec, data) if isinstance(spec, int) else spec
             t0 = time.perf_counter()
             calls = 0
@@ -94,8 +94,8 @@ def sweep(data: list, sizes: list, rounds: int) -> dict:
                 calls += 1
             torch.cuda.current_stream().synchronize()  # the decoded tiles are ready on it
             dt = time.perf_counter() - t0
-            rates[names[spec]].append(len(streams) / dt)
-            per_call[names[spec]].append(dt / calls * 1000)
+            rates[name].append(len(streams) / dt)
+            per_call[name].append(dt / calls * 1000)
     return {
         name: {
             "stored_tiles_per_s": round(statistics.median(rates[name])),

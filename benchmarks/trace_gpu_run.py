@@ -272,17 +272,20 @@ def main() -> int:
             cuda = torch.cuda.is_available()
             segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
             cpu0 = _cpu_snapshot(pipe)
+            _gc.clear()  # the run's collections only
             t0 = time.perf_counter()
             r = pipe.run(args.slide)
             wall = time.perf_counter() - t0
+            run_gc = {g: list(v) for g, v in _gc.items()}
             cpu1 = _cpu_snapshot(pipe)
             tiles = r.summary["tiles"]["read"]
             stats = torch.cuda.memory_stats() if cuda else {}
             print(
                 f"run: {wall:.3f} s, {tiles / wall:,.0f} tiles/s; tile_decode {r.summary.get('tile_decode')}; "
                 f"device memory segments allocated {stats.get('segment.all.allocated', 0) - segments}, "
-                f"reserved {stats.get('reserved_bytes.all.current', 0) / 2**20:,.0f} MiB; garbage collections "
-                + ", ".join(f"{g}: {n} in {sec * 1000:.0f} ms" for g, (sec, n) in sorted(_gc.items()))
+                f"reserved {stats.get('reserved_bytes.all.current', 0) / 2**20:,.0f} MiB; "
+                "garbage collections in the run "
+                + ", ".join(f"{g}: {n} in {sec * 1000:.0f} ms" for g, (sec, n) in sorted(run_gc.items()))
             )
             print(_cpu_line(cpu0, cpu1, wall))
             if args.cold:
