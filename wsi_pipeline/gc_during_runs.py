@@ -2,8 +2,8 @@
 
 A full collection walks every object the interpreter's collector tracks, holding the interpreter
 lock, so every thread of a run waits for it. With torch loaded a process tracks about 180,000
-objects; on the GPU machine such a collection took 78-102 ms, in about one run of three, and made
-that run 10-20 % slower (BENCHMARKS.md, 2026-12-04 03:2x).
+objects; on the GPU machine such a collection took 78-102 ms, in the second of eight runs, which
+was 8-11 % slower than the median run of its process (BENCHMARKS.md, 2026-12-04 03:2x–04:xx).
 
 While at least one run is under way, the objects that existed when the first of them began are
 frozen (:func:`gc.freeze`): collections skip them and walk only what the runs made. When the last
