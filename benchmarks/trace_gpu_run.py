@@ -92,16 +92,24 @@ def _cpu_snapshot(pipe: Pipeline) -> dict[str, float]:
     if pipe.merging.pid is not None:
         snap["box merging"] = _cpu_seconds(pipe.merging.pid)
     snap["machine busy"], snap["machine"] = _machine_busy()
+    snap["staging buffers made"] = _staging_made()
     return snap
+
+
+def _staging_made() -> int:
+    """How many JPEG helper staging buffers the process has made (their ids count up from 1)."""
+    return int(re.search(r"\d+", repr(jpeg_processes.SharedStaging._ids)).group()) - 1
 
 
 def _cpu_line(before: dict[str, float], after: dict[str, float], wall: float) -> str:
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     cores = d.pop("machine") / wall
+    made = int(d.pop("staging buffers made"))
     return (
         "  CPU seconds: "
         + ", ".join(f"{k} {v:.2f}" for k, v in d.items())
-        + f" (the machine's {cores:.0f} cores {d['machine busy'] / (cores * wall):.0%} busy)"
+        + f" (the machine's {cores:.0f} cores {d['machine busy'] / (cores * wall):.0%} busy); "
+        + f"JPEG helper staging buffers made {made}"
     )
 
 
