@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import threading
 
@@ -11,8 +10,8 @@ import pytest
 import tifffile
 from helpers import corrupt_stored_tile
 
-from wsi_pipeline import Pipeline, gc_during_runs
-from wsi_pipeline.errors import ClosedError, ConfigError, SlideError, TileReadError, WSIPipelineError
+from wsi_pipeline import Pipeline
+from wsi_pipeline.errors import ClosedError, ConfigError, SlideError, TileReadError
 from wsi_pipeline.io.atomic import write_json
 from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
@@ -440,18 +439,3 @@ def test_the_writer_processes_do_not_import_the_main_script(slide_path, tmp_path
     assert int(proc.stdout.split()[-1]) > 0  # the files were written by writer processes
     assert len(ran.read_text().split()) == 1
     assert (tmp_path / "out" / "summary.json").exists()
-
-
-def test_objects_older_than_a_run_are_frozen_while_it_is_under_way(pipe, slide_path, tmp_path):
-    """A full garbage collection during a run walks only what runs made (gc_during_runs), and the
-    run leaves the collector as it found it: returned, handed over and completed, or failed."""
-    assert gc_during_runs.runs_under_way() == 0 and gc.get_freeze_count() == 0
-    seen = []
-    pipe.run(slide_path, progress=lambda n: seen.append((gc.get_freeze_count(), gc_during_runs.runs_under_way())))
-    assert seen and all(frozen > 0 and runs == 1 for frozen, runs in seen)
-    assert gc_during_runs.runs_under_way() == 0 and gc.get_freeze_count() == 0
-    pipe.run(slide_path, out_dir=tmp_path / "later", wait_written=False).wait_written()
-    assert gc_during_runs.runs_under_way() == 0 and gc.get_freeze_count() == 0
-    with pytest.raises(WSIPipelineError):
-        pipe.run(tmp_path / "missing.tiff")
-    assert gc_during_runs.runs_under_way() == 0 and gc.get_freeze_count() == 0

@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from . import gc_during_runs
 from .config import RunConfig
 from .errors import ClosedError, ConfigError
 from .geometry import TilingGeometry, check_tiling
@@ -232,27 +231,6 @@ class Pipeline:
             if isinstance(source, SlidePlan):
                 source.close()
             raise ClosedError("pipeline is closed")
-        gc_during_runs.run_began()
-        handed_over = False
-        try:
-            result = self._run(source, out_dir, progress, keep_heatmap, extra_summary, wait_written)
-            handed_over = isinstance(result, PendingResult)  # its completion ends the run
-            return result
-        finally:
-            if not handed_over:
-                gc_during_runs.run_ended()
-
-    def _run(
-        self,
-        source: str | os.PathLike[str] | Slide | np.ndarray | SlidePlan,
-        out_dir: str | os.PathLike[str] | None,
-        progress: bool | Progress,
-        keep_heatmap: bool | None,
-        extra_summary: dict[str, Any] | None,
-        wait_written: bool,
-    ) -> Result | PendingResult:
-        """:meth:`run`, between :func:`.gc_during_runs.run_began` and :func:`~.gc_during_runs.run_ended`
-        (called by :meth:`run`, or for a :class:`PendingResult` once it is complete)."""
         timer = StageTimer()
         t_start = time.perf_counter()
         if self.executor.is_cuda:
@@ -281,7 +259,6 @@ class Pipeline:
                     return complete(False)
                 finally:
                     plan.close()
-                    gc_during_runs.run_ended()
 
             pending = PendingResult(str(plan.slide.path), self._completer.submit(complete_later))
             handed_over = True
