@@ -172,7 +172,17 @@ def test_a_stored_tile_failing_mid_slide_stops_the_loader_with_its_error(
             return real(level, tx, ty)[:200] + b"\x00" * 100  # a cut stream
         return real(level, tx, ty)
 
+    real_raw = slide.raw_tile
+
+    def raw_tile(level, tx, ty):  # what the CPU reader's own decoding reads ("threads")
+        if (tx, ty) == bad:
+            if failure == "raises":
+                raise OSError("read failed")
+            return real_raw(level, tx, ty)[:200] + b"\x00" * 100
+        return real_raw(level, tx, ty)
+
     monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
+    monkeypatch.setattr(slide, "raw_tile", raw_tile)
     # Batched reads through the per-tile reads above (the generic definition).
     monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(
@@ -232,7 +242,7 @@ def test_a_stored_tile_of_another_size_is_named(slide_path, monkeypatch, other_s
     monkeypatch.setattr(slide, "raw_tile_jpeg", raw_tile_jpeg)
     monkeypatch.setattr(slide, "raw_tiles_jpeg", lambda level, coords: Slide.raw_tiles_jpeg(slide, level, coords))
     loader = GpuTileLoader(slide, tiles, batch_size=2, device="cpu", jpeg_decoder="nvjpeg")
-    with pytest.raises(TileReadError, match=rf"decoded to \[3, {h}, {w}\], expected \[3, {STORED}, {STORED}\]"):
+    with pytest.raises(TileReadError, match=rf"decoded to \[{h}, {w}, 3\], expected \[{STORED}, {STORED}, 3\]"):
         _in_thread(lambda: list(loader))
 
 
@@ -288,7 +298,7 @@ def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_pat
     with TiffSlide(str(slide_path)) as slide:
         tiles = list(TileGrid(slide))
         assert "no JPEG decoding ops" in gpu_loader.gpu_decode_refusal(slide, tiles)
-        where, why = choose_tile_decode(slide, tiles, "auto", "warn", "torch", on_cuda=True)
+        where, why, _ = choose_tile_decode(slide, tiles, "auto", "warn", "torch", on_cuda=True)
         assert (where, "no JPEG decoding ops" in why) == ("cpu", True)
         with pytest.raises(ConfigError, match="no JPEG decoding ops"):
             gpu_loader.GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg")

@@ -37,11 +37,16 @@ def _tiff(path, photometric: str, compression: str = "jpeg"):
     "photometric, compression, refused",
     [
         ("ycbcr", "jpeg", None),  # tifffile's default for RGB pixels in JPEG
-        ("rgb", "jpeg", "RGB JPEG"),
+        ("rgb", "jpeg", "RGB JPEG tiles decoded by nvImageCodec, which is not installed"),
         ("rgb", "zlib", "ADOBE_DEFLATE, not JPEG"),
     ],
 )
-def test_gpu_decode_takes_ycbcr_jpeg_tiles_only(tmp_path, photometric, compression, refused):
+def test_gpu_decode_takes_ycbcr_jpeg_and_rgb_jpeg_where_nvimgcodec_is(
+    tmp_path, monkeypatch, photometric, compression, refused
+):
+    from wsi_pipeline.tiling import gpu_loader
+
+    monkeypatch.setattr(gpu_loader, "nvimgcodec_module", lambda: None)
     with open_slide(_tiff(tmp_path / "s.tiff", photometric, compression)) as slide:
         reason = gpu_decode_refusal(slide, list(TileGrid(slide)))
     if refused is None:
@@ -50,9 +55,12 @@ def test_gpu_decode_takes_ycbcr_jpeg_tiles_only(tmp_path, photometric, compressi
         assert reason is not None and refused in reason
 
 
-def test_resized_grid_and_plain_images_stay_on_the_cpu(tmp_path):
+def test_resized_grids_go_to_the_gpu_and_plain_images_stay_on_the_cpu(tmp_path):
+    from wsi_pipeline.tiling.gpu_loader import gpu_decode_plan
+
     with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
-        assert "resizes" in gpu_decode_refusal(slide, list(TileGrid(slide, 512, 64, mpp=0.37)))
+        decoder, why = gpu_decode_plan(slide, list(TileGrid(slide, 512, 64, mpp=0.37)))
+        assert decoder == "nvjpeg" and "resampled to 512 px on the device" in why, why
     png = tmp_path / "s.png"
     import cv2
 

@@ -59,6 +59,7 @@ from .summary import (
     build_summary,
     mm2_per_level0_px,
     package_versions,
+    slide_reader_info,
     tiles_info,
     tissue_info,
 )
@@ -362,6 +363,7 @@ class Pipeline:
                 merge.abandon()
             raise
         run_info: dict[str, Any] = {
+            "slide_reader": slide_reader_info(slide, geometry.level),
             "box_merge": "process" if merge is not None else "thread",
             "tile_decode": {"where": "cpu", "why": "an array in memory"},
             "heatmap_blended_on": None
@@ -428,7 +430,7 @@ class Pipeline:
         run_info: dict[str, Any],
     ) -> None:
         cfg, cuda = self.config, self.executor.is_cuda
-        where, why = choose_tile_decode(slide, tiles, cfg.decode, cfg.on_damaged_tile, self.backend_name, cuda)
+        where, why, decoder = choose_tile_decode(slide, tiles, cfg.decode, cfg.on_damaged_tile, self.backend_name, cuda)
         helpers = self.jpeg_helpers if where == "gpu" else None
         if helpers is not None and helpers.tile_share:
             why += f", {helpers.tile_share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
@@ -442,6 +444,7 @@ class Pipeline:
             reader_workers=self.reader_workers,
             device=str(self.executor.backend.device) if cuda else None,
             jpeg_helpers=helpers,
+            jpeg_decoder=decoder,
         )
         with loader:
             on_device = stitcher.heatmap_device is not None
@@ -449,7 +452,7 @@ class Pipeline:
                 stitcher.add_batch(br.tiles, br.batch)
                 if report is not None:
                     report(len(br.tiles))
-        run_info["tile_decode"] = {"where": where, "why": why}
+        run_info["tile_decode"] = {"where": where, "why": why, "decoder": decoder}
         if where == "gpu":
             dec = loader.decoder
             run_info["tile_decode"].update(

@@ -51,11 +51,24 @@ class TilesInfo(TypedDict):
     downsample: float  # level-0 pixels per grid pixel
 
 
+class SlideReaderInfo(TypedDict):
+    """Which reader opened the slide and how the level the grid reads is stored."""
+
+    name: str  # the reader backend: "tifffile", "openslide", "image", ...
+    vendor: str | None  # the format as the reader names it ("aperio", "tiff", "ome-tiff", ...)
+    level: int  # the level the grid reads
+    # compression, photometric, samples_per_pixel, planar, extra_samples, jpeg_kind ("YCbCr 4:2:0",
+    # "RGB", ...), jpeg_baseline; None where the reader gives no stored tiles
+    storage: dict[str, Any] | None
+
+
 class TileDecodeInfo(TypedDict, total=False):
-    """Where a run decoded its stored tiles and why; the counts only where decoded on the GPU."""
+    """Where a run decoded its stored tiles, why, and with which decoder; the counts only where
+    decoded on the GPU."""
 
     where: str  # "gpu" or "cpu"
     why: str
+    decoder: str  # "nvjpeg", "nvimgcodec" (GPU), or "reader" (the slide reader's own, on the CPU)
     cpu_fallback_batches: int  # batches nvJPEG refused, decoded by libjpeg-turbo instead
     stored_tiles_decoded: int  # stored JPEG tiles read and decoded
     stored_tiles_reused: int  # stored tiles copied on the device from the previous batch instead
@@ -97,6 +110,7 @@ class Summary(TypedDict, total=False):
     reader_workers: int
     parameters: dict[str, Any]  # the run settings (RunConfig.as_dict)
     versions: dict[str, str]
+    slide_reader: SlideReaderInfo
     tile_decode: TileDecodeInfo
     box_merge: str  # where the boxes were merged: "process" (the pipeline's box-merging process) or "thread"
     heatmap_blended_on: str | None  # "host", or the device ("cuda:0") tile heatmaps were blended on; None: no heatmap
@@ -135,6 +149,12 @@ def _package_versions() -> dict[str, str]:
 def mm2_per_level0_px(mpp: Sequence[float] | None) -> float | None:
     """Square millimetres of one level-0 pixel of a slide of ``mpp`` (x, y µm per pixel); None if unknown."""
     return mpp[0] * mpp[1] / 1e6 if mpp else None
+
+
+def slide_reader_info(slide: Any, level: int) -> SlideReaderInfo:
+    """The ``slide_reader`` entry of a run that reads ``level`` of ``slide``."""
+    storage = slide.stored_tile_format(level)
+    return {"name": slide.backend, "vendor": slide.vendor, "level": int(level), "storage": storage}
 
 
 def tiles_info(grid: Any, n_read: int) -> TilesInfo:
@@ -248,6 +268,7 @@ __all__ = [
     "mm2_per_level0_px",
     "package_versions",
     "read_summary",
+    "slide_reader_info",
     "tiles_info",
     "tissue_info",
 ]

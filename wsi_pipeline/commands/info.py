@@ -7,6 +7,7 @@ import json
 import os
 
 from ..slide import BACKENDS, open_slide
+from ..tiling.slide_loader import storage_gpu_decoder
 
 
 def describe(path: str, backend: str = "auto") -> dict:
@@ -25,7 +26,16 @@ def describe(path: str, backend: str = "auto") -> dict:
             "mpp": list(slide.mpp) if slide.mpp else None,
             "vendor": slide.vendor,
             "background_rgb": list(slide.background_rgb),
+            "storage": slide.stored_tile_format(0),
+            "gpu_decode": _gpu_decode(slide),
         }
+
+
+def _gpu_decode(slide) -> dict:
+    """How a run on a CUDA backend would decode level 0's stored tiles (the decoder's presence
+    is checked by the run itself)."""
+    decoder, why = storage_gpu_decoder(slide.stored_tile_format(0), slide.backend, 0)
+    return {"decoder": decoder, "why": why}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
     mpp = info["mpp"]
     print(f"{info['path']}")
     print(f"  format   {info['format']}  (read with {info['backend']})")
+    storage = info["storage"]
+    if storage is not None:
+        kind = storage.get("jpeg_kind")
+        print(f"  tiles    {storage['compression']}" + (f" ({kind})" if kind else ""))
+    gpu = info["gpu_decode"]
+    print(f"  GPU      {gpu['why']}" if gpu["decoder"] else f"  GPU      decoded on the CPU: {gpu['why']}")
     print(f"  size     {w} x {h} px" + (f"  ({w * mpp[0] / 1000:.2f} x {h * mpp[1] / 1000:.2f} mm)" if mpp else ""))
     print(f"  mpp      {mpp[0]:.4f} x {mpp[1]:.4f} um/px" if mpp else "  mpp      unknown")
     print(f"  levels   {info['level_count']}")

@@ -2,9 +2,9 @@
 
 Backends:
 
-- ``tifffile``: tiled TIFF / BigTIFF / OME-TIFF, stored tiles decoded once
-  and cached (the fast path for tile grids);
-- ``openslide``: every format OpenSlide reads (SVS, NDPI, MRXS, SCN, DICOM, ...);
+- ``tifffile``: tiled TIFF / BigTIFF / OME-TIFF and Aperio SVS, stored tiles
+  decoded once and cached (the fast path for tile grids);
+- ``openslide``: the other formats OpenSlide reads (NDPI, MRXS, SCN, DICOM, ...);
 - ``image``: PNG, JPEG, BMP and untiled TIFF held in memory.
 """
 
@@ -21,9 +21,11 @@ from .tiff_file import is_tiff, open_tifffile
 
 BACKENDS = ("auto", "tifffile", "openslide", "image")
 
-# OpenSlide formats that are plain tiled TIFF underneath and that the
-# tifffile reader decodes to the same pixels, only faster.
-_TIFF_COMPATIBLE_VENDORS = {None, "generic-tiff"}
+# OpenSlide formats that are plain tiled TIFF underneath and that the tifffile reader decodes to
+# the same pixels (tests/test_storage_kinds.py compares them with OpenSlide's), only faster.
+# Aperio SVS: its pyramid is tifffile's "Baseline" series; the thumbnail, label and macro pages are
+# series of their own, never read as levels.
+_TIFF_COMPATIBLE_VENDORS = {None, "generic-tiff", "aperio"}
 
 
 def _open_backend(path: str, backend: str) -> Slide:

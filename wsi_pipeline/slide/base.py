@@ -167,6 +167,12 @@ class Slide(abc.ABC):
         """Stored tile (tx, ty) of ``level`` as a self-contained JPEG stream (empty: no data)."""
         raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
 
+    def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
+        """Stored tile (tx, ty) of ``level`` decoded into ``out`` (``tile_h x tile_w x 3`` uint8
+        RGB) as this reader decodes it for its regions (colour space from the file's tags,
+        corrupt data reported; a tile stored empty is the background); returns ``out``."""
+        raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
+
     def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`raw_tile_jpeg` of many stored tiles ``(tx, ty)``, back to back.
 

@@ -39,6 +39,7 @@ import tifffile
 from ..errors import SlideError, SlideOpenError, TileReadError
 from ..io.ome_xml import read_ome_pixels
 from .base import Slide, checked_mpp, composite_rgba
+from .jpeg_kind import JpegKind, jpeg_kind
 from .resolution import tiff_page_mpp
 from .tiff_file import check_page_data, open_tifffile
 
@@ -66,6 +67,8 @@ class _Level:
     # How stored tiles are decoded when not through page.decode: "simplejpeg"
     # (reports corrupt data), ("imagecodecs", kwargs), or None.
     decoder: str | tuple[str, dict] | None = None
+    # The kind of JPEG the level's tiles hold (None: not JPEG, or no tile stored).
+    jpeg_kind: JpegKind | None = None
 
 
 def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
@@ -82,6 +85,14 @@ def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
 def _with_tables(tables: bytes | None, data: bytes) -> bytes:
     """A TIFF JPEG tile as a self-contained JPEG stream (:func:`_stream_parts`)."""
     return b"".join(_stream_parts(tables, data))
+
+
+def _aperio_fields(description: str) -> dict[str, Any]:
+    """The ``key = value`` fields of an Aperio ImageDescription (empty where it has none)."""
+    try:
+        return dict(tifffile.tifffile.svs_description_metadata(description))
+    except Exception:  # malformed: the slide is still read, without its fields
+        return {}
 
 
 def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
@@ -246,6 +257,7 @@ class TiffSlide(Slide):
         try:
             for lv in self._levels:
                 lv.decoder = self._direct_decoder(lv)
+                lv.jpeg_kind = self._jpeg_kind(lv)
         except BaseException:
             os.close(self._fd)
             self._tif.close()
@@ -279,11 +291,13 @@ class TiffSlide(Slide):
         self._level_dimensions = [(lv.width, lv.height) for lv in levels]
         # OpenSlide's rule: the mean of the two axes' ratios.
         self._level_downsamples = [((w0 / lv.width) + (h0 / lv.height)) / 2 for lv in levels]
-        self._vendor = "ome-tiff" if tif.is_ome else ("bigtiff" if tif.is_bigtiff else "tiff")
+        self._vendor = "aperio" if tif.is_svs else "ome-tiff" if tif.is_ome else "bigtiff" if tif.is_bigtiff else "tiff"
         compression = levels[0].page.compression
         props = {"tiff.compression": str(getattr(compression, "name", compression))}
         if levels[0].page.description:
             props["tiff.ImageDescription"] = levels[0].page.description[:4096]
+        if tif.is_svs:
+            props.update((f"aperio.{k}", str(v)) for k, v in _aperio_fields(levels[0].page.description).items())
         self._properties = props
         self._mpp = self._find_mpp(levels[0].page)
 
@@ -327,6 +341,10 @@ class TiffSlide(Slide):
                     return checked_mpp(self.path, *size)
             except ValueError:  # unreadable OME-XML: the TIFF tags may still say
                 pass
+        if self._tif.is_svs:
+            # Aperio keeps the pixel size in its ImageDescription ("MPP = 0.2499"), as OpenSlide reads it.
+            mpp_svs = _aperio_fields(page.description).get("MPP")
+            return checked_mpp(self.path, mpp_svs, mpp_svs) if mpp_svs is not None else None
         mpp = tiff_page_mpp(page)
         return checked_mpp(self.path, *mpp) if mpp else None
 
@@ -363,6 +381,8 @@ class TiffSlide(Slide):
             "samples_per_pixel": int(page.samplesperpixel),
             "planar": int(page.planarconfig),
             "extra_samples": len(page.extrasamples or ()),
+            "jpeg_kind": None if self._levels[level].jpeg_kind is None else self._levels[level].jpeg_kind.name,
+            "jpeg_baseline": None if self._levels[level].jpeg_kind is None else self._levels[level].jpeg_kind.baseline,
         }
 
     def raw_tile(self, level: int, tx: int, ty: int) -> bytes:
@@ -427,6 +447,22 @@ class TiffSlide(Slide):
             raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
         return lv
 
+    def _jpeg_kind(self, lv: _Level) -> JpegKind | None:
+        """The kind of JPEG ``lv``'s first stored tile holds, with the page's photometric tag
+        (what libtiff, OpenSlide and tifffile decode by); None where not JPEG or unreadable."""
+        if lv.page.compression != tifffile.COMPRESSION.JPEG:
+            return None
+        nonempty = np.flatnonzero(lv.bytecounts)
+        if not len(nonempty):
+            return None
+        i = int(nonempty[0])
+        # The headers before the first scan: the tables (spliced in) and a tile's own few segments.
+        data = os.pread(self._fd, min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
+        try:
+            return jpeg_kind(_with_tables(lv.jpegtables, data), lv.page.photometric.name)
+        except ValueError:
+            return None
+
     def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
         """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper.
 
@@ -470,6 +506,14 @@ class TiffSlide(Slide):
         except Exception:
             pass
         return None
+
+    def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
+        """:meth:`Slide.decode_stored_tile`: the decoding :meth:`read_region` uses, without the cache."""
+        lv = self._levels[level]
+        if not (0 <= tx < lv.tiles_across and 0 <= ty < lv.tiles_down):
+            raise SlideError(self.path, f"level {level} has no stored tile ({tx}, {ty})")
+        self._check_out((lv.tile_w, lv.tile_h), out)
+        return self._decode_tile(level, tx, ty, out)
 
     def _tile_origin_level0(self, level: int, tx: int, ty: int) -> tuple[int, int]:
         lv, ds = self._levels[level], self._level_downsamples[level]

@@ -61,7 +61,8 @@ import numpy as np
 
 from ..errors import ConfigError, TileReadError
 from .grid import Tile
-from .jpeg_processes import JpegHelpers, cpu_share_tile, decode_stored_tile
+from .jpeg_processes import JpegHelpers, cpu_share_tile
+from .resample import resample_patches
 
 log = logging.getLogger(__name__)
 
@@ -210,33 +211,83 @@ class DeviceBatch:
         return len(self.tiles)
 
 
-def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
-    """Why ``tiles`` of ``slide`` cannot be assembled on the GPU, or None when they can.
+def gpu_decode_plan(slide: Any, tiles: Sequence[Tile]) -> tuple[str | None, str]:
+    """Which GPU decoder assembles ``tiles`` of ``slide`` (``"nvjpeg"``, ``"nvimgcodec"``), and
+    why; ``(None, reason)`` where they cannot be assembled on the GPU.
 
-    GPU decoding needs the stored JPEG streams of a tiled TIFF (the tifffile
-    reader), a grid that reads one level as it is (no resizing), and 3-sample
-    interleaved YCbCr JPEG tiles: a standalone decoder takes 3-component
-    JPEG for YCbCr, so tiles stored as RGB JPEG (Aperio's usual choice) stay
-    on the CPU, whose decoder is told the colour space.
+    GPU decoding needs a reader's stored JPEG streams (:meth:`Slide.raw_tiles_jpeg`: the tifffile
+    reader's TIFF and SVS levels), a grid that reads one level (resampled on the device where the
+    grid's resolution is not a stored level's), and the storage
+    :func:`~.slide_loader.storage_gpu_decoder` takes, with its decoder installed.
     """
+    from .slide_loader import storage_gpu_decoder
+
     if not tiles:
-        return "no tiles to read"
-    if not _image_ops_loaded():
-        return "this torchvision has no JPEG decoding ops with the expected arguments"
+        return None, "no tiles to read"
     levels = {t.level for t in tiles}
-    if len(levels) != 1 or any(t.read_size != t.size for t in tiles):
-        return "the grid resizes what it reads"
+    if len(levels) != 1 or len({t.read_size for t in tiles}) != 1:
+        return None, "the grid's tiles are read from more than one level or size"
     level = levels.pop()
-    fmt = slide.stored_tile_format(level)
-    if fmt is None:
-        return f"the {slide.backend} reader gives no stored tiles"
-    if fmt["compression"] != "JPEG":
-        return f"level {level} is stored as {fmt['compression']}, not JPEG"
-    if fmt["samples_per_pixel"] != 3 or fmt["planar"] != 1 or fmt["extra_samples"]:
-        return f"level {level} has {fmt['samples_per_pixel']} samples per pixel (expected 3, interleaved)"
-    if fmt["photometric"] != "YCBCR":
-        return f"level {level} holds {fmt['photometric']} JPEG (expected YCbCr)"
-    return None
+    decoder, why = storage_gpu_decoder(slide.stored_tile_format(level), slide.backend, level)
+    if decoder == "nvjpeg" and not _image_ops_loaded():
+        return None, "this torchvision has no JPEG decoding ops with the expected arguments"
+    if decoder == "nvimgcodec" and nvimgcodec_module() is None:
+        return None, f"{why}, which is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
+    if decoder is not None and tiles[0].read_size != tiles[0].size:
+        why += f", {tiles[0].read_size} px of level {level} resampled to {tiles[0].size} px on the device"
+    return decoder, why
+
+
+def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
+    """Why ``tiles`` of ``slide`` cannot be assembled on the GPU (:func:`gpu_decode_plan`), or None."""
+    decoder, why = gpu_decode_plan(slide, tiles)
+    return why if decoder is None else None
+
+
+_NVIMGCODEC: list[Any] = []
+_NVIMGCODEC_LOCK = threading.Lock()
+
+
+def nvimgcodec_module() -> Any:
+    """``nvidia.nvimgcodec`` where it is installed and loads, else None (looked up once)."""
+    with _NVIMGCODEC_LOCK:
+        if not _NVIMGCODEC:
+            try:
+                from nvidia import nvimgcodec
+            except Exception:  # not installed, or its libraries do not load
+                nvimgcodec = None
+            _NVIMGCODEC.append(nvimgcodec)
+        return _NVIMGCODEC[0]
+
+
+_NVIMGCODEC_DECODERS: dict[int, Any] = {}
+
+
+def nvimgcodec_decode(data: list[np.ndarray], device: torch.device, stream: Any) -> tuple[list[torch.Tensor], Any]:
+    """Decode RGB JPEG streams (no colour transform) with nvImageCodec, converting nothing.
+
+    ``data``: 1-D uint8 arrays, one stream each; ``stream``: the CUDA stream the decoding is ordered
+    on. Returns ``h x w x 3`` uint8 tensors on ``device`` (views of nvImageCodec's images) and the
+    images themselves, to be kept alive until the work reading the tensors is done. The hardware
+    JPEG engines are tried first, then the CUDA decoder (nvImageCodec picks per stream). Raises
+    RuntimeError for a stream it cannot decode.
+    """
+    nv = nvimgcodec_module()
+    if nv is None:
+        raise ConfigError("jpeg_decoder 'nvimgcodec': nvidia-nvimgcodec is not installed")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _NVIMGCODEC_LOCK:
+        decoder = _NVIMGCODEC_DECODERS.get(index)
+        if decoder is None:
+            backends = [nv.Backend(nv.BackendKind.HW_GPU_ONLY), nv.Backend(nv.BackendKind.GPU_ONLY)]
+            decoder = _NVIMGCODEC_DECODERS[index] = nv.Decoder(device_id=index, backends=backends)
+    # SYCC: the components as stored. An RGB stream's are R, G, B; the default (sRGB) would convert
+    # them from YCbCr.
+    params = nv.DecodeParams(color_spec=nv.ColorSpec.SYCC)
+    images = decoder.decode(data, params=params, cuda_stream=stream.cuda_stream)
+    if any(im is None for im in images):
+        raise RuntimeError(f"nvImageCodec could not decode {sum(im is None for im in images)} of {len(images)} streams")
+    return [torch.as_tensor(im, device=device) for im in images], images
 
 
 def stored_tiles_touched(
@@ -286,7 +337,7 @@ class StoredTiles:
     ready: Any = None
 
 
-JPEG_DECODERS = ("threads", "nvjpeg")
+JPEG_DECODERS = ("threads", "nvjpeg", "nvimgcodec")
 _POOL_LOCK = threading.Lock()
 
 
@@ -316,9 +367,11 @@ class GpuTileDecoder:
             raise ConfigError(
                 "jpeg_decoder 'nvjpeg': this torchvision has no JPEG decoding ops with the expected arguments"
             )
+        if jpeg_decoder == "nvimgcodec" and nvimgcodec_module() is None:
+            raise ConfigError("jpeg_decoder 'nvimgcodec': nvidia-nvimgcodec is not installed or does not load")
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
-        # With "nvjpeg": helper processes decode helpers.tile_share / SHARE_PERIOD of the stored tiles.
+        # With a GPU decoder: helper processes decode helpers.tile_share / SHARE_PERIOD of the stored tiles.
         self.helpers = helpers if helpers is not None and helpers.tile_share else None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
@@ -346,12 +399,12 @@ class GpuTileDecoder:
             self.cpu_fallback_batches += fallback
 
     def _check(self, tiles: Sequence[Tile]) -> int:
-        level = tiles[0].level
+        level, read_size, size = tiles[0].level, tiles[0].read_size, tiles[0].size
         for t in tiles:
-            if t.level != level or t.read_size != t.size:
+            if t.level != level or t.read_size != read_size or t.size != size:
                 raise ConfigError(
-                    f"{self.slide.path}: GPU decoding reads a level as it is; tile {t.index} "
-                    f"needs level {t.level} resized {t.read_size}->{t.size} px"
+                    f"{self.slide.path}: GPU decoding reads one level at one size; tile {t.index} "
+                    f"reads {t.read_size} px of level {t.level}, tile {tiles[0].index} {read_size} px of level {level}"
                 )
         return level
 
@@ -367,25 +420,30 @@ class GpuTileDecoder:
         level = self._check(tiles)
         tw, th, _, _ = self.slide.tile_grid_shape(level)
         lw, lh = self.slide.level_dimensions[level]
-        return stored_tiles_touched(*self._origins(tiles, level), tiles[0].size, tw, th, lw, lh)
+        return stored_tiles_touched(*self._origins(tiles, level), tiles[0].read_size, tw, th, lw, lh)
 
     def _fail(self, level: int, tx: int, ty: int, exc: Exception) -> TileReadError:
         return TileReadError(
             self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}", None, level
         )
 
-    def _decode_nvjpeg(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        # All the streams in one read and one array; the tensors nvJPEG takes are views of it.
+    def _decode_gpu(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
+        """Decode ``slots`` with this decoder's GPU decoder (nvJPEG or nvImageCodec)."""
+        # All the streams in one read and one array; the streams the decoder takes are views of it.
         buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
         sizes = lengths.tolist()
         where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
         empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
-        data = list(torch.split(self._streams_buffer(buf), [n for n in sizes if n])) if where else []
         if empty:
             stored[empty] = self.background
-        if data:
+        if where:
             try:
-                decoded = self._nvjpeg_from_buffer(data)
+                if self.jpeg_decoder == "nvimgcodec":
+                    decoded = self._nvimgcodec_from_buffer(buf, [n for n in sizes if n])
+                else:
+                    decoded = self._nvjpeg_from_buffer(
+                        list(torch.split(self._streams_buffer(buf), [n for n in sizes if n]))
+                    )
             except RuntimeError:
                 # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
                 # batch instead and reports the tile that really cannot be decoded.
@@ -396,12 +454,14 @@ class GpuTileDecoder:
                 stacked = torch.stack(decoded)
             except RuntimeError:
                 stacked = None
-            if stacked is None or stacked.shape[1:] != (3, th, tw):
-                found = next(list(d.shape) for d in decoded if d.shape != (3, th, tw))
+            if stacked is None or stacked.shape[1:] != (th, tw, 3):
+                found = next(list(d.shape) for d in decoded if d.shape != (th, tw, 3))
                 raise TileReadError(
-                    self.slide.path, f"stored tile decoded to {found}, expected [3, {th}, {tw}]", None, level
+                    self.slide.path, f"stored tile decoded to {found}, expected [{th}, {tw}, 3]", None, level
                 )
-            stored[where] = stacked.permute(0, 2, 3, 1)
+            stored[where] = stacked
+            if self.jpeg_decoder == "nvimgcodec" and self.cuda:
+                self._keep_nvimgcodec_images()
 
     def _streams_buffer(self, buf: np.ndarray) -> torch.Tensor:
         """The JPEG streams ``buf`` as a tensor nvJPEG reads: on CUDA, a copy in this thread's
@@ -427,13 +487,41 @@ class GpuTileDecoder:
         return out
 
     def _nvjpeg_from_buffer(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:func:`nvjpeg_decode` of views of :meth:`_streams_buffer`; on CUDA, marks when nvJPEG's
-        copies out of it are done (its stream is waited on by the current one), even if it raised."""
+        """:func:`nvjpeg_decode` of views of :meth:`_streams_buffer` as ``h x w x 3`` tensors; on
+        CUDA, marks when nvJPEG's copies out of it are done (its stream is waited on by the current
+        one), even if it raised."""
         try:
-            return nvjpeg_decode(data, self.device)
+            return [d.permute(1, 2, 0) for d in nvjpeg_decode(data, self.device)]
         finally:
             if self.cuda:
                 self._local.streams_copied.record(torch.cuda.current_stream(self.device))
+
+    def _nvimgcodec_from_buffer(self, buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+        """:func:`nvimgcodec_decode` of the streams in ``buf`` (``sizes`` bytes each, back to back).
+
+        The images nvImageCodec returns own the pixels; they are kept until the next batch of this
+        thread, once the work of this one on its stream is done (an event), so that no pixel is
+        freed while a copy out of it is queued.
+        """
+        kept = getattr(self._local, "nvimgcodec_kept", None)
+        if kept is not None:
+            kept[1].synchronize()
+            self._local.nvimgcodec_kept = None
+        bounds = np.cumsum([0, *sizes]).tolist()
+        data = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        stream = torch.cuda.current_stream(self.device)
+        tensors, images = nvimgcodec_decode(data, self.device, stream)
+        self._local.nvimgcodec_pending = images
+        return tensors
+
+    def _keep_nvimgcodec_images(self) -> None:
+        """Keep this thread's last nvImageCodec images until its stream has used them."""
+        images = getattr(self._local, "nvimgcodec_pending", None)
+        if images is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._local.nvimgcodec_kept = (images, event)
+            self._local.nvimgcodec_pending = None
 
     def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
@@ -453,14 +541,14 @@ class GpuTileDecoder:
         staging, event = self._staging(m, th, tw)
         host = staging.numpy()
         slide = self.slide
-        background = tuple(slide.background_rgb)
 
         def run(chunk: list) -> None:
             for i, (_, tx, ty) in chunk:
-                raw = slide.raw_tile_jpeg(level, tx, ty)
-                try:
-                    decode_stored_tile(raw, host[i], background)
-                except Exception as exc:  # imagecodecs raises its own error types
+                try:  # the CPU reader's own decoding: its colour space, its damage reports
+                    slide.decode_stored_tile(level, tx, ty, host[i])
+                except (TileReadError, OSError):  # named by the reader, or a failed read as it is
+                    raise
+                except Exception as exc:  # codecs raise their own error types
                     raise self._fail(level, tx, ty, exc) from exc
 
         if self._pool is None:
@@ -489,7 +577,7 @@ class GpuTileDecoder:
         for s in slots:
             (mine if cpu_share_tile(s[1], s[2], helpers.tile_share) else rest).append(s)
         if not mine:
-            self._decode_nvjpeg(stored, level, slots, th, tw)
+            self._decode_gpu(stored, level, slots, th, tw)
             return
         try:
             staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
@@ -497,15 +585,19 @@ class GpuTileDecoder:
             if not self._warned_staging:
                 self._warned_staging = True
                 log.warning("%s: the JPEG helper processes are not used: %s", self.slide.path, exc)
-            self._decode_nvjpeg(stored, level, slots, th, tw)
+            self._decode_gpu(stored, level, slots, th, tw)
             return
         try:
             pending = helpers.start(
-                self.slide.path, level, [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)], staging
+                self.slide.path,
+                level,
+                [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)],
+                staging,
+                reader=self.slide.backend,
             )
             try:
                 if rest:
-                    self._decode_nvjpeg(stored, level, rest, th, tw)
+                    self._decode_gpu(stored, level, rest, th, tw)
             finally:
                 pending.wait()
             m = len(mine)
@@ -523,12 +615,12 @@ class GpuTileDecoder:
         """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
         if not slots:
             return
-        if self.jpeg_decoder == "nvjpeg" and self.helpers is not None:
-            self._decode_shared(stored, level, slots, th, tw)
-        elif self.jpeg_decoder == "nvjpeg":
-            self._decode_nvjpeg(stored, level, slots, th, tw)
-        else:
+        if self.jpeg_decoder == "threads":
             self._decode_threads(stored, level, slots, th, tw)
+        elif self.helpers is not None:
+            self._decode_shared(stored, level, slots, th, tw)
+        else:
+            self._decode_gpu(stored, level, slots, th, tw)
         self._count(decoded=len(slots))
 
     def close(self) -> None:
@@ -539,7 +631,9 @@ class GpuTileDecoder:
     def decode(self, tiles: Sequence[Tile]) -> torch.Tensor:
         """The tiles' pixels: ``n x size x size x 3`` uint8 on the device (current stream).
 
-        Decodes every stored tile the tiles touch (nothing is reused).
+        Decodes every stored tile the tiles touch (nothing is reused). Tiles whose ``read_size``
+        differs from their ``size`` are read at ``read_size`` and resampled on the device
+        (:func:`.resample.resample_patches`, the CPU reader's ``cv2.INTER_AREA``).
         """
         return self.decode_after(tiles)[0]
 
@@ -566,11 +660,11 @@ class GpuTileDecoder:
         level = self._check(tiles)
         tw, th, _, _ = slide.tile_grid_shape(level)
         lw, lh = slide.level_dimensions[level]
-        size = tiles[0].size
+        size, out_size = tiles[0].read_size, tiles[0].size
         xs0, ys0 = self._origins(tiles, level)
         needed = stored_tiles_touched(xs0, ys0, size, tw, th, lw, lh)
         if not needed:  # wholly outside the level
-            out = torch.empty((len(tiles), size, size, 3), dtype=torch.uint8, device=self.device)
+            out = torch.empty((len(tiles), out_size, out_size, 3), dtype=torch.uint8, device=self.device)
             out[...] = self.background
             return out, None
         tx0, tx1 = min(tx for tx, _ in needed), max(tx for tx, _ in needed)
@@ -616,9 +710,13 @@ class GpuTileDecoder:
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
         if sx0 < sx1 and sy0 < sy1:
             canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
+        offsets_x = [x - px0 for x in xs0]
+        offsets_y = [y - py0 for y in ys0]
+        if size != out_size:
+            return resample_patches(canvas, offsets_x, offsets_y, size, out_size), kept
         ar = torch.arange(size, device=self.device)
-        yy = (torch.tensor(ys0, device=self.device) - py0)[:, None] + ar[None, :]
-        xx = (torch.tensor(xs0, device=self.device) - px0)[:, None] + ar[None, :]
+        yy = torch.tensor(offsets_y, device=self.device)[:, None] + ar[None, :]
+        xx = torch.tensor(offsets_x, device=self.device)[:, None] + ar[None, :]
         return canvas[yy[:, :, None], xx[:, None, :]], kept
 
 

@@ -81,18 +81,6 @@ def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
     return (tx + 3 * ty) % SHARE_PERIOD < share
 
 
-def decode_stored_tile(raw: bytes, out: np.ndarray, background_rgb: Sequence[int]) -> None:
-    """Decode a stored JPEG tile's stream (:meth:`~..slide.base.Slide.raw_tile_jpeg`) with
-    libjpeg-turbo into ``out`` (``th x tw x 3`` uint8); an empty stream (a tile stored empty) is
-    the slide's background. Raises what imagecodecs raises for a stream it cannot decode."""
-    import imagecodecs
-
-    if raw:
-        imagecodecs.jpeg8_decode(raw, out=out)
-    else:
-        out[...] = background_rgb
-
-
 def _shared_file(nbytes: int) -> tuple[str, mmap.mmap]:
     """A new file of ``nbytes`` mapped shared: in ``/dev/shm`` where it has the room, else in the
     temporary folder. Its space is allocated now (``posix_fallocate``), so that a full ``/dev/shm``
@@ -367,7 +355,12 @@ class JpegHelpers:
 
     # -- decoding -------------------------------------------------------------------------------
     def start(
-        self, slide_path: str, level: int, items: Sequence[tuple[int, int, int]], staging: SharedStaging
+        self,
+        slide_path: str,
+        level: int,
+        items: Sequence[tuple[int, int, int]],
+        staging: SharedStaging,
+        reader: str = "tifffile",
     ) -> _Pending:
         """Start decoding stored tiles ``items`` (``(i, tx, ty)``) of ``level`` into ``staging.array[i]``;
         returns at once: ``wait()`` on the result before reading ``staging``."""
@@ -378,7 +371,7 @@ class JpegHelpers:
                 n = min(self.count, len(items))
                 request = _Request(n)
                 for k in range(n):
-                    gen.send(k, request, ("decode", staging.id, str(slide_path), int(level), list(items[k::n])))
+                    gen.send(k, request, ("decode", staging.id, str(slide_path), reader, int(level), list(items[k::n])))
         except RuntimeError as exc:
             self._restart_after(str(exc))
             raise TileReadError(slide_path, str(exc), None, level) from None
@@ -447,10 +440,10 @@ class JpegHelpers:
 
 # -- a helper process ---------------------------------------------------------------------------
 def _serve(recv: Connection, send: Connection) -> None:
-    from ..slide.tiff_backend import TiffSlide
+    from ..slide import Slide, open_slide
 
     buffers: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
-    slides: dict[str, TiffSlide] = {}
+    slides: dict[tuple[str, str], Slide] = {}
     while True:
         try:
             msg = recv.recv()
@@ -468,20 +461,20 @@ def _serve(recv: Connection, send: Connection) -> None:
         elif op == "unmap":
             buffers.pop(msg[1], None)
         elif op == "decode":
-            _, sid, path, level, items = msg
+            _, sid, path, reader, level, items = msg
             out = buffers[sid][1]
             where = "cannot open the slide"
             try:
-                slide = slides.get(path)
+                slide = slides.get((path, reader))
                 if slide is None:
                     for old in slides.values():
                         old.close()
                     slides.clear()
-                    slide = slides[path] = TiffSlide(path)
-                background = tuple(slide.background_rgb)
+                    slide = slides[(path, reader)] = open_slide(path, reader)
                 for i, tx, ty in items:
                     where = f"cannot decode stored tile ({tx}, {ty}) of level {level}"
-                    decode_stored_tile(slide.raw_tile_jpeg(level, tx, ty), out[i], background)
+                    # The CPU reader's own decoding: the colour space its tags give, damage reported.
+                    slide.decode_stored_tile(level, tx, ty, out[i])
                 send.send(("done",))
             except Exception as exc:  # imagecodecs and tifffile raise their own types
                 send.send(("error", where, str(exc) or type(exc).__name__))
@@ -496,7 +489,6 @@ __all__ = [
     "JpegHelpers",
     "SharedStaging",
     "cpu_share_tile",
-    "decode_stored_tile",
     "default_helpers",
     "default_share",
 ]

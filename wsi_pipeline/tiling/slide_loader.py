@@ -3,8 +3,9 @@
 :func:`choose_tile_decode` decides where a run decodes its stored tiles and
 says why (recorded in ``summary.json`` as ``tile_decode``);
 :func:`make_slide_loader` builds the loader: the
-:class:`~.gpu_loader.GpuTileLoader` (stored JPEG tiles decoded by nvJPEG,
-patches assembled on the device) or the CPU :class:`~.loader.TileLoader`.
+:class:`~.gpu_loader.GpuTileLoader` (stored JPEG tiles decoded by nvJPEG or
+nvImageCodec by kind, patches assembled, and resampled where the grid asks,
+on the device) or the CPU :class:`~.loader.TileLoader`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -84,31 +85,68 @@ def _wait_for_threads_ahead() -> None:
         t.join(AHEAD_EXIT_WAIT_S)
 
 
+# GPU decoders by JPEG colour space (:mod:`..slide.jpeg_kind`): torchvision's nvJPEG converts every
+# 3-component stream from YCbCr, so RGB JPEG (Aperio's) goes to nvImageCodec, told to convert nothing.
+GPU_DECODER_BY_COLOUR = {"YCbCr": "nvjpeg", "RGB": "nvimgcodec"}
+_DECODER_NAMES = {"nvjpeg": "nvJPEG", "nvimgcodec": "nvImageCodec"}
+
+
+def storage_gpu_decoder(storage: dict[str, Any] | None, reader: str, level: int) -> tuple[str | None, str]:
+    """The GPU decoder for stored tiles of ``storage`` (a reader's ``stored_tile_format(level)``),
+    and why; ``(None, reason)`` where no GPU decoder takes them. Needs no torch (``info`` asks too).
+
+    3-sample interleaved baseline JPEG of a kind the file's tags and markers tell: YCbCr of any
+    chroma subsampling to nvJPEG (torchvision), RGB to nvImageCodec.
+    """
+    if storage is None:
+        return None, f"the {reader} reader gives no stored tiles"
+    if storage["compression"] != "JPEG":
+        return None, f"level {level} is stored as {storage['compression']}, not JPEG"
+    if storage["samples_per_pixel"] != 3 or storage["planar"] != 1 or storage["extra_samples"]:
+        return None, f"level {level} has {storage['samples_per_pixel']} samples per pixel (expected 3, interleaved)"
+    kind = storage.get("jpeg_kind") or "JPEG of an unknown kind"
+    decoder = GPU_DECODER_BY_COLOUR.get(kind.split(" ")[0])
+    if decoder is None:
+        return None, f"level {level} holds {kind} (expected YCbCr or RGB)"
+    if not storage.get("jpeg_baseline", True):
+        return None, f"level {level} holds progressive or lossless {kind} JPEG"
+    return decoder, f"{kind} JPEG tiles decoded by {_DECODER_NAMES[decoder]}"
+
+
+class TileDecodeChoice(NamedTuple):
+    """Where a run decodes its stored tiles (``"gpu"`` or ``"cpu"``), why, and with what: the GPU
+    decoder (``"nvjpeg"``, ``"nvimgcodec"``), or the CPU reader's (``"reader"``)."""
+
+    where: str
+    why: str
+    decoder: str
+
+
 def choose_tile_decode(
     slide: Slide, tiles: Sequence[Tile], decode: str, on_damaged_tile: str, backend: str, on_cuda: bool
-) -> tuple[str, str]:
-    """Where a run decodes ``tiles`` of ``slide`` (``"gpu"`` or ``"cpu"``) and why.
+) -> TileDecodeChoice:
+    """Where a run decodes ``tiles`` of ``slide``, why, and with which decoder.
 
     ``decode``: the setting (``auto``, ``cpu``, ``gpu``; ``gpu`` raises
     :class:`ConfigError` where it cannot be met). ``backend``: the
     backend's name; ``on_cuda``: whether it runs on CUDA.
     """
     if decode == "cpu":
-        return "cpu", "decode = cpu"
+        return TileDecodeChoice("cpu", "decode = cpu", "reader")
     if on_damaged_tile == "fail":
-        # nvJPEG reports no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
+        # The GPU decoders report no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
         reason = "on_damaged_tile = fail needs the CPU decoder's reports of corrupt tiles"
     elif not on_cuda:
         reason = f"the {backend} backend runs on the CPU"
     else:
-        from .gpu_loader import gpu_decode_refusal  # needs torch: only with a CUDA backend
+        from .gpu_loader import gpu_decode_plan  # needs torch: only with a CUDA backend
 
-        reason = gpu_decode_refusal(slide, tiles)
-        if reason is None:
-            return "gpu", "JPEG tiles decoded by nvJPEG"
+        decoder, reason = gpu_decode_plan(slide, tiles)
+        if decoder is not None:
+            return TileDecodeChoice("gpu", reason, decoder)
     if decode == "gpu":
         raise ConfigError(f"{slide.path}: decode = gpu, but {reason}")
-    return "cpu", reason
+    return TileDecodeChoice("cpu", reason, "reader")
 
 
 class _TimedRead:
@@ -135,10 +173,11 @@ def make_slide_loader(
     reader_workers: int,
     device: str | None = None,
     jpeg_helpers: Any = None,
+    jpeg_decoder: str = "nvjpeg",
 ) -> tuple[Any, Callable[[], float]]:
     """The loader of a run, and a function giving its reader threads' seconds so far.
 
-    ``where``: :func:`choose_tile_decode`'s answer. ``batch_size``: the
+    ``where``, ``jpeg_decoder``: :func:`choose_tile_decode`'s answer. ``batch_size``: the
     executor's batch; ``streams``: its streams (batches in flight);
     ``reader_workers``: CPU reader threads; ``device``: the CUDA device of GPU
     decoding (whose reads are not timed: 0); ``jpeg_helpers``:
@@ -155,6 +194,7 @@ def make_slide_loader(
             device=device,
             prefetch=streams + 1,
             decode_threads=GPU_DECODE_THREADS,
+            jpeg_decoder=jpeg_decoder,
             helpers=jpeg_helpers,
         )
         return loader, lambda: 0.0
@@ -172,4 +212,11 @@ def make_slide_loader(
     return loader, lambda: read.seconds
 
 
-__all__ = ["GPU_DECODE_BATCHES", "choose_tile_decode", "import_gpu_loader_ahead", "make_slide_loader"]
+__all__ = [
+    "GPU_DECODE_BATCHES",
+    "TileDecodeChoice",
+    "choose_tile_decode",
+    "storage_gpu_decoder",
+    "import_gpu_loader_ahead",
+    "make_slide_loader",
+]

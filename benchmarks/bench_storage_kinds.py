@@ -1,0 +1,255 @@
+"""`Pipeline.run` on the same pixels stored as scanners store them, in one process, with a peer.
+
+    python benchmarks/bench_storage_kinds.py [--slide-px 32768] [--rounds 3] [--json out.json]
+    python benchmarks/bench_storage_kinds.py --backend ort --slide-px 8192      # the CPU machine
+
+Writes a synthetic pathology slide (``wsi-pipeline synth``, seed 7; YCbCr 4:2:0 JPEG in 256 px
+tiles) and copies its pixels into each storage kind of :mod:`wsi_pipeline.synthetic.storage`
+(tiled TIFF 4:2:0 / 4:2:2 / 4:4:4 / RGB JPEG in 240 px tiles, Aperio SVS) and, where pydicom is
+there, a DICOM WSI series. Each is run through ``Pipeline.run`` (no outputs) with the shipped
+pathology model at the card's resolution, and the SVS and synth's TIFF again at ``--coarse-mpp``
+(a 20x model on a 40x scan: tiles read from level 0 and resampled). For each it prints the
+reader, where and how the stored tiles were decoded (``summary.json``'s ``slide_reader`` and
+``tile_decode``), tiles/s (median and best of ``--rounds`` after a warm-up), and the detections'
+agreement with synth's TIFF at the same resolution (counts, share matched at IoU >= 0.5).
+
+Peers and ceilings: the model alone on device (or host) data; with ``--monai`` (GPU, MONAI
+installed), MONAI's ``sliding_window_inference`` over synth's level 0 read whole. On the CPU
+(``--backend ort``) each row also gives the ratio to the model alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from wsi_pipeline import Pipeline  # noqa: E402
+from wsi_pipeline.slide import open_slide  # noqa: E402
+from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage  # noqa: E402
+
+CARD = ROOT / "engines" / "nuclei_pathology.card.json"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def match_share(a: np.ndarray, b: np.ndarray, iou_min: float = 0.5) -> float:
+    """Share of boxes ``a`` (``N x 4`` x0, y0, x1, y1, level 0) with a box of ``b`` at IoU >= ``iou_min``."""
+    if len(a) == 0:
+        return 1.0 if len(b) == 0 else 0.0
+    if len(b) == 0:
+        return 0.0
+    cell = 64.0
+    cb = np.floor((b[:, :2] + b[:, 2:]) / 2 / cell).astype(np.int64)
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, (x, y) in enumerate(cb.tolist()):
+        buckets.setdefault((x, y), []).append(i)
+    ca = np.floor((a[:, :2] + a[:, 2:]) / 2 / cell).astype(np.int64)
+    matched = 0
+    for i, (x, y) in enumerate(ca.tolist()):
+        near = [j for dx in (-1, 0, 1) for dy in (-1, 0, 1) for j in buckets.get((x + dx, y + dy), ())]
+        if not near:
+            continue
+        c = b[near]
+        ix = np.clip(np.minimum(c[:, 2], a[i, 2]) - np.maximum(c[:, 0], a[i, 0]), 0, None)
+        iy = np.clip(np.minimum(c[:, 3], a[i, 3]) - np.maximum(c[:, 1], a[i, 1]), 0, None)
+        inter = ix * iy
+        union = (a[i, 2] - a[i, 0]) * (a[i, 3] - a[i, 1]) + (c[:, 2] - c[:, 0]) * (c[:, 3] - c[:, 1]) - inter
+        if (inter / np.maximum(union, 1e-9) >= iou_min).any():
+            matched += 1
+    return matched / len(a)
+
+
+def boxes_of(result) -> np.ndarray:
+    d = result.detections
+    return np.stack([d["x0"], d["y0"], d["x1"], d["y1"]], axis=1).astype(np.float64)
+
+
+def sync() -> None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except ImportError:
+        pass
+
+
+def run_kind(pipe: Pipeline, path: str, rounds: int) -> dict:
+    pipe.run(path)  # warm-up: the reader's first open, graphs, allocator
+    speeds, last = [], None
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        last = pipe.run(path)
+        sync()
+        speeds.append(last.summary["tiles"]["read"] / (time.perf_counter() - t0))
+    s = last.summary
+    return {
+        "tiles": s["tiles"]["read"],
+        "tiles_per_s": [round(v, 1) for v in speeds],
+        "median": round(statistics.median(speeds), 1),
+        "best": round(max(speeds), 1),
+        "slide_reader": s.get("slide_reader"),
+        "tile_decode": s.get("tile_decode"),
+        "detections": int(len(last.detections)),
+        "_boxes": boxes_of(last),
+    }
+
+
+def model_alone(pipe: Pipeline) -> float:
+    """Tiles/s of the pipeline's backend on tiles already in memory (device memory on CUDA)."""
+    backend = pipe.executor.backend
+    batch = pipe.batch_size
+    if getattr(backend, "device", None) is not None and str(getattr(backend, "device", "")).startswith("cuda"):
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from bench_gpu import bench_model_alone
+
+        return bench_model_alone(backend, batch)
+    from wsi_pipeline.tiling.loader import Batch  # noqa: F401  (the host path of the executor)
+
+    tiles = np.random.default_rng(0).integers(0, 256, (batch, 512, 512, 3), dtype=np.uint8)
+    backend.infer(tiles)
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 5:
+        backend.infer(tiles)
+        n += batch
+    return n / (time.perf_counter() - t0)
+
+
+def monai_sliding_window(pipe: Pipeline, slide_path: str) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_product_gpu import monai_sliding_window as monai
+
+    return monai(slide_path, pipe.executor.backend)
+
+
+def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
+    paths = {"synth": synth}
+    with open_slide(synth) as src:
+        for kind in kinds:
+            if kind == "dicom":
+                try:
+                    from wsi_pipeline.synthetic.storage import write_dicom_storage
+                except ImportError as exc:
+                    log(f"dicom: not written ({exc})")
+                    continue
+                t0 = time.perf_counter()
+                paths[kind] = write_dicom_storage(src, work / "dicom")["path"]
+            else:
+                t0 = time.perf_counter()
+                ext = "svs" if kind == "svs" else "tiff"
+                paths[kind] = write_storage(src, work / f"{kind}.{ext}", kind)["path"]
+            log(f"{kind}: written in {time.perf_counter() - t0:.1f} s")
+    return paths
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slide-px", type=int, default=32768)
+    ap.add_argument("--slide", help="a synthetic slide to use instead of writing one")
+    ap.add_argument("--kinds", default=",".join([*STORAGE_KINDS, "dicom"]))
+    ap.add_argument("--coarse-mpp", type=float, default=0.5, help="the resampled runs' mpp (0: none)")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--monai", action="store_true")
+    ap.add_argument("--work", help="folder for the slides (default: a new temporary one)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_storage_"))
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            res["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    synth = args.slide
+    if synth is None:
+        synth = str(work / "synth.tiff")
+        t0 = time.perf_counter()
+        write_synthetic_slide(synth, args.slide_px, args.slide_px, seed=7, kind="pathology")
+        log(f"synth {args.slide_px}^2 written in {time.perf_counter() - t0:.0f} s")
+    paths = write_kinds(work, synth, [k for k in args.kinds.split(",") if k])
+    runs = [(kind, None) for kind in paths]
+    if args.coarse_mpp:
+        runs += [(kind, args.coarse_mpp) for kind in ("synth", "svs") if kind in paths]
+    pipes: dict = {}
+    rows = []
+    for kind, mpp in runs:
+        if mpp not in pipes:
+            pipes[mpp] = Pipeline.from_card(CARD, backend=args.backend, **({"mpp": mpp} if mpp else {}))
+        pipe = pipes[mpp]
+        try:
+            row = run_kind(pipe, paths[kind], args.rounds)
+        except Exception as exc:  # one kind failing is a finding, not the end of the table
+            log(f"{kind} mpp={mpp}: failed: {type(exc).__name__}: {exc}")
+            rows.append({"kind": kind, "mpp": mpp, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        row.update(kind=kind, mpp=mpp)
+        rows.append(row)
+        log(
+            f"{kind:14} mpp={mpp or 'card'}: {row['median']:8.1f} tiles/s (best {row['best']:.1f}, "
+            f"{row['tiles']} tiles) reader={row['slide_reader']} decode={row['tile_decode']}"
+        )
+    for mpp, pipe in pipes.items():
+        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
+    ref = {r["mpp"]: r for r in rows if r["kind"] == "synth" and "error" not in r}
+    for r in rows:
+        if "error" in r or r["mpp"] not in ref:
+            continue
+        a, b = r.pop("_boxes"), ref[r["mpp"]]["_boxes"]
+        r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)
+        r["matched_vs_synth"] = round(match_share(a, b), 4)
+        alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
+        r["over_model_alone"] = round(r["median"] / alone, 3)
+    for r in rows:
+        r.pop("_boxes", None)
+    if args.monai and "gpu" in res:
+        try:
+            res["monai"] = monai_sliding_window(pipes[None], synth)
+        except Exception as exc:
+            res["monai"] = f"not run: {type(exc).__name__}: {exc}"
+    res["rows"] = rows
+    synth_median = ref[None]["median"] if None in ref else None
+    log(
+        "\n| storage | mpp | reader | decode | tiles/s median (best) | vs synth | / model alone "
+        "| count, matched vs synth |"
+    )
+    log("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        if "error" in r:
+            log(f"| {r['kind']} | {r['mpp'] or 'card'} | failed: {r['error']} | | | | | |")
+            continue
+        dec = r["tile_decode"] or {}
+        how = dec.get("where", "?") + (f" ({dec['decoder']})" if dec.get("decoder") else "")
+        vs = f"{r['median'] / synth_median:.2f}" if synth_median and not r["mpp"] else ""
+        log(
+            f"| {r['kind']} | {r['mpp'] or 'card'} | {(r['slide_reader'] or {}).get('name', '?')} | {how} | "
+            f"{r['median']:.0f} ({r['best']:.0f}) | {vs} | {r.get('over_model_alone', '')} | "
+            f"{r.get('count_vs_synth', '')}, {r.get('matched_vs_synth', '')} |"
+        )
+    log(f"model alone: { {k: v for k, v in res.items() if k.startswith('model_alone')} }; MONAI: {res.get('monai')}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
