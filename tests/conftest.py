@@ -11,3 +11,21 @@ def pyramid_tiff(tmp_path_factory):
     image = smooth_rgb(3000, 4100, seed=1)
     write_pyramid_tiff(path, image)
     return path
+
+
+@pytest.fixture(scope="session")
+def storage_kinds(tmp_path_factory):
+    """A 2600 x 2100 synthetic slide (0.25 um/px, ``"synth"``) and its pixels in every storage kind
+    of :mod:`wsi_pipeline.synthetic.storage`: {kind: path}."""
+    from wsi_pipeline.slide import open_slide
+    from wsi_pipeline.synthetic import write_synthetic_slide
+    from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage
+
+    folder = tmp_path_factory.mktemp("kinds")
+    synth = folder / "synth.tiff"
+    write_synthetic_slide(synth, 2600, 2100, seed=3)
+    paths = {"synth": str(synth)}
+    with open_slide(synth) as src:
+        for kind in STORAGE_KINDS:
+            paths[kind] = write_storage(src, folder / f"{kind}.{'svs' if kind == 'svs' else 'tiff'}", kind)["path"]
+    return paths

@@ -330,3 +330,47 @@ def test_dask_gpu_worker_matches_local_run(pathology_slide, tmp_path):
     a = (tmp_path / "local" / "slide" / "detections.csv").read_text().splitlines()
     b = (tmp_path / "dask" / "slide" / "detections.csv").read_text().splitlines()
     assert abs(len(a) - len(b)) <= 0.002 * len(a)  # fp16 kernels may differ by a box or two between processes
+
+
+@pytest.mark.parametrize("mpp", [None, 0.5])
+@pytest.mark.parametrize("kind", ["synth", "tiff-ycbcr420", "tiff-ycbcr422", "tiff-ycbcr444", "tiff-rgb", "svs"])
+def test_gpu_decoding_of_each_storage_kind_equals_the_cpu_reader(storage_kinds, kind, mpp):
+    """Each JPEG kind on the decoder the run would choose (nvJPEG for YCbCr, nvImageCodec for RGB),
+    read as stored and resampled on the device, against the CPU reader's tiles."""
+    from wsi_pipeline.slide import open_slide
+    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder, gpu_decode_plan
+    from wsi_pipeline.tiling.grid import read_tile
+
+    with open_slide(storage_kinds[kind]) as slide:
+        grid = TileGrid(slide, 512, 64, mpp=mpp) if mpp else TileGrid(slide)
+        tiles = list(grid)
+        decoder, why = gpu_decode_plan(slide, tiles)
+        if decoder is None and "not installed" in why:
+            pytest.skip(why)
+        assert decoder == ("nvimgcodec" if kind in ("tiff-rgb", "svs") else "nvjpeg"), why
+        got = GpuTileDecoder(slide, device="cuda", jpeg_decoder=decoder).decode(tiles).cpu().numpy()
+        diffs = np.concatenate(
+            [np.abs(got[i].astype(np.int16) - read_tile(slide, t)).ravel() for i, t in enumerate(tiles)]
+        )
+    # nvJPEG's IDCT and upsampling round differently from libjpeg-turbo's
+    assert diffs.mean() < 1.0 and (diffs <= 2).mean() >= 0.999, (kind, mpp, diffs.mean(), (diffs <= 2).mean())
+
+
+def test_a_20x_model_on_an_aperio_40x_scan_runs_on_the_gpu_and_agrees_with_the_cpu(storage_kinds):
+    from wsi_pipeline import Pipeline
+    from wsi_pipeline.tiling.gpu_loader import nvimgcodec_module
+
+    if nvimgcodec_module() is None:
+        pytest.skip("RGB JPEG on the GPU needs nvImageCodec")
+    runs = {}
+    for where in ("gpu", "cpu"):
+        pipe = Pipeline.from_card(backend="torch", mpp=0.5, decode=where)
+        try:
+            runs[where] = pipe.run(storage_kinds["svs"])
+        finally:
+            pipe.close()
+    g, c = runs["gpu"], runs["cpu"]
+    assert g.summary["tile_decode"]["decoder"] == "nvimgcodec", g.summary["tile_decode"]
+    assert "resampled" in g.summary["tile_decode"]["why"]
+    assert c.summary["tile_decode"]["where"] == "cpu"
+    assert abs(len(g.detections) - len(c.detections)) <= max(2, 0.02 * len(c.detections))
