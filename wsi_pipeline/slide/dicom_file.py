@@ -31,7 +31,7 @@ from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
 # tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
 MAX_GRID_TILES = 1 << 23
-# Files of a folder whose headers are read to find a series' other levels.
+# Files of a folder looked at to find a series' other levels.
 MAX_SERIES_FILES = 4096
 # Image types (value 3 of ImageType) that are not pyramid levels.
 NOT_LEVELS = ("LABEL", "OVERVIEW", "THUMBNAIL")
@@ -63,7 +63,7 @@ def is_dicom_file(path: str) -> bool:
 def is_dicom_wsi(path: str) -> bool:
     """Whether ``path`` is a DICOM WSI file, or a folder holding one (headers only)."""
     if os.path.isdir(path):
-        return any(_is_wsi_header(_header(p)) for p in _dicom_files(path)[:MAX_SERIES_FILES])
+        return any(_is_wsi_header(_header(p)) for p in _dicom_files(path))
     return is_dicom_file(path) and _is_wsi_header(_header(path))
 
 
@@ -79,9 +79,10 @@ def _is_wsi_header(ds: Dataset | None) -> bool:
 
 
 def _dicom_files(folder: str) -> list[str]:
+    """The DICOM files of ``folder``, by name, among its first :data:`MAX_SERIES_FILES` files."""
     names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    paths = [os.path.join(folder, n) for n in names]
-    return [p for p in paths if os.path.isfile(p) and is_dicom_file(p)]
+    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_SERIES_FILES]
+    return [p for p in paths if is_dicom_file(p)]
 
 
 def _image_type(ds: Dataset) -> str:
@@ -97,7 +98,7 @@ def series_level_files(path: str) -> list[str]:
     """
     if os.path.isdir(path):
         files = _dicom_files(path)
-        headers = {p: _header(p) for p in files[:MAX_SERIES_FILES]}
+        headers = {p: _header(p) for p in files}
         series = {ds.SeriesInstanceUID for ds in headers.values() if _is_wsi_header(ds) and "SeriesInstanceUID" in ds}
         if len(series) != 1:
             found = "no" if not series else f"{len(series)}"
@@ -110,7 +111,7 @@ def series_level_files(path: str) -> list[str]:
         uid = ds.get("SeriesInstanceUID")
         folder = os.path.dirname(os.path.abspath(path))
         files = _dicom_files(folder)
-        headers = {p: _header(p) for p in files[:MAX_SERIES_FILES] if not os.path.samefile(p, path)}
+        headers = {p: _header(p) for p in files if not os.path.samefile(p, path)}
         headers[path] = ds
     levels: dict[tuple[int, int], str] = {}
     for p, ds in headers.items():
