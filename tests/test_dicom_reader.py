@@ -242,3 +242,34 @@ def test_a_run_on_a_dicom_wsi_finds_what_it_finds_in_a_tiff_of_its_pixels(tmp_pa
     assert from_dicom.summary["tiles"] == from_tiff.summary["tiles"]
     assert len(from_dicom.detections) > 20
     np.testing.assert_array_equal(from_dicom.detections, from_tiff.detections)
+
+
+# -- the GPU loader, on the CPU device ---------------------------------------------------------
+@pytest.mark.parametrize("sparse", [False, True], ids=["full", "sparse"])
+@pytest.mark.parametrize("decoder", ["threads", "nvjpeg", "helpers"])
+def test_the_gpu_loader_reads_the_frames_as_the_reader_does(series, sparse, decoder):
+    """Frames decoded as stored tiles (by threads, torchvision's decoder, or the JPEG helper
+    processes) give the reader's pixels; frames missing from a sparse level stay background."""
+    pytest.importorskip("torchvision")
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
+    from wsi_pipeline.tiling.grid import TileGrid, read_tile
+    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers
+
+    with DicomSlide(series["YBR_FULL_422", sparse][0]) as s:
+        tiles = list(TileGrid(s, 512, 64, level=0))
+        helpers = JpegHelpers(1, 16, timeout_s=60) if decoder == "helpers" else None
+        jpeg_decoder = "threads" if decoder == "threads" else "nvjpeg"
+        try:
+            loader = GpuTileLoader(s, tiles, batch_size=4, device="cpu", jpeg_decoder=jpeg_decoder, helpers=helpers)
+            got = {t.index: img for b in loader for t, img in zip(b.tiles, b.images.numpy(), strict=True)}
+        finally:
+            if helpers is not None:
+                helpers.close()
+        for t in tiles:
+            want = read_tile(s, t)
+            if decoder == "nvjpeg":  # another libjpeg build's upsampling
+                assert np.abs(got[t.index].astype(int) - want).mean() < 2
+            else:
+                np.testing.assert_array_equal(got[t.index], want)
+        assert loader.decoder.cpu_fallback_batches == 0
+        assert (loader.decoder.stored_tiles_by_helpers > 0) == (decoder == "helpers")

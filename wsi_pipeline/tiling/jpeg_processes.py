@@ -447,10 +447,11 @@ class JpegHelpers:
 
 # -- a helper process ---------------------------------------------------------------------------
 def _serve(recv: Connection, send: Connection) -> None:
-    from ..slide.tiff_backend import TiffSlide
+    from ..slide import Slide, open_slide
+    from ..slide.dicom_file import is_dicom_wsi
 
     buffers: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
-    slides: dict[str, TiffSlide] = {}
+    slides: dict[str, Slide] = {}
     while True:
         try:
             msg = recv.recv()
@@ -477,7 +478,7 @@ def _serve(recv: Connection, send: Connection) -> None:
                     for old in slides.values():
                         old.close()
                     slides.clear()
-                    slide = slides[path] = TiffSlide(path)
+                    slide = slides[path] = open_slide(path, "dicom" if is_dicom_wsi(path) else "tifffile")
                 background = tuple(slide.background_rgb)
                 for i, tx, ty in items:
                     where = f"cannot decode stored tile ({tx}, {ty}) of level {level}"
