@@ -16,6 +16,7 @@ frames split over several fragments ...); those slides go to OpenSlide.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -67,9 +68,34 @@ def is_dicom_wsi(path: str) -> bool:
     return is_dicom_file(path) and _is_wsi_header(_header(path))
 
 
+class _CappedReader(io.BufferedReader):
+    """A file whose large reads ask for no more than is left in it: a forged element length
+    makes pydicom read short (and fail) instead of allocating what the length claims."""
+
+    def __init__(self, path: str):
+        super().__init__(io.FileIO(path, "rb"))
+        self._size = os.fstat(self.fileno()).st_size
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        if size is not None and size > 1 << 16:
+            size = max(0, min(size, self._size - self.tell()))
+        return super().read(size)
+
+
+def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]:
+    """A DICOM file's header up to its pixel data (only ``tags`` where given), and where its pixel data starts."""
+    try:
+        with _CappedReader(path) as f:
+            ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=tags)
+            list(ds)  # values are converted when first used: a damaged one fails here, named as such
+            return ds, f.tell()
+    except Exception as exc:  # pydicom raises many types on a damaged header
+        raise SlideOpenError(path, f"unreadable DICOM header ({type(exc).__name__}: {exc})") from exc
+
+
 def _header(path: str) -> Dataset | None:
     try:
-        return pydicom.dcmread(path, stop_before_pixels=True, specific_tags=_HEADER_TAGS)
+        return read_header(path, _HEADER_TAGS)[0]
     except Exception:  # not DICOM after all, or damaged: not a level
         return None
 
@@ -151,7 +177,7 @@ def level_refusal(ds: Dataset) -> str | None:
 def series_refusal(path: str) -> str | None:
     """:func:`level_refusal` of the first level that has one, naming its file; None: all are read."""
     for p in series_level_files(path):
-        ds = pydicom.dcmread(p, stop_before_pixels=True)
+        ds = read_header(p)[0]
         reason = level_refusal(ds)
         if reason is not None:
             return f"{os.path.basename(p)}: {reason}"
@@ -183,9 +209,7 @@ def read_level(path: str, fd: int) -> DicomLevel:
         return SlideOpenError(path, reason)
 
     file_size = os.fstat(fd).st_size
-    with open(path, "rb") as f:
-        ds = pydicom.dcmread(f, stop_before_pixels=True)
-        pixel_data_at = f.tell()
+    ds, pixel_data_at = read_header(path)
     reason = level_refusal(ds)
     if reason is not None:
         raise bad(f"{reason}; open it with the openslide backend")
@@ -248,7 +272,8 @@ def _frame_items(path: str, fd: int, at: int, frames: int, file_size: int) -> tu
         if i == frames:
             raise bad("frames are split over several fragments (not read by this reader; use the openslide backend)")
         if pos + 8 + n > file_size:
-            raise bad(f"frame {i} claims {n} bytes at byte {pos + 8}, past the end of the file ({file_size} bytes)")
+            what = "the basic offset table" if i < 0 else f"frame {i}"
+            raise bad(f"{what} claims {n} bytes at byte {pos + 8}, past the end of the file ({file_size} bytes)")
         if i >= 0:
             starts[i], lengths[i] = pos + 8, n
         pos += 8 + n
@@ -274,7 +299,7 @@ def _frame_cells(path: str, ds: Dataset, frames: int, tile_w: int, tile_h: int, 
             pos = group.PlanePositionSlideSequence[0]
             cols[i] = int(pos.ColumnPositionInTotalImagePixelMatrix) - 1
             rows[i] = int(pos.RowPositionInTotalImagePixelMatrix) - 1
-        except (AttributeError, IndexError, TypeError, ValueError) as exc:
+        except Exception as exc:  # missing or damaged: pydicom raises many types
             raise SlideOpenError(path, f"frame {i} has no readable position in the pixel matrix") from exc
     on_grid = (cols % tile_w == 0) & (rows % tile_h == 0) & (cols >= 0) & (rows >= 0)
     on_grid &= (cols < across * tile_w) & (rows < down * tile_h)
