@@ -119,6 +119,8 @@ def test_raw_frames_decode_to_the_readers_tiles(series, jpeg, sparse):
                 got = simplejpeg.decode_jpeg(stream)
                 inside = (slice(0, lh - ty * th), slice(0, lw - tx * tw))
                 np.testing.assert_array_equal(got[inside], want[inside])
+                decoded = s.decode_stored_tile(level, tx, ty, np.empty((th, tw, 3), np.uint8))
+                np.testing.assert_array_equal(decoded[inside], want[inside])
 
 
 def test_444_frames_openslide_refuses_are_read(series):

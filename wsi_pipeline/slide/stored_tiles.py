@@ -302,6 +302,15 @@ class StoredTileSlide(Slide):
         """
         return _with_tables(self._jpeg_level(level).jpegtables, self.raw_tile(level, tx, ty))
 
+    def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
+        """Stored tile (tx, ty) of ``level`` decoded into ``out`` (``tile_h x tile_w x 3`` uint8 RGB)
+        as :meth:`read_region` decodes it, without the cache (a tile without data: background)."""
+        lv = self._levels[level]
+        if not (0 <= tx < lv.tiles_across and 0 <= ty < lv.tiles_down):
+            raise SlideError(self.path, f"level {level} has no stored tile ({tx}, {ty})")
+        self._check_out((lv.tile_w, lv.tile_h), out)
+        return self._decode_tile(level, tx, ty, out)
+
     def _tile_origin_level0(self, level: int, tx: int, ty: int) -> tuple[int, int]:
         lv, ds = self._levels[level], self._level_downsamples[level]
         return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
