@@ -15,7 +15,7 @@ import statistics
 import time
 
 from wsi_pipeline import Pipeline, open_slide
-from wsi_pipeline.slide import tiff_backend
+from wsi_pipeline.slide import stored_tiles
 from wsi_pipeline.tiling.tissue import DEFAULT_THUMBNAIL_SIZE
 
 
@@ -27,7 +27,7 @@ def main() -> int:
     ap.add_argument("--serial-regions", action="store_true", help="no region threads")
     args = ap.parse_args()
     if args.serial_regions:
-        tiff_backend.PARALLEL_REGION_TILES = 1 << 62
+        stored_tiles.PARALLEL_REGION_TILES = 1 << 62
     seconds, tiles = [], 0
     if args.thumbnail:
         for _ in range(args.calls):

@@ -8,7 +8,8 @@ import tifffile
 from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import open_slide
-from wsi_pipeline.slide.tiff_backend import TiffSlide, _TileCache
+from wsi_pipeline.slide.stored_tiles import _TileCache
+from wsi_pipeline.slide.tiff_backend import TiffSlide
 from wsi_pipeline.tiling import TileGrid, read_tile
 
 TILE_BYTES = 256 * 256 * 3
@@ -169,14 +170,14 @@ def test_loader_with_many_batches_in_flight_still_decodes_each_tile_once(pyramid
 def test_large_regions_decoded_by_several_threads_equal_one_thread(pyramid_tiff, monkeypatch, cache_tiles):
     """A region of many stored tiles (a thumbnail's level) is decoded by the region threads: the
     same pixels as tile by tile in the calling thread, with a cache smaller than the region too."""
-    import wsi_pipeline.slide.tiff_backend as tiff_backend
+    import wsi_pipeline.slide.stored_tiles as stored_tiles
 
     ref = _level_pixels(pyramid_tiff, 0)
     h, w = ref.shape[:2]
     regions = [((0, 0), (w, h)), ((-300, 130), (w, h - 50)), ((517, 263), (2100, 1300))]
     got = {}
     for tiles, name in ((10**9, "serial"), (1, "parallel")):
-        monkeypatch.setattr(tiff_backend, "PARALLEL_REGION_TILES", tiles)
+        monkeypatch.setattr(stored_tiles, "PARALLEL_REGION_TILES", tiles)
         with TiffSlide(pyramid_tiff, cache_bytes=cache_tiles * TILE_BYTES) as s:
             got[name] = [s.read_region(loc, 0, size) for loc, size in regions]
     for serial, parallel in zip(got["serial"], got["parallel"], strict=True):
@@ -189,7 +190,7 @@ def test_a_damaged_tile_in_a_large_region_fails_the_read_and_names_it(tmp_path, 
     and the slide reads its other tiles afterwards."""
     from helpers import corrupt_stored_tile
 
-    import wsi_pipeline.slide.tiff_backend as tiff_backend
+    import wsi_pipeline.slide.stored_tiles as stored_tiles
     from wsi_pipeline.errors import TileReadError
 
     path = str(tmp_path / "t.tif")
@@ -197,7 +198,7 @@ def test_a_damaged_tile_in_a_large_region_fails_the_read_and_names_it(tmp_path, 
     write_pyramid_tiff(path, image, levels=1)
     ref = _level_pixels(path, 0)
     corrupt_stored_tile(path, index=7)
-    monkeypatch.setattr(tiff_backend, "PARALLEL_REGION_TILES", 1)
+    monkeypatch.setattr(stored_tiles, "PARALLEL_REGION_TILES", 1)
     with TiffSlide(path) as s:
         out = np.zeros((1500, 2000, 3), np.uint8)
         with pytest.raises(TileReadError, match=r"t\.tif: cannot decode stored tile \(7, 0\)"):

@@ -3,10 +3,13 @@
 import threading
 
 import cv2
+import imagecodecs
 import numpy as np
+import simplejpeg
 import tifffile
 from pydicom.dataset import Dataset, FileMetaDataset
-from pydicom.uid import ExplicitVRLittleEndian, VLWholeSlideMicroscopyImageStorage, generate_uid
+from pydicom.encaps import encapsulate
+from pydicom.uid import ExplicitVRLittleEndian, JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage, generate_uid
 
 TILE_PX = 128
 
@@ -220,20 +223,45 @@ def random_detections(n: int = 300, seed: int = 0) -> np.ndarray:
     return make_detections(np.c_[xy, xy + wh], rng.random(n), rng.integers(0, 2, n))
 
 
-def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int, mpp: float, tile: int = 256) -> None:
-    """One pyramid level of a DICOM WSI: uncompressed RGB frames, TILED_FULL, as OpenSlide reads them."""
+def _dicom_frame_bytes(frame: np.ndarray, photometric: str | None) -> bytes:
+    """A frame's stored bytes: raw (``photometric`` None), or JPEG Baseline in the named colour space."""
+    if photometric is None:
+        return frame.tobytes()
+    if photometric == "RGB":  # no colour transform (libjpeg writes the Adobe marker that says so)
+        return imagecodecs.jpeg8_encode(frame, level=90, colorspace="RGB", outcolorspace="RGB")
+    subsampling = {"YBR_FULL_422": "422", "YBR_FULL": "444"}[photometric]
+    return simplejpeg.encode_jpeg(frame, quality=90, colorspace="RGB", colorsubsampling=subsampling)
+
+
+def write_dicom_level(
+    path,
+    image: np.ndarray,
+    uids: dict[str, str],
+    level: int,
+    mpp: float,
+    tile: int = 256,
+    jpeg: str | None = None,
+    sparse: bool = False,
+    image_type: str = "VOLUME",
+) -> None:
+    """One image of a DICOM WSI: uncompressed RGB frames, or JPEG Baseline frames with the
+    photometric interpretation ``jpeg`` (YBR_FULL_422, YBR_FULL or RGB); TILED_FULL, or
+    TILED_SPARSE (``sparse``: tiles wholly of one colour have no frame), as OpenSlide reads them."""
     h, w = image.shape[:2]
-    frames = []
+    frames, positions = [], []
     for y in range(0, h, tile):
         for x in range(0, w, tile):
             frame = np.zeros((tile, tile, 3), np.uint8)
             part = image[y : y + tile, x : x + tile]
             frame[: part.shape[0], : part.shape[1]] = part
-            frames.append(frame)
+            if sparse and (part == part[0, 0]).all():
+                continue
+            frames.append(_dicom_frame_bytes(frame, jpeg))
+            positions.append((x, y))
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = VLWholeSlideMicroscopyImageStorage
     meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian if jpeg is None else JPEGBaseline8Bit
     ds = Dataset()
     ds.file_meta = meta
     ds.SOPClassUID = VLWholeSlideMicroscopyImageStorage
@@ -241,11 +269,16 @@ def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int,
     for name, uid in uids.items():
         setattr(ds, name, uid)
     ds.Modality = "SM"
-    ds.ImageType = ["ORIGINAL" if level == 0 else "DERIVED", "PRIMARY", "VOLUME", "NONE" if level == 0 else "RESAMPLED"]
+    if image_type != "VOLUME":
+        ds.ImageType = ["ORIGINAL", "PRIMARY", image_type, "NONE"]
+    elif level == 0:
+        ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
+    else:
+        ds.ImageType = ["DERIVED", "PRIMARY", "VOLUME", "RESAMPLED"]
     ds.InstanceNumber = level + 1
-    ds.DimensionOrganizationType = "TILED_FULL"
+    ds.DimensionOrganizationType = "TILED_SPARSE" if sparse else "TILED_FULL"
     ds.SamplesPerPixel = 3
-    ds.PhotometricInterpretation = "RGB"
+    ds.PhotometricInterpretation = jpeg or "RGB"
     ds.PlanarConfiguration = 0
     ds.NumberOfFrames = len(frames)
     ds.Rows = ds.Columns = tile
@@ -260,21 +293,56 @@ def write_dicom_level(path, image: np.ndarray, uids: dict[str, str], level: int,
     shared = Dataset()
     shared.PixelMeasuresSequence = [measures]
     ds.SharedFunctionalGroupsSequence = [shared]
+    if sparse:
+        groups = []
+        for x, y in positions:
+            where = Dataset()
+            where.ColumnPositionInTotalImagePixelMatrix, where.RowPositionInTotalImagePixelMatrix = x + 1, y + 1
+            where.XOffsetInSlideCoordinateSystem = where.YOffsetInSlideCoordinateSystem = 0
+            where.ZOffsetInSlideCoordinateSystem = 0
+            group = Dataset()
+            group.PlanePositionSlideSequence = [where]
+            groups.append(group)
+        ds.PerFrameFunctionalGroupsSequence = groups
     optical = Dataset()
     optical.OpticalPathIdentifier = "0"
     ds.OpticalPathSequence = [optical]
-    ds.PixelData = np.stack(frames).tobytes()
+    if jpeg is None:
+        ds.PixelData = b"".join(frames)
+    else:
+        ds.LossyImageCompression = "01"
+        ds.PixelData = encapsulate(frames)
+        ds["PixelData"].VR = "OB"
+        ds["PixelData"].is_undefined_length = True
     ds.save_as(path, enforce_file_format=True)
 
 
-def write_dicom_wsi(folder, stem: str, image: np.ndarray, levels: int = 2, mpp: float = 0.25) -> list:
-    """A DICOM WSI of ``levels`` files ``stem_N.dcm`` in ``folder`` (one series); returns the paths."""
+def write_dicom_wsi(
+    folder,
+    stem: str,
+    image: np.ndarray,
+    levels: int = 2,
+    mpp: float = 0.25,
+    jpeg: str | None = None,
+    sparse: bool = False,
+    tile: int = 256,
+    associated: tuple[str, ...] = (),
+) -> list:
+    """A DICOM WSI of ``levels`` files ``stem_N.dcm`` in ``folder`` (one series); returns the paths.
+
+    ``jpeg``, ``sparse``, ``tile``: as :func:`write_dicom_level`; ``associated``: image types
+    (LABEL, OVERVIEW, THUMBNAIL) also written, as ``stem_label.dcm`` ... (not returned).
+    """
     uids = {
         name: generate_uid() for name in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID", "PyramidUID")
     }
     paths = []
     for level in range(levels):
         path = folder / f"{stem}_{level}.dcm"
-        write_dicom_level(path, np.ascontiguousarray(image[:: 2**level, :: 2**level]), uids, level, mpp * 2**level)
+        pixels = np.ascontiguousarray(image[:: 2**level, :: 2**level])
+        write_dicom_level(path, pixels, uids, level, mpp * 2**level, tile, jpeg, sparse)
         paths.append(path)
+    for kind in associated:
+        small = np.ascontiguousarray(image[::8, ::8])
+        write_dicom_level(folder / f"{stem}_{kind.lower()}.dcm", small, uids, 0, mpp * 8, 64, jpeg, image_type=kind)
     return paths

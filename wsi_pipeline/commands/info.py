@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--backend",
         choices=BACKENDS,
         default="auto",
-        help="slide reader: tifffile (tiled TIFF), openslide (vendor formats), image (PNG, JPEG ...); "
+        help="slide reader: tifffile (tiled TIFF), dicom (DICOM WSI of JPEG frames), openslide (vendor "
+        "formats), image (PNG, JPEG ...); "
         "auto: the fastest that reads the file (default auto)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -4,12 +4,15 @@ Backends:
 
 - ``tifffile``: tiled TIFF / BigTIFF / OME-TIFF and Aperio SVS, stored tiles
   decoded once and cached (the fast path for tile grids);
-- ``openslide``: the other formats OpenSlide reads (NDPI, MRXS, SCN, DICOM, ...);
+- ``dicom``: DICOM WSI series of JPEG Baseline frames, read frame by frame
+  through the same decoded-tile cache;
+- ``openslide``: the other formats OpenSlide reads (NDPI, MRXS, SCN, other DICOM, ...);
 - ``image``: PNG, JPEG, BMP and untiled TIFF held in memory.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -19,7 +22,9 @@ from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
 from .tiff_file import is_tiff, open_tifffile
 
-BACKENDS = ("auto", "tifffile", "openslide", "image")
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "tifffile", "dicom", "openslide", "image")
 
 # OpenSlide formats that are plain tiled TIFF underneath and that the tifffile reader decodes to
 # the same pixels (tests/test_storage_kinds.py compares them with OpenSlide's), only faster.
@@ -35,6 +40,10 @@ def _open_backend(path: str, backend: str) -> Slide:
         from .tiff_backend import TiffSlide
 
         return TiffSlide(path)
+    if backend == "dicom":
+        from .dicom_backend import DicomSlide
+
+        return DicomSlide(path)
     if backend == "openslide":
         from .openslide_backend import OpenSlideSlide
 
@@ -46,19 +55,37 @@ def _check_file(path: str) -> None:
     if not os.path.exists(path):
         raise SlideOpenError(path, "no such file")
     if os.path.isdir(path):
-        return  # DICOM series are folders; OpenSlide decides.
+        return  # DICOM series are folders; their reader decides.
     if not os.access(path, os.R_OK):
         raise SlideOpenError(path, "file is not readable (permission denied)")
     if os.path.getsize(path) == 0:
         raise SlideOpenError(path, "file is empty (0 bytes)")
 
 
+def _dicom_refusal(path: str) -> str | SlideOpenError | None:
+    """Why the dicom reader does not read ``path`` (a reason, or the error it raises); None: it does."""
+    from .dicom_file import is_dicom_wsi, series_refusal
+
+    if not is_dicom_wsi(path):
+        return "not a DICOM WSI"
+    try:
+        refusal = series_refusal(path)
+    except SlideOpenError as exc:
+        refusal = exc
+    if refusal is not None:
+        log.info("%s: not read with the dicom reader: %s", path, refusal)
+    return refusal
+
+
 def detect_backend(path: str) -> str:
-    """The fastest backend that reads ``path`` ("tifffile", "openslide" or "image")."""
+    """The fastest backend that reads ``path`` ("tifffile", "dicom", "openslide" or "image")."""
     _check_file(path)
     ext = os.path.splitext(path)[1].lower()
     if ext in PLAIN_IMAGE_EXTENSIONS:
         return "image"
+    dicom_refusal = _dicom_refusal(path)
+    if dicom_refusal is None:
+        return "dicom"
     vendor: str | None = None
     try:
         import openslide
@@ -72,6 +99,8 @@ def detect_backend(path: str) -> str:
         return "tifffile" if tiled else "image"
     if vendor is not None:
         return "openslide"
+    if isinstance(dicom_refusal, SlideOpenError):
+        raise dicom_refusal
     raise SlideOpenError(
         path,
         "no reader recognises this file (expected a whole-slide format OpenSlide reads, "

@@ -1,15 +1,10 @@
 """Tiled TIFF, BigTIFF and OME-TIFF read stored tile by stored tile with tifffile.
 
-This is the fast path for tile grids: every stored tile a patch touches is
-read with ``os.pread`` (no shared file position, so worker threads need no
-lock around I/O), decoded once (3-sample JPEG straight with libjpeg-turbo
-through simplejpeg, which reports corrupt data (see :mod:`.damage`),
-anything else with the page's own codec) into a slot of a
-bounded LRU cache, and copied from there into the patch; only the part of a
-patch outside the level is filled with the background. The overlapping
-patches of a grid (512 px on a 448 px step over 256 px stored tiles: about
-3.3 decodes a patch for the 4 to 9 stored tiles it touches) reuse decoded tiles, and the cache's
-memory is reused as tiles are evicted. OpenSlide also caches tiles, but
+This is the fast path for tile grids (:mod:`.stored_tiles`: the decoded-tile
+cache and region assembly): every stored tile a patch touches is decoded
+once (3-sample JPEG straight with libjpeg-turbo through simplejpeg, which
+reports corrupt data (see :mod:`.damage`), anything else with the page's own
+codec) and reused by the overlapping patches of a grid. OpenSlide also caches tiles, but
 32 MiB by default (a band of grid rows does not fit) and each call pays its
 own ARGB conversion; the benchmark ``benchmarks/bench_reader.py`` compares
 the two.
@@ -22,12 +17,8 @@ tile table are checked against the file before anything is allocated
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,18 +29,11 @@ import tifffile
 
 from ..errors import SlideError, SlideOpenError, TileReadError
 from ..io.ome_xml import read_ome_pixels
-from .base import Slide, checked_mpp, composite_rgba
-from .jpeg_kind import JpegKind, jpeg_kind
+from .base import checked_mpp, composite_rgba
+from .jpeg_kind import JpegKind
 from .resolution import tiff_page_mpp
+from .stored_tiles import StoredTileSlide, _fill, _with_tables
 from .tiff_file import check_page_data, open_tifffile
-
-DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
-# With the default size the cache holds at most the stored-tile rows of a band
-# this many level pixels tall across the widest level (plus one row): all that
-# a grid read in row order reuses (a patch row and the next one's overlap).
-CACHE_BAND_PX = 1536
-# Upper bound of what :meth:`TiffSlide.reserve_cache_band` may set.
-MAX_RESERVED_CACHE_BYTES = 1024 * 1024 * 1024
 
 
 @dataclass
@@ -71,22 +55,6 @@ class _Level:
     jpeg_kind: JpegKind | None = None
 
 
-def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
-    """The pieces of a TIFF JPEG tile as a self-contained stream: the level's JPEGTables spliced in.
-
-    tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
-    ``data``: bytes or a uint8 array (the pieces are slices of it).
-    """
-    if tables is None or len(tables) < 4 or len(data) < 2:
-        return (data,)
-    return data[:2], tables[2:-2], data[2:]
-
-
-def _with_tables(tables: bytes | None, data: bytes) -> bytes:
-    """A TIFF JPEG tile as a self-contained JPEG stream (:func:`_stream_parts`)."""
-    return b"".join(_stream_parts(tables, data))
-
-
 def _aperio_fields(description: str) -> dict[str, Any]:
     """The ``key = value`` fields of an Aperio ImageDescription (empty where it has none)."""
     try:
@@ -95,145 +63,12 @@ def _aperio_fields(description: str) -> dict[str, Any]:
         return {}
 
 
-def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
-    """Set every pixel of ``region`` (``... x 3`` uint8) to ``rgb``.
-
-    A grey background is one byte fill; a coloured one a fill per channel.
-    NumPy's broadcast of a 3-vector over a large image is far slower.
-    """
-    if rgb[0] == rgb[1] == rgb[2]:
-        region.fill(rgb[0])
-    else:
-        for c in range(3):
-            region[..., c] = rgb[c]
-
-
-# Decoded tiles live in slots carved from slabs of about this many bytes,
-# allocated as the cache grows and reused as tiles are evicted (never freed
-# while the slide is open): a decode costs no allocation and, once the cache
-# is warm, no page faults. A new array per decode took about 48 faults per
-# 256 px tile, which on the development VM cost up to a third of a cold run.
-_SLAB_BYTES = 8 * 1024 * 1024
-
-
-class _TileCache:
-    """Bounded LRU of decoded stored tiles whose memory is reused, not freed.
-
-    Tiles are ``tile_h x tile_w x 3`` uint8 views into slabs allocated as
-    the cache grows, up to ``limit`` bytes; past that the least recently
-    used tile not being read gives up its slot to the next decode. A reader
-    holds a *pin* on a tile while it copies from it (:meth:`get` pins,
-    :meth:`unpin` releases), and a pinned tile is never evicted, so no slot
-    is overwritten while a thread copies from it. With every cached tile
-    pinned, a decode gets a slot over the bound (at most one per thread
-    reading), given up again when evicted. Methods without "lock held by
-    the caller" take the cache's lock; none decodes.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = int(limit)
-        self.lock = threading.Lock()
-        self._tiles: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._pins: dict[tuple[int, int], int] = {}
-        self._free: dict[tuple[int, int], list[np.ndarray]] = {}
-        self.allocated = 0  # bytes of slabs and slots handed out
-        self.inflight: dict[tuple[int, int], threading.Event] = {}
-
-    def get(self, key: tuple[int, int]) -> np.ndarray | None:
-        """The tile cached under ``key``, pinned; None if absent. Lock held by the caller."""
-        tile = self._tiles.get(key)
-        if tile is not None:
-            self._tiles.move_to_end(key)
-            self._pins[key] = self._pins.get(key, 0) + 1
-        return tile
-
-    def unpin(self, key: tuple[int, int]) -> None:
-        """Release one pin on ``key`` (taken by :meth:`get` or :meth:`put`)."""
-        with self.lock:
-            n = self._pins[key] - 1
-            if n:
-                self._pins[key] = n
-            else:
-                del self._pins[key]
-
-    def slot(self, shape: tuple[int, int]) -> np.ndarray:
-        """A writable ``shape + (3,)`` uint8 slot for a tile about to be decoded."""
-        with self.lock:
-            free = self._free.setdefault(shape, [])
-            if not free:
-                self._refill(shape, free)
-            return free.pop()
-
-    def _refill(self, shape: tuple[int, int], free: list[np.ndarray]) -> None:
-        tile_bytes = shape[0] * shape[1] * 3
-        room = self.limit - self.allocated
-        if room >= tile_bytes:
-            n = max(1, min(-(-_SLAB_BYTES // tile_bytes), room // tile_bytes))
-            slab = np.empty((n, shape[0], shape[1], 3), np.uint8)
-            self.allocated += slab.nbytes
-            free.extend(slab[i] for i in range(n - 1, -1, -1))
-            return
-        pins = self._pins
-        while True:
-            # The least recently used tile that no reader holds (almost always the first).
-            key = next((k for k in self._tiles if k not in pins), None)
-            if key is None:
-                break
-            tile = self._tiles.pop(key)
-            if tile.base is None and self.allocated > self.limit:
-                self.allocated -= tile.nbytes  # a slot from over the bound: let it go
-                continue
-            self._free.setdefault(tile.shape[:2], []).append(tile)
-            if free:
-                return
-        # Everything cached is pinned or of another shape: go over the bound by one slot
-        # (at most one per thread decoding at once).
-        free.append(np.empty((shape[0], shape[1], 3), np.uint8))
-        self.allocated += tile_bytes
-
-    def give_back(self, tile: np.ndarray) -> None:
-        """Return a slot that was not :meth:`put` (its decode failed)."""
-        with self.lock:
-            self._free.setdefault(tile.shape[:2], []).append(tile)
-
-    def put(self, key: tuple[int, int], tile: np.ndarray) -> None:
-        """Cache ``tile`` (a slot from :meth:`slot`) under ``key``, pinned. Lock held by the caller."""
-        self._tiles[key] = tile
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def clear(self) -> None:
-        with self.lock:
-            self._tiles.clear()
-            self._pins.clear()
-            self._free.clear()
-            self.allocated = 0
-
-
-# A region of at least this many stored tiles has them decoded by the region threads.
-PARALLEL_REGION_TILES = 16
-_REGION_POOL: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-_REGION_POOL_LOCK = threading.Lock()
-
-
-def _region_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's threads that decode the stored tiles of large regions (made on first use, and
-    again in a forked child, which has none of its parent's threads)."""
-    global _REGION_POOL
-    with _REGION_POOL_LOCK:
-        if _REGION_POOL is None or _REGION_POOL[0] != os.getpid():
-            pool = concurrent.futures.ThreadPoolExecutor(
-                min(8, os.cpu_count() or 1), thread_name_prefix="region-decode"
-            )
-            _REGION_POOL = (os.getpid(), pool)
-        return _REGION_POOL[1]
-
-
-class TiffSlide(Slide):
+class TiffSlide(StoredTileSlide):
     """A tiled TIFF opened with :mod:`tifffile`.
 
     ``cache_bytes`` bounds the decoded-tile cache shared by all threads
     reading this slide. By default it is the smaller of 256 MiB and a band
-    of stored-tile rows :data:`CACHE_BAND_PX` pixels tall across the widest
+    of stored-tile rows :data:`~.stored_tiles.CACHE_BAND_PX` pixels tall across the widest
     level (104 MiB for a 20,000 px wide slide in 256 px tiles): a grid read
     in row order keeps all its reuse between rows, for patches up to about
     1024 px, and less memory is first touched (on a VM page faults are
@@ -255,20 +90,15 @@ class TiffSlide(Slide):
             self._tif.close()
             raise
         try:
-            for lv in self._levels:
+            for i, lv in enumerate(self._levels):
                 lv.decoder = self._direct_decoder(lv)
-                lv.jpeg_kind = self._jpeg_kind(lv)
+                if lv.page.compression == tifffile.COMPRESSION.JPEG:
+                    lv.jpeg_kind = self._stored_jpeg_kind(i, lv.page.photometric.name)
         except BaseException:
             os.close(self._fd)
             self._tif.close()
             raise
-        if cache_bytes is None:
-            band = max(
-                (-(-CACHE_BAND_PX // lv.tile_h) + 1) * lv.tiles_across * lv.tile_h * lv.tile_w * 3
-                for lv in self._levels
-            )
-            cache_bytes = min(DEFAULT_CACHE_BYTES, band)
-        self._cache = _TileCache(cache_bytes)
+        self._init_cache(cache_bytes)
 
     # -- opening ------------------------------------------------------------
     def _init_levels(self) -> None:
@@ -349,29 +179,6 @@ class TiffSlide(Slide):
         return checked_mpp(self.path, *mpp) if mpp else None
 
     # -- stored tiles -------------------------------------------------------
-    def clear_cache(self) -> None:
-        """Free the decoded tiles (e.g. once a grid read is over); reads after it decode again."""
-        self._cache.clear()
-
-    def reserve_cache_band(self, level: int, height_px: int) -> int:
-        """Let the cache hold a band ``height_px`` pixels tall across ``level`` (at most 1 GiB).
-
-        A reader with many patches in flight (a loader with many workers)
-        spans more grid rows than the default band; with a band too small
-        for them, stored tiles would be decoded twice. The cache only grows
-        here, never shrinks; returns its limit in bytes.
-        """
-        lv = self._levels[level]
-        band = (-(-int(height_px) // lv.tile_h) + 1) * lv.tiles_across * lv.tile_h * lv.tile_w * 3
-        with self._cache.lock:
-            self._cache.limit = max(self._cache.limit, min(MAX_RESERVED_CACHE_BYTES, band))
-            return self._cache.limit
-
-    def tile_grid_shape(self, level: int) -> tuple[int, int, int, int]:
-        """(tile_width, tile_height, tiles_across, tiles_down) of a level's stored tiles."""
-        lv = self._levels[level]
-        return lv.tile_w, lv.tile_h, lv.tiles_across, lv.tiles_down
-
     def stored_tile_format(self, level: int) -> dict[str, Any]:
         """How ``level``'s tiles are stored: compression, photometric, samples per pixel, planar config."""
         page = self._levels[level].page
@@ -385,60 +192,8 @@ class TiffSlide(Slide):
             "jpeg_baseline": None if self._levels[level].jpeg_kind is None else self._levels[level].jpeg_kind.baseline,
         }
 
-    def raw_tile(self, level: int, tx: int, ty: int) -> bytes:
-        """The stored, still compressed bytes of tile (tx, ty) of ``level``."""
-        lv = self._levels[level]
-        i = ty * lv.tiles_across + tx
-        n = int(lv.bytecounts[i])
-        return os.pread(self._fd, n, int(lv.offsets[i])) if n else b""
-
-    def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`raw_tile_jpeg` of many stored tiles, back to back (see :meth:`Slide.raw_tiles_jpeg`).
-
-        Stored tiles usually lie in the file in row order: the byte span of
-        the ones asked for is read with one ``pread`` when it is at most
-        four times their bytes or 16 MiB (and at most 256 MiB), else each
-        tile on its own; the streams are then assembled from slices of that
-        read in one concatenation. (Bytes read past what is asked cost a
-        copy from the page cache; a read per tile costs a call and Python
-        work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
-        helpers had every other few tiles of each row, BENCHMARKS.md.)
-        """
-        lv = self._jpeg_level(level)
-        if not tiles:
-            return np.zeros(0, np.uint8), np.zeros(0, np.int64)
-        idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
-        offsets = lv.offsets[idx].astype(np.int64)
-        counts = lv.bytecounts[idx].astype(np.int64)
-        has = counts > 0
-        if not has.any():
-            return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
-        start = int(offsets[has].min())
-        span = int((offsets + counts)[has].max()) - start
-        if span > max(4 * int(counts.sum()), 1 << 24) or span > 1 << 28:
-            return super().raw_tiles_jpeg(level, tiles)
-        buf = np.frombuffer(os.pread(self._fd, span, start), np.uint8)
-        if len(buf) < span:
-            raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
-        tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
-        parts = [
-            piece
-            for o, n in zip((offsets - start).tolist(), counts.tolist(), strict=True)
-            if n
-            for piece in _stream_parts(tables, buf[o : o + n])
-        ]
-        # _stream_parts adds the tables' body (all but their SOI and EOI) to a tile of 2 bytes or more.
-        body = len(tables) - 4 if tables is not None and len(tables) >= 4 else 0
-        lengths = counts + np.where(counts >= 2, body, 0)
-        return np.concatenate(parts), lengths
-
-    def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
-        """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in).
-
-        TIFF JPEG tiles usually share their tables in the JPEGTables tag;
-        a standalone decoder (such as a GPU one) needs them inside the stream.
-        """
-        return _with_tables(self._jpeg_level(level).jpegtables, self.raw_tile(level, tx, ty))
+    def _level_fd(self, level: int) -> int:
+        return self._fd
 
     def _jpeg_level(self, level: int) -> _Level:
         """``level``'s record, or SlideError where its tiles are not JPEG."""
@@ -446,22 +201,6 @@ class TiffSlide(Slide):
         if lv.page.compression != tifffile.COMPRESSION.JPEG:
             raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
         return lv
-
-    def _jpeg_kind(self, lv: _Level) -> JpegKind | None:
-        """The kind of JPEG ``lv``'s first stored tile holds, with the page's photometric tag
-        (what libtiff, OpenSlide and tifffile decode by); None where not JPEG or unreadable."""
-        if lv.page.compression != tifffile.COMPRESSION.JPEG:
-            return None
-        nonempty = np.flatnonzero(lv.bytecounts)
-        if not len(nonempty):
-            return None
-        i = int(nonempty[0])
-        # The headers before the first scan: the tables (spliced in) and a tile's own few segments.
-        data = os.pread(self._fd, min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
-        try:
-            return jpeg_kind(_with_tables(lv.jpegtables, data), lv.page.photometric.name)
-        except ValueError:
-            return None
 
     def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
         """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper.
@@ -506,39 +245,6 @@ class TiffSlide(Slide):
         except Exception:
             pass
         return None
-
-    def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
-        """:meth:`Slide.decode_stored_tile`: the decoding :meth:`read_region` uses, without the cache."""
-        lv = self._levels[level]
-        if not (0 <= tx < lv.tiles_across and 0 <= ty < lv.tiles_down):
-            raise SlideError(self.path, f"level {level} has no stored tile ({tx}, {ty})")
-        self._check_out((lv.tile_w, lv.tile_h), out)
-        return self._decode_tile(level, tx, ty, out)
-
-    def _tile_origin_level0(self, level: int, tx: int, ty: int) -> tuple[int, int]:
-        lv, ds = self._levels[level], self._level_downsamples[level]
-        return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
-
-    def _decode_jpeg_checked(self, level: int, tx: int, ty: int, data: bytes, out: np.ndarray) -> bool:
-        """Decode a JPEG tile into ``out`` with simplejpeg, reporting corrupt data as damage.
-
-        False where it does not decode to a whole tile (the general path then decodes or reports it).
-        """
-        jpeg = _with_tables(self._levels[level].jpegtables, data)
-        damage = None
-        try:
-            img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True)
-        except ValueError as exc:  # corrupt data: decode again, ignoring what can be ignored
-            damage = str(exc)
-            try:
-                img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False)
-            except ValueError:
-                return False
-        if img.shape != out.shape:
-            return False
-        if damage is not None:
-            self._damage.report(level, tx, ty, self._tile_origin_level0(level, tx, ty), damage)
-        return True
 
     def _decode_tile(self, level: int, tx: int, ty: int, out: np.ndarray | None = None) -> np.ndarray:
         """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB.
@@ -595,119 +301,6 @@ class TiffSlide(Slide):
             seg = composite_rgba(seg, self.background_rgb)
         out[...] = seg
         return out
-
-    def _get_tile(self, level: int, tx: int, ty: int) -> tuple[tuple[int, int], np.ndarray]:
-        """(key, decoded stored tile), pinned in the cache: unpin the key once copied from.
-
-        A tile absent from the cache is decoded once whatever the number of
-        threads asking; the others wait for it.
-        """
-        key = (level, ty * self._levels[level].tiles_across + tx)
-        cache = self._cache
-        while True:
-            with cache.lock:
-                tile = cache.get(key)
-                if tile is not None:
-                    return key, tile
-                event = cache.inflight.get(key)
-                if event is None:
-                    event = threading.Event()
-                    cache.inflight[key] = event
-                    break
-            # Another thread is decoding this tile: wait and use its result.
-            event.wait()
-        try:
-            lv = self._levels[level]
-            slot = cache.slot((lv.tile_h, lv.tile_w))
-            try:
-                tile = self._decode_tile(level, tx, ty, slot)
-            except BaseException:
-                cache.give_back(slot)
-                raise
-            with cache.lock:
-                cache.put(key, slot)
-        finally:
-            with cache.lock:
-                cache.inflight.pop(key, None)
-            event.set()
-        return key, slot
-
-    # -- regions ------------------------------------------------------------
-    def read_region_into(
-        self, location: tuple[int, int], level: int, size: tuple[int, int], out: np.ndarray
-    ) -> np.ndarray:
-        """:meth:`read_region` written into ``out`` (``height x width x 3`` uint8), returned.
-
-        Saves the copy from a new array when the caller has a buffer (a
-        batch slot of the tile loader).
-        """
-        self._check_region(level, size)
-        self._check_out(size, out)
-        x0, y0 = int(location[0]), int(location[1])
-        with self._reading((x0, y0), level):
-            self._assemble(x0, y0, level, out)
-        return out
-
-    def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
-        out = np.empty((h, w, 3), np.uint8)
-        self._assemble(x0_level0, y0_level0, level, out)
-        return out
-
-    def _assemble(self, x0_level0: int, y0_level0: int, level: int, out: np.ndarray) -> None:
-        """Fill ``out`` (``h x w x 3``) with the region of ``level`` at level-0 (x0, y0).
-
-        Each stored tile the region touches is copied once from the decoded-tile
-        cache; only the part outside the level is filled with the background.
-        """
-        h, w = out.shape[:2]
-        lv = self._levels[level]
-        ds = self._level_downsamples[level]
-        # Level-0 location to this level's pixels, as OpenSlide does.
-        x0 = int(math.floor(x0_level0 / ds))
-        y0 = int(math.floor(y0_level0 / ds))
-        ix0, iy0 = max(x0, 0), max(y0, 0)
-        ix1, iy1 = min(x0 + w, lv.width), min(y0 + h, lv.height)
-        if ix0 >= ix1 or iy0 >= iy1:
-            _fill(out, self.background_rgb)
-            return
-        # Background only where the region leaves the level: bands above, below, left, right.
-        bg = self.background_rgb
-        if iy0 > y0:
-            _fill(out[: iy0 - y0], bg)
-        if iy1 < y0 + h:
-            _fill(out[iy1 - y0 :], bg)
-        if ix0 > x0:
-            _fill(out[iy0 - y0 : iy1 - y0, : ix0 - x0], bg)
-        if ix1 < x0 + w:
-            _fill(out[iy0 - y0 : iy1 - y0, ix1 - x0 :], bg)
-        lv = self._levels[level]
-        tw, th = lv.tile_w, lv.tile_h
-        cache = self._cache
-
-        def copy_tile(tx: int, ty: int) -> None:
-            ty0, tx0 = ty * th, tx * tw
-            sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
-            sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
-            key, tile = self._get_tile(level, tx, ty)
-            try:
-                out[sy0 - y0 : sy1 - y0, sx0 - x0 : sx1 - x0] = tile[sy0 - ty0 : sy1 - ty0, sx0 - tx0 : sx1 - tx0]
-            finally:
-                cache.unpin(key)
-
-        tiles = [
-            (tx, ty) for ty in range(iy0 // th, (iy1 - 1) // th + 1) for tx in range(ix0 // tw, (ix1 - 1) // tw + 1)
-        ]
-        if len(tiles) < PARALLEL_REGION_TILES:
-            for tx, ty in tiles:
-                copy_tile(tx, ty)
-            return
-        # A large region (a thumbnail's level, say): its tiles decoded by several threads (the
-        # decoders release the interpreter lock), each copying into its own part of ``out``.
-        pool = _region_pool()
-        futures = [pool.submit(copy_tile, tx, ty) for tx, ty in tiles]
-        concurrent.futures.wait(futures)  # every copy ended before ``out`` goes back to the caller
-        for fut in futures:
-            fut.result()
 
     def close(self) -> None:
         if not self._closed:

@@ -1,0 +1,316 @@
+"""A DICOM whole-slide image's files: the series found, each level's header checked, its frames located.
+
+A VL Whole Slide Microscopy series is a file per pyramid level (and files
+for its label, overview and thumbnail images), in one folder. A slide is
+opened from the folder or from any file of the series: the other files of
+the folder with the same SeriesInstanceUID are its other levels.
+
+Each level's encapsulated JPEG frames are located once at open by walking
+the item headers of its Pixel Data (8 bytes read per frame; no pixel data
+is read), after the header's claims (frame count, tile and matrix sizes)
+are checked against the file's size, so a forged header costs neither
+memory nor time beyond the file's own size. :func:`level_refusal` names what
+the reader does not read (another transfer syntax, several focal planes,
+frames split over several fragments ...); those slides go to OpenSlide.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pydicom
+from pydicom.dataset import Dataset
+from pydicom.uid import JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage
+
+from ..errors import SlideOpenError
+from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
+
+# A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
+# tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
+MAX_GRID_TILES = 1 << 23
+# Files of a folder looked at to find a series' other levels.
+MAX_SERIES_FILES = 4096
+# Image types (value 3 of ImageType) that are not pyramid levels.
+NOT_LEVELS = ("LABEL", "OVERVIEW", "THUMBNAIL")
+# Photometric interpretation of JPEG frames -> how they are stored (TIFF's names).
+PHOTOMETRIC = {"YBR_FULL_422": "YCBCR", "YBR_FULL": "YCBCR", "RGB": "RGB"}
+
+_ITEM = b"\xfe\xff\x00\xe0"  # (FFFE,E000) little endian
+_SEQUENCE_END = b"\xfe\xff\xdd\xe0"  # (FFFE,E0DD)
+_PIXEL_DATA = b"\xe0\x7f\x10\x00"  # (7FE0,0010)
+_HEADER_TAGS = [
+    "SOPClassUID",
+    "SeriesInstanceUID",
+    "ImageType",
+    "TotalPixelMatrixColumns",
+    "TotalPixelMatrixRows",
+]
+
+
+def is_dicom_file(path: str) -> bool:
+    """Whether ``path`` is a file with the DICOM preamble's ``DICM`` at byte 128."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(132)
+    except OSError:
+        return False
+    return len(head) == 132 and head[128:] == b"DICM"
+
+
+def is_dicom_wsi(path: str) -> bool:
+    """Whether ``path`` is a DICOM WSI file, or a folder holding one (headers only)."""
+    if os.path.isdir(path):
+        return any(_is_wsi_header(_header(p)) for p in _dicom_files(path))
+    return is_dicom_file(path) and _is_wsi_header(_header(path))
+
+
+class _CappedReader(io.BufferedReader):
+    """A file whose large reads ask for no more than is left in it: a forged element length
+    makes pydicom read short (and fail) instead of allocating what the length claims."""
+
+    def __init__(self, path: str):
+        super().__init__(io.FileIO(path, "rb"))
+        self._size = os.fstat(self.fileno()).st_size
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        if size is not None and size > 1 << 16:
+            size = max(0, min(size, self._size - self.tell()))
+        return super().read(size)
+
+
+def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]:
+    """A DICOM file's header up to its pixel data (only ``tags`` where given), and where its pixel data starts."""
+    try:
+        with _CappedReader(path) as f:
+            ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=tags)
+            list(ds)  # values are converted when first used: a damaged one fails here, named as such
+            return ds, f.tell()
+    except Exception as exc:  # pydicom raises many types on a damaged header
+        raise SlideOpenError(path, f"unreadable DICOM header ({type(exc).__name__}: {exc})") from exc
+
+
+def _header(path: str) -> Dataset | None:
+    try:
+        return read_header(path, _HEADER_TAGS)[0]
+    except Exception:  # not DICOM after all, or damaged: not a level
+        return None
+
+
+def _is_wsi_header(ds: Dataset | None) -> bool:
+    return ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage
+
+
+def _dicom_files(folder: str) -> list[str]:
+    """The DICOM files of ``folder``, by name, among its first :data:`MAX_SERIES_FILES` files."""
+    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_SERIES_FILES]
+    return [p for p in paths if is_dicom_file(p)]
+
+
+def _image_type(ds: Dataset) -> str:
+    values = ds.get("ImageType") or []
+    return str(values[2]).upper() if len(values) > 2 else ""
+
+
+def series_level_files(path: str) -> list[str]:
+    """The files of the pyramid levels of the WSI series at ``path`` (folder or file), largest first.
+
+    Label, overview and thumbnail images are left out. Raises SlideOpenError
+    naming ``path`` where it holds no WSI series, several, or two levels of one size.
+    """
+    if os.path.isdir(path):
+        files = _dicom_files(path)
+        headers = {p: _header(p) for p in files}
+        series = {ds.SeriesInstanceUID for ds in headers.values() if _is_wsi_header(ds) and "SeriesInstanceUID" in ds}
+        if len(series) != 1:
+            found = "no" if not series else f"{len(series)}"
+            raise SlideOpenError(path, f"folder holds {found} DICOM WSI series (expected one; open a file of one)")
+        uid = series.pop()
+    else:
+        ds = _header(path)
+        if not _is_wsi_header(ds):
+            raise SlideOpenError(path, "not a DICOM VL Whole Slide Microscopy image")
+        uid = ds.get("SeriesInstanceUID")
+        folder = os.path.dirname(os.path.abspath(path))
+        files = _dicom_files(folder)
+        headers = {p: _header(p) for p in files if not os.path.samefile(p, path)}
+        headers[path] = ds
+    levels: dict[tuple[int, int], str] = {}
+    for p, ds in headers.items():
+        if not _is_wsi_header(ds) or ds.get("SeriesInstanceUID") != uid or _image_type(ds) in NOT_LEVELS:
+            continue
+        size = (int(ds.get("TotalPixelMatrixColumns") or 0), int(ds.get("TotalPixelMatrixRows") or 0))
+        if size in levels:
+            raise SlideOpenError(
+                path,
+                f"two images of the series are {size[0]}x{size[1]} ({os.path.basename(levels[size])}, "
+                f"{os.path.basename(p)}): concatenations, focal planes or duplicates are not read by this reader",
+            )
+        levels[size] = p
+    if not levels:
+        raise SlideOpenError(path, "the DICOM WSI series holds no VOLUME image")
+    return [levels[size] for size in sorted(levels, key=lambda s: (-s[0] * s[1], -s[0]))]
+
+
+def level_refusal(ds: Dataset) -> str | None:
+    """What about a level's header the reader does not read (OpenSlide may), or None."""
+    meta = getattr(ds, "file_meta", None)
+    syntax = meta.get("TransferSyntaxUID") if meta is not None else None
+    if syntax != JPEGBaseline8Bit:
+        name = getattr(syntax, "name", None) or str(syntax)
+        return f"its frames are {name} (this reader reads JPEG Baseline, {JPEGBaseline8Bit})"
+    photometric = str(ds.get("PhotometricInterpretation", ""))
+    if photometric not in PHOTOMETRIC:
+        return f"photometric interpretation {photometric!r} (expected one of {', '.join(PHOTOMETRIC)})"
+    if ds.get("SamplesPerPixel") != 3 or ds.get("BitsAllocated") != 8:
+        return f"{ds.get('SamplesPerPixel')} samples of {ds.get('BitsAllocated')} bits (expected 3 of 8)"
+    for name, what in (("TotalPixelMatrixFocalPlanes", "focal planes"), ("NumberOfOpticalPaths", "optical paths")):
+        if int(ds.get(name) or 1) != 1:
+            return f"{ds.get(name)} {what} (this reader reads one)"
+    return None
+
+
+def series_refusal(path: str) -> str | None:
+    """:func:`level_refusal` of the first level that has one, naming its file; None: all are read."""
+    for p in series_level_files(path):
+        ds = read_header(p)[0]
+        reason = level_refusal(ds)
+        if reason is not None:
+            return f"{os.path.basename(p)}: {reason}"
+    return None
+
+
+@dataclass
+class DicomLevel:
+    """One pyramid level: its file, geometry and frames' places (the stored-tile reader's level record)."""
+
+    path: str
+    header: Dataset
+    width: int
+    height: int
+    tile_w: int
+    tile_h: int
+    tiles_across: int
+    tiles_down: int
+    offsets: np.ndarray  # per grid tile (ty * tiles_across + tx): the frame's first byte
+    bytecounts: np.ndarray  # per grid tile: the frame's bytes (0: no frame, background)
+    photometric: str  # "YCBCR" or "RGB"
+    jpegtables: bytes | None = None
+
+
+def read_level(path: str, fd: int) -> DicomLevel:
+    """The level in the DICOM file ``path`` (open as ``fd``), checked; SlideOpenError naming what is wrong."""
+
+    def bad(reason: str) -> SlideOpenError:
+        return SlideOpenError(path, reason)
+
+    file_size = os.fstat(fd).st_size
+    ds, pixel_data_at = read_header(path)
+    reason = level_refusal(ds)
+    if reason is not None:
+        raise bad(f"{reason}; open it with the openslide backend")
+    width, height = int(ds.get("TotalPixelMatrixColumns") or 0), int(ds.get("TotalPixelMatrixRows") or 0)
+    tile_w, tile_h = int(ds.get("Columns") or 0), int(ds.get("Rows") or 0)
+    if width < 1 or height < 1:
+        raise bad(f"total pixel matrix claims {width}x{height} pixels")
+    if not (1 <= tile_w <= MAX_TILE_SIDE and 1 <= tile_h <= MAX_TILE_SIDE and tile_w * tile_h * 3 <= MAX_TILE_BYTES):
+        raise bad(
+            f"frames claim {tile_w}x{tile_h} pixels; expected sides of at most {MAX_TILE_SIDE} px and at most "
+            f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged frame geometry)"
+        )
+    across, down = math.ceil(width / tile_w), math.ceil(height / tile_h)
+    if across * down > MAX_GRID_TILES:
+        raise bad(
+            f"{width}x{height} pixels in {tile_w}x{tile_h} frames is {across * down} tiles "
+            f"(at most {MAX_GRID_TILES}; forged or damaged geometry)"
+        )
+    frames = int(ds.get("NumberOfFrames") or 1)
+    # Each frame takes an 8-byte item header at least.
+    if not 1 <= frames <= min(across * down, (file_size - pixel_data_at) // 8):
+        raise bad(
+            f"claims {frames} frames; a {across}x{down} tile grid and a file of {file_size} bytes "
+            f"hold at most {min(across * down, max(0, file_size - pixel_data_at) // 8)}"
+        )
+    starts, lengths = _frame_items(path, fd, pixel_data_at, frames, file_size)
+    cells = _frame_cells(path, ds, frames, tile_w, tile_h, across, down)
+    offsets = np.zeros(across * down, np.int64)
+    bytecounts = np.zeros(across * down, np.int64)
+    offsets[cells], bytecounts[cells] = starts, lengths
+    photometric = PHOTOMETRIC[str(ds.PhotometricInterpretation)]
+    return DicomLevel(path, ds, width, height, tile_w, tile_h, across, down, offsets, bytecounts, photometric)
+
+
+def _frame_items(path: str, fd: int, at: int, frames: int, file_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """First byte and length of each frame's fragment, from the item headers after the offset table."""
+
+    def bad(reason: str) -> SlideOpenError:
+        return SlideOpenError(path, f"pixel data: {reason}")
+
+    head = os.pread(fd, 12, at)
+    if len(head) < 12 or head[:4] != _PIXEL_DATA:
+        raise bad(f"no Pixel Data element at byte {at}")
+    if head[8:12] != b"\xff\xff\xff\xff":
+        raise bad("not encapsulated (defined length) although the transfer syntax is JPEG")
+    starts = np.empty(frames, np.int64)
+    lengths = np.empty(frames, np.int64)
+    pos = at + 12
+    for i in range(-1, frames + 1):  # -1: the Basic Offset Table; frames: the delimiter
+        item = os.pread(fd, 8, pos)
+        if len(item) < 8:
+            raise bad(f"file ends at byte {file_size} inside the frame items (item {i + 1} of {frames + 1})")
+        tag, n = item[:4], int.from_bytes(item[4:], "little")
+        if tag == _SEQUENCE_END:
+            if i == frames:
+                break
+            raise bad(f"holds {max(0, i)} frames, the header claims {frames}")
+        if tag != _ITEM:
+            raise bad(f"expected an item at byte {pos}, found tag {tag.hex()}")
+        if i == frames:
+            raise bad("frames are split over several fragments (not read by this reader; use the openslide backend)")
+        if pos + 8 + n > file_size:
+            what = "the basic offset table" if i < 0 else f"frame {i}"
+            raise bad(f"{what} claims {n} bytes at byte {pos + 8}, past the end of the file ({file_size} bytes)")
+        if i >= 0:
+            starts[i], lengths[i] = pos + 8, n
+        pos += 8 + n
+    return starts, lengths
+
+
+def _frame_cells(path: str, ds: Dataset, frames: int, tile_w: int, tile_h: int, across: int, down: int) -> np.ndarray:
+    """The grid tile (``ty * across + tx``) of each frame: row order for TILED_FULL, else the
+    frames' positions in the Per-Frame Functional Groups."""
+    if ds.get("DimensionOrganizationType") == "TILED_FULL":
+        if frames != across * down:
+            need = across * down
+            raise SlideOpenError(path, f"TILED_FULL with {frames} frames; a {across}x{down} tile grid needs {need}")
+        return np.arange(frames, dtype=np.int64)
+    groups = ds.get("PerFrameFunctionalGroupsSequence")
+    if groups is None or len(groups) != frames:
+        n = 0 if groups is None else len(groups)
+        raise SlideOpenError(path, f"TILED_SPARSE with {frames} frames but {n} per-frame positions")
+    cols = np.empty(frames, np.int64)
+    rows = np.empty(frames, np.int64)
+    for i, group in enumerate(groups):
+        try:
+            pos = group.PlanePositionSlideSequence[0]
+            cols[i] = int(pos.ColumnPositionInTotalImagePixelMatrix) - 1
+            rows[i] = int(pos.RowPositionInTotalImagePixelMatrix) - 1
+        except Exception as exc:  # missing or damaged: pydicom raises many types
+            raise SlideOpenError(path, f"frame {i} has no readable position in the pixel matrix") from exc
+    on_grid = (cols % tile_w == 0) & (rows % tile_h == 0) & (cols >= 0) & (rows >= 0)
+    on_grid &= (cols < across * tile_w) & (rows < down * tile_h)
+    if not on_grid.all():
+        i = int(np.flatnonzero(~on_grid)[0])
+        raise SlideOpenError(
+            path,
+            f"frame {i} lies at pixel ({cols[i] + 1}, {rows[i] + 1}), not on the {tile_w}x{tile_h} tile grid "
+            "of the pixel matrix (not read by this reader; use the openslide backend)",
+        )
+    cells = rows // tile_h * across + cols // tile_w
+    if len(np.unique(cells)) != frames:
+        raise SlideOpenError(path, "two frames lie at the same place of the pixel matrix")
+    return cells
