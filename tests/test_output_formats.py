@@ -406,3 +406,20 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     pm = pydicom.dcmread(out / "heatmap_dicom" / maps[1])
     assert pm.SOPClassUID == pydicom.uid.ParametricMapStorage
     assert int(pm.TotalPixelMatrixColumns) == tiff.shape[2] and int(pm.TotalPixelMatrixRows) == tiff.shape[1]
+    # One placeholder study and source for every DICOM object of the slide, though written by different processes.
+    headers = [
+        pydicom.dcmread(p, stop_before_pixels=True)
+        for p in [out / "detections.dcm", *(out / "heatmap_dicom").iterdir()]
+    ]
+    assert len({h.StudyInstanceUID for h in headers}) == 1
+    assert len({h.ReferencedSeriesSequence[0].SeriesInstanceUID for h in headers}) == 1
+
+
+def test_a_slide_without_detections_has_no_dicom_annotation_file_and_says_why(slide_path, tmp_path):
+    with Pipeline(backend="ort", formats="dicom,csv", score_threshold=1.0, writer_processes=0) as pipe:
+        result = pipe.run(slide_path, out_dir=tmp_path / "run")
+    assert len(result.detections) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["files"] == ["detections.csv", "summary.json"]
+    assert summary["not_written"] == {"detections.dcm": FORMATS["dicom"].holds_none}
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["detections.csv", "summary.json"]

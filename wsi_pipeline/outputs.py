@@ -39,6 +39,7 @@ from .io.formats import (
     OVERLAY,
     chosen,
     detection_notes,
+    not_written,
     output_files,
 )
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, write_spooled_heatmap
@@ -216,6 +217,8 @@ class SlideOutputs:
             n_parts = writers.parts(len(dets))
             prefix = feature_ids(dets) if n_parts > 1 else ""
             for fmt in chosen(formats, DETECTIONS):
+                if fmt.filename in not_written(formats, dets):
+                    continue
                 split = fmt.parts_writer() if n_parts > 1 else None
                 if split is None:
                     writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, dets, classes)
@@ -276,16 +279,23 @@ class SlideOutputs:
         return finish
 
     def summary_entries(self, dets: np.ndarray) -> dict[str, Any]:
-        """What ``summary.json`` says of the files: ``files`` (written, itself last) and, with a
-        GeoJSON format, ``geojson_left_out`` (boxes without area, not written there; logged)."""
-        notes = detection_notes(self.config.formats, dets)
+        """What ``summary.json`` says of the files: ``files`` (written, itself last), with a
+        GeoJSON format ``geojson_left_out`` (boxes without area, not written there; logged), and
+        ``not_written`` where a chosen file cannot hold a slide's zero detections (logged)."""
+        notes: dict[str, Any] = detection_notes(self.config.formats, dets)
         if notes.get("geojson_left_out"):
             log.warning(
                 "%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
                 self.slide.path,
                 notes["geojson_left_out"],
             )
-        return {"files": output_files(self.config.formats, heatmap=self.card.heatmap is not None), **notes}
+        left_out = not_written(self.config.formats, dets)
+        for name, why in left_out.items():
+            log.info("%s: %s not written: %s", self.slide.path, name, why)
+        if left_out:
+            notes["not_written"] = left_out
+        files = output_files(self.config.formats, heatmap=self.card.heatmap is not None, detections=len(dets) > 0)
+        return {"files": files, **notes}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json``, the mark of a complete folder: after every other file."""

@@ -49,6 +49,8 @@ class OutputFormat:
         slide_args: the job also takes the slide's ``dimensions``, ``slide_path`` and ``mpp``.
         parts: ``"module:NAME"`` of a :class:`~.detections.PartsWriter`, where the file can be
             written in parts by several writer processes at once (large slides).
+        holds_none: what stops the file from holding zero detections, where it cannot (the file
+            is then not written for a slide without detections, and ``summary.json`` says why).
     """
 
     name: str
@@ -61,6 +63,7 @@ class OutputFormat:
     made_from: tuple[str, ...] = ()
     slide_args: bool = False
     parts: str | None = None
+    holds_none: str | None = None
 
     def write_function(self) -> Callable:
         """The writer-pool job function (a module-level function: the pool pickles it)."""
@@ -147,6 +150,7 @@ FORMATS: dict[str, OutputFormat] = {
             extra="dicom",
             slide_args=True,
             about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers",
+            holds_none="no detections: a DICOM Microscopy Bulk Simple Annotations object holds at least one",
         ),
         OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
         OutputFormat(
@@ -220,10 +224,23 @@ def chosen(names: Iterable[str], kind: str | None = None) -> list[OutputFormat]:
     return [f for n, f in FORMATS.items() if n in names and (kind is None or f.kind == kind)]
 
 
-def output_files(names: Iterable[str], heatmap: bool = True) -> list[str]:
+def output_files(names: Iterable[str], heatmap: bool = True, detections: bool = True) -> list[str]:
     """The files (or folders: ``ome-zarr``, ``dicom-heatmap``) a slide folder holds for formats
-    ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap output)."""
-    return [f.filename for f in chosen(names) if heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)] + [SUMMARY_FILE]
+    ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap
+    output); without ``detections`` (a slide with none), not the files that cannot hold zero."""
+    return [
+        f.filename
+        for f in chosen(names)
+        if (heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)) and (detections or f.holds_none is None)
+    ] + [SUMMARY_FILE]
+
+
+def not_written(names: Iterable[str], dets) -> dict[str, str]:
+    """The files of formats ``names`` left out for the detections ``dets``, each with why
+    (``summary.json`` ``not_written``): those that cannot hold zero detections, for a slide without."""
+    if len(dets):
+        return {}
+    return {f.filename: f.holds_none for f in chosen(names) if f.holds_none is not None}
 
 
 def detection_notes(names: Iterable[str], dets) -> dict[str, int]:
