@@ -299,11 +299,14 @@ def test_every_dicom_object_of_a_slide_is_in_one_study_and_references_one_source
     files = _slide_outputs(tmp_path, slide)
     headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in files]
     assert len({h.StudyInstanceUID for h in headers}) == 1
-    refs = {(r.SeriesInstanceUID, r.ReferencedInstanceSequence[0].ReferencedSOPInstanceUID) for h in headers
-            for r in h.ReferencedSeriesSequence}  # fmt: skip
+    refs = {
+        (r.SeriesInstanceUID, r.ReferencedInstanceSequence[0].ReferencedSOPInstanceUID)
+        for h in headers
+        for r in h.ReferencedSeriesSequence
+    }
     assert len(refs) == 1
-    assert {h.FrameOfReferenceUID for h in headers[1:]} == {dicom.placeholder_uids(slide, (1000, 800), (0.25, 0.25))[
-        "frame_of_reference"]}  # fmt: skip
+    frame_of_reference = dicom.placeholder_uids(slide, (1000, 800), (0.25, 0.25))["frame_of_reference"]
+    assert {h.FrameOfReferenceUID for h in headers[1:]} == {frame_of_reference}
     specimens = {h.SpecimenDescriptionSequence[0].SpecimenUID for h in headers}
     assert len(specimens) == 1
     other = tmp_path / "case-18.svs"
