@@ -175,15 +175,15 @@ def test_parquet_reads_back_with_pandas_in_row_groups(tmp_path, monkeypatch):
 def test_geoparquet_reads_back_as_a_geodataframe(tmp_path, monkeypatch):
     monkeypatch.setattr(parquet_io, "ROW_GROUP", 100)
     dets = _dets(250)
-    write_geoparquet(tmp_path / "d.geoparquet", dets, CLASSES)
-    gdf = gpd.read_parquet(tmp_path / "d.geoparquet")
+    write_geoparquet(tmp_path / "d.parquet", dets, CLASSES)
+    gdf = gpd.read_parquet(tmp_path / "d.parquet")
     assert isinstance(gdf, gpd.GeoDataFrame) and gdf.geometry.name == "geometry"
     assert gdf.crs is None and len(gdf) == len(dets)
     assert (gdf.geom_type == "Polygon").all() and gdf.is_valid.all()
     bounds = gdf.geometry.bounds.to_numpy()
     np.testing.assert_array_equal(bounds, np.stack([dets[k] for k in ("x0", "y0", "x1", "y1")], 1))
     np.testing.assert_allclose(gdf.area, (dets["x1"] - dets["x0"]).astype(float) * (dets["y1"] - dets["y0"]))
-    geo = json.loads(pq.read_schema(tmp_path / "d.geoparquet").metadata[b"geo"])
+    geo = json.loads(pq.read_schema(tmp_path / "d.parquet").metadata[b"geo"])
     assert geo["primary_column"] == "geometry"
     assert geo["columns"]["geometry"]["encoding"] == "WKB"
     np.testing.assert_allclose(geo["columns"]["geometry"]["bbox"], gdf.total_bounds)
@@ -205,6 +205,8 @@ def test_empty_detections_make_readable_tables(tmp_path):
 def test_formats_are_parsed_into_the_registry_order():
     assert RunConfig().formats == DEFAULT_FORMATS == ("geojson", "csv", "ome-tiff", "overlay")
     assert parse_formats("parquet, geojson.gz,parquet") == ("geojson.gz", "parquet")
+    assert parse_formats("geoparquet,parquet") == parse_formats(["geoparquet"]) == ("geoparquet",)
+    assert output_files(["geoparquet"]) == ["detections.parquet", "summary.json"]
     assert RunConfig(formats=["csv", "GeoJSON"]).formats == ("geojson", "csv")
     assert output_files(DEFAULT_FORMATS) == list(OUTPUT_FILES)
     assert output_files(("parquet", "ome-tiff"), heatmap=False) == ["detections.parquet", "summary.json"]
@@ -326,20 +328,22 @@ def slide_path(tmp_path_factory):
 
 
 def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
-    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,parquet,geoparquet", writer_processes=0) as pipe:
+    """GeoParquet is written as ``detections.parquet`` (GeoParquet 1.1: not ``.geoparquet``), read by
+    geopandas, pyarrow and DuckDB; ``parquet`` beside it is that one file. The CSV and Parquet rows
+    carry their tile."""
+    import duckdb
+
+    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,csv,parquet,geoparquet", writer_processes=0) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
+        plan = pipe.plan(slide_path)
+        geometry = plan.geometry
+        plan.close()
     out = tmp_path / "run"
-    files = [
-        "detections.geojson.gz",
-        "detections.geojson.zip",
-        "detections.parquet",
-        "detections.geoparquet",
-        "summary.json",
-    ]
+    files = ["detections.geojson.gz", "detections.geojson.zip", "detections.csv", "detections.parquet", "summary.json"]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == files
-    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "parquet", "geoparquet"]
+    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "csv", "geoparquet"]
     assert summary["geojson_left_out"] == 0
     assert summary["heatmap_scores"] is not None  # the heatmap is still blended and measured
     assert result.heatmap is None
@@ -352,8 +356,20 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     df = pd.read_parquet(out / "detections.parquet")
     np.testing.assert_array_equal(df["x0"].to_numpy(), result.detections["x0"])
     assert set(df["class"].astype(str)) == {"nucleus"}
-    gdf = gpd.read_parquet(out / "detections.geoparquet")
+    gdf = gpd.read_parquet(out / "detections.parquet")
     assert len(gdf) == n and (gdf.geom_type == "Polygon").all()
+    assert json.loads(pq.read_schema(out / "detections.parquet").metadata[b"geo"])["version"] == "1.1.0"
+    path = str(out / "detections.parquet")
+    assert duckdb.sql(f"SELECT count(*) FROM '{path}'").fetchall() == [(n,)]
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{path}')").fetchall() == [(n,)]
+    # Each detection's tile: the one whose core holds its centre, so whose whole extent holds it too.
+    csv = pd.read_csv(out / "detections.csv")
+    np.testing.assert_array_equal(csv[["tile_row", "tile_col"]].to_numpy(), df[["tile_row", "tile_col"]].to_numpy())
+    cx, cy = (df.x0 + df.x1) / 2, (df.y0 + df.y1) / 2
+    x0, y0 = geometry.col_x0_level0(df.tile_col.to_numpy()), geometry.row_y0_level0(df.tile_row.to_numpy())
+    assert ((cx >= x0) & (cx < x0 + geometry.tile_extent_level0)).all()
+    assert ((cy >= y0) & (cy < y0 + geometry.tile_extent_level0)).all()
+    assert df.tile_row.nunique() > 1 and df.tile_col.nunique() > 1
     review = load_run(out)  # the review helpers find the zipped GeoJSON
     assert len(review.detections) == n and review.heatmap is None
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)

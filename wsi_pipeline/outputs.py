@@ -30,7 +30,7 @@ from .config import RunConfig
 from .geometry import TilingGeometry
 from .inference.card import ModelCard
 from .io.atomic import partial_name, write_joined, write_json
-from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color
+from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color, with_tiles
 from .io.formats import (
     DEFAULT_FORMATS,
     DETECTIONS,
@@ -216,19 +216,24 @@ class SlideOutputs:
                 writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *overlay)
             n_parts = writers.parts(len(dets))
             prefix = feature_ids(dets) if n_parts > 1 else ""
+            tiled = None
             for fmt in chosen(formats, DETECTIONS):
                 if fmt.filename in not_written(formats, dets):
                     continue
+                if fmt.tiles and tiled is None:
+                    x_level0, y_level0 = ((dets[a] + dets[b]) / 2 for a, b in (("x0", "x1"), ("y0", "y1")))
+                    tiled = with_tiles(dets, *self.geometry.core_tiles_level0(x_level0, y_level0))
+                rows = tiled if fmt.tiles else dets
                 split = fmt.parts_writer() if n_parts > 1 else None
                 if split is None:
-                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, dets, classes)
+                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, rows, classes)
                     continue
                 bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
                 paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
                 part_jobs = WriteJobs()
                 joins.append((split, out / fmt.filename, paths, part_jobs))
                 for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
-                    writers.submit(part_jobs, fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
+                    writers.submit(part_jobs, fmt.filename, split.write_part, path, rows[a:b], classes, prefix, a)
         except BaseException:
             # Nothing may write into the folder after this returns: the jobs begun end first.
             for begun in (heatmap_jobs, jobs, *(j[3] for j in joins)):

@@ -49,6 +49,9 @@ class OutputFormat:
         slide_args: the job also takes the slide's ``dimensions``, ``slide_path`` and ``mpp``.
         parts: ``"module:NAME"`` of a :class:`~.detections.PartsWriter`, where the file can be
             written in parts by several writer processes at once (large slides).
+        tiles: the writer takes the detections with their tiles (:func:`~.detections.with_tiles`).
+        includes: formats whose file this one's holds, and more (the same file name): choosing
+            both writes this one alone.
         holds_none: what stops the file from holding zero detections, where it cannot (the file
             is then not written for a slide without detections, and ``summary.json`` says why).
     """
@@ -63,6 +66,8 @@ class OutputFormat:
     made_from: tuple[str, ...] = ()
     slide_args: bool = False
     parts: str | None = None
+    tiles: bool = False
+    includes: tuple[str, ...] = ()
     holds_none: str | None = None
 
     def write_function(self) -> Callable:
@@ -122,6 +127,7 @@ FORMATS: dict[str, OutputFormat] = {
             "wsi_pipeline.io.detections:write_csv",
             about="CSV table",
             parts="wsi_pipeline.io.detections:CSV_PARTS",
+            tiles=True,
         ),
         OutputFormat(
             "parquet",
@@ -131,15 +137,18 @@ FORMATS: dict[str, OutputFormat] = {
             requires=("pyarrow",),
             extra="parquet",
             about="Parquet table for pandas, polars, DuckDB",
+            tiles=True,
         ),
         OutputFormat(
             "geoparquet",
-            "detections.geoparquet",
+            "detections.parquet",
             DETECTIONS,
             "wsi_pipeline.io.parquet:write_geoparquet",
             requires=("pyarrow", "shapely"),
             extra="geoparquet",
-            about="GeoParquet with box polygons for geopandas",
+            about="the Parquet table with box polygons and GeoParquet metadata, for geopandas, GDAL, DuckDB",
+            includes=("parquet",),
+            tiles=True,
         ),
         OutputFormat(
             "dicom",
@@ -188,7 +197,8 @@ DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")
 
 def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[str, ...]:
     """Names as given (``"geojson.gz,parquet"`` or a list) -> a tuple in :data:`FORMATS`' order,
-    without repeats. ConfigError for an empty list, an unknown name, or a format whose library
+    without repeats, nor a format another one chosen includes (``parquet`` beside ``geoparquet``:
+    one ``detections.parquet``). ConfigError for an empty list, an unknown name, or a format whose library
     is not installed (naming the extra that installs it)."""
     items = value.split(",") if isinstance(value, str) else list(value)
     if not all(isinstance(n, str) for n in items):
@@ -208,6 +218,7 @@ def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[s
                 f"{source}: formats: {name} needs {' and '.join(missing)}, which {verb} not installed: "
                 f"pip install 'wsi-pipeline[{fmt.extra}]'"
             )
+    names -= {inner for name in names for inner in FORMATS[name].includes}
     for name in names:
         lacking = [m for m in FORMATS[name].made_from if m not in names]
         if lacking:
