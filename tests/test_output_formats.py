@@ -199,6 +199,36 @@ def test_empty_detections_make_readable_tables(tmp_path):
     assert isinstance(gdf, gpd.GeoDataFrame) and len(gdf) == 0
 
 
+def test_dsa_annotations_meet_large_images_schema_and_read_back(tmp_path):
+    """Rectangles in level-0 pixels with the class as group and label and the score in ``user``; a box with
+    a coordinate that is not a number is left out (the schema takes numbers); none make an empty list."""
+    import jsonschema
+
+    from wsi_pipeline.io.dsa import ANNOTATION_SCHEMA, read_dsa, write_dsa
+
+    dets = _with_degenerate(_dets(300))
+    write_dsa(tmp_path / "d.dsa.json", dets, CLASSES)
+    doc = json.loads((tmp_path / "d.dsa.json").read_text())
+    jsonschema.validate(doc, ANNOTATION_SCHEMA)
+    kept = np.isfinite(detections_io.detection_boxes(dets)).all(1)
+    assert len(doc["elements"]) == kept.sum() == len(dets) - 1
+    first = doc["elements"][0]
+    assert first["group"] == first["label"]["value"] == CLASSES[int(dets["label"][0])]["name"]
+    assert first["lineColor"] == "rgb(255,128,0)" if dets["label"][0] == 0 else "rgb(0,0,255)"
+    back = read_dsa(tmp_path / "d.dsa.json", CLASSES)
+    want = dets[kept]
+    np.testing.assert_allclose(detections_io.detection_boxes(back), detections_io.detection_boxes(want), atol=2e-3)
+    np.testing.assert_allclose(back["score"], want["score"], atol=1e-6)
+    np.testing.assert_array_equal(back["label"], want["label"])
+    write_dsa(tmp_path / "e.dsa.json", dets[:0], CLASSES)
+    empty = json.loads((tmp_path / "e.dsa.json").read_text())
+    jsonschema.validate(empty, ANNOTATION_SCHEMA)
+    assert empty["elements"] == [] and len(read_dsa(tmp_path / "e.dsa.json")) == 0
+    bad = {**doc, "elements": [{**first, "center": [1, 2]}]}  # the schema does catch what large_image refuses
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, ANNOTATION_SCHEMA)
+
+
 # -- choosing formats ----------------------------------------------------------------
 
 
@@ -282,7 +312,7 @@ def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tm
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
-        "geoparquet, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"
+        "geoparquet, dsa, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"
     ]
     assert not (tmp_path / "o").exists()
 
@@ -333,17 +363,26 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     carry their tile."""
     import duckdb
 
-    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,csv,parquet,geoparquet", writer_processes=0) as pipe:
+    with Pipeline(
+        backend="ort", formats="geojson.gz,geojson.zip,csv,parquet,geoparquet,dsa", writer_processes=0
+    ) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
         plan = pipe.plan(slide_path)
         geometry = plan.geometry
         plan.close()
     out = tmp_path / "run"
-    files = ["detections.geojson.gz", "detections.geojson.zip", "detections.csv", "detections.parquet", "summary.json"]
+    files = [
+        "detections.geojson.gz",
+        "detections.geojson.zip",
+        "detections.csv",
+        "detections.parquet",
+        "detections.dsa.json",
+        "summary.json",
+    ]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == files
-    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "csv", "geoparquet"]
+    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "csv", "geoparquet", "dsa"]
     assert summary["geojson_left_out"] == 0
     assert summary["heatmap_scores"] is not None  # the heatmap is still blended and measured
     assert result.heatmap is None
@@ -370,6 +409,7 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     assert ((cx >= x0) & (cx < x0 + geometry.tile_extent_level0)).all()
     assert ((cy >= y0) & (cy < y0 + geometry.tile_extent_level0)).all()
     assert df.tile_row.nunique() > 1 and df.tile_col.nunique() > 1
+    assert len(json.loads((out / "detections.dsa.json").read_text())["elements"]) == n
     review = load_run(out)  # the review helpers find the zipped GeoJSON
     assert len(review.detections) == n and review.heatmap is None
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)

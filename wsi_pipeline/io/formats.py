@@ -151,6 +151,13 @@ FORMATS: dict[str, OutputFormat] = {
             tiles=True,
         ),
         OutputFormat(
+            "dsa",
+            "detections.dsa.json",
+            DETECTIONS,
+            "wsi_pipeline.io.dsa:write_dsa",
+            about="large_image annotation JSON (rectangles), for HistomicsTK and the Digital Slide Archive",
+        ),
+        OutputFormat(
             "dicom",
             "detections.dcm",
             DETECTIONS,
