@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -456,6 +457,13 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     node = next(iter(Reader(parse_url(str(out / "heatmap.ome.zarr")))()))
     assert node.metadata["channel_names"] == ["tissue", "tumour"]
     np.testing.assert_array_equal(np.asarray(zarr.open_group(str(out / "heatmap.ome.zarr"), mode="r")["0"]), tiff)
+    # The classes' display colours: the same in the OME-TIFF's OME-XML (RGBA as a signed int) and the OME-Zarr.
+    ome = tifffile.TiffFile(out / "heatmap.ome.tif").ome_metadata
+    tiff_colors = [f"{int(c) & 0xFFFFFFFF:08X}" for c in re.findall(r'<Channel [^>]*Color="(-?\d+)"', ome)]
+    omero = zarr.open_group(str(out / "heatmap.ome.zarr"), mode="r").attrs["omero"]
+    zarr_colors = [ch["color"] for ch in omero["channels"]]
+    assert [c[:6] for c in tiff_colors] == zarr_colors and len(set(zarr_colors)) == 2
+    assert all(c.endswith("FF") for c in tiff_colors)
 
     maps = sorted(p.name for p in (out / "heatmap_dicom").iterdir())
     assert maps == sorted(parametric_map_file_names(["tissue", "tumour"]))
