@@ -166,18 +166,22 @@ class SlideOutputs:
         return self.stats.summary(list(self.card.heatmap.classes), mm2)
 
     def overlay_inputs(self, dets: np.ndarray) -> tuple:
-        """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes, colours."""
+        """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes,
+        colours, and the class and heatmap channel names of its legend."""
         self.drain_heatmap()
         thumb = self.slide.get_thumbnail(self.config.overlay_size)
         thumb_ds = self.slide.dimensions[0] / thumb.shape[1]
         heat = self.reduced.array if self.reduced is not None else None
+        heat_names = None
         if heat is not None:
-            shown = [i for i, n in enumerate(self.card.heatmap.classes) if n.lower() not in _ALL_OVER]
-            heat = heat[shown] if shown else heat
+            names = list(self.card.heatmap.classes)
+            shown = [i for i, n in enumerate(names) if n.lower() not in _ALL_OVER] or list(range(len(names)))
+            heat, heat_names = heat[shown], [names[i] for i in shown]
         scale = self.geometry.heatmap_scale_level0 * (self.reduced.factor if self.reduced is not None else 1)
         boxes = detection_boxes(dets) if len(dets) else None
         colors = [parse_color(c.color) for c in self.card.classes]
-        return thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors
+        labels = dets["label"] if len(dets) else None
+        return thumb, thumb_ds, heat, scale, boxes, labels, colors, [c.name for c in self.card.classes], heat_names
 
     def write(self, dets: np.ndarray, writers: WriterPool) -> Callable[[], np.ndarray | HeatmapFile | None]:
         """Start writing the heatmap file, the overlay and the detection files; return the step that
