@@ -470,6 +470,11 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     pm = pydicom.dcmread(out / "heatmap_dicom" / maps[1])
     assert pm.SOPClassUID == pydicom.uid.ParametricMapStorage
     assert int(pm.TotalPixelMatrixColumns) == tiff.shape[2] and int(pm.TotalPixelMatrixRows) == tiff.shape[1]
+    from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
+
+    for path in [out / "detections.dcm", *(out / "heatmap_dicom").iterdir()]:
+        assert standard_problems(path) == [], path
+        assert DCIODVFY is None or dciodvfy_errors(path) == [], path
     # One placeholder study and source for every DICOM object of the slide, though written by different processes.
     headers = [
         pydicom.dcmread(p, stop_before_pixels=True)
@@ -480,10 +485,22 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
 
 
 def test_a_slide_without_detections_has_no_dicom_annotation_file_and_says_why(slide_path, tmp_path):
-    with Pipeline(backend="ort", formats="dicom,csv", score_threshold=1.0, writer_processes=0) as pipe:
+    """No annotation file (none can hold zero annotations); the heatmap's DICOM files are written and
+    meet the standard."""
+    from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
+
+    formats = "dicom,csv,ome-tiff,dicom-heatmap"
+    with Pipeline(backend="ort", formats=formats, score_threshold=1.0, writer_processes=0) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
+    out = tmp_path / "run"
     assert len(result.detections) == 0
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["files"] == ["detections.csv", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    files = ["detections.csv", "heatmap.ome.tif", "heatmap_dicom", "summary.json"]
+    assert summary["files"] == files
     assert summary["not_written"] == {"detections.dcm": FORMATS["dicom"].holds_none}
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["detections.csv", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == files
+    maps = sorted((out / "heatmap_dicom").iterdir())
+    assert len(maps) == 2
+    for path in maps:
+        assert standard_problems(path) == [], path
+        assert DCIODVFY is None or dciodvfy_errors(path) == [], path
