@@ -61,14 +61,14 @@ def child(task: str, n: int, folder: str) -> dict:
         for module in (*fmt.requires, "pyarrow.parquet") if fmt.requires else ():
             importlib.import_module(module)  # imported before the baseline: a run's writer has them
         dets = synthetic_detections(n)
-        path = os.path.join(folder, fmt.filename)
+        path = os.path.join(folder, f"{task}-{fmt.filename}")  # parquet and geoparquet share a name
         base = _maxrss_mb()
         t = time.perf_counter()
         write(path, dets, CLASSES)
         seconds = time.perf_counter() - t
         return {"seconds": seconds, "extra_peak_mb": _maxrss_mb() - base, "file_mb": os.path.getsize(path) / 2**20}
     name, reader = task.split(":")
-    path = os.path.join(folder, FORMATS[name].filename)
+    path = os.path.join(folder, f"{name}-{FORMATS[name].filename}")
     if reader == "json":
         import gzip
 

@@ -9,12 +9,14 @@ import numpy as np
 import pydicom
 import pytest
 from helpers import write_dicom_wsi
+from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io import dicom
 from wsi_pipeline.io.detections import make_detections
 from wsi_pipeline.io.dicom import (
     PLACEHOLDER_ATTRIBUTES,
+    NoAnnotationsError,
     parametric_map_file_names,
     write_dicom_annotations,
     write_dicom_parametric_map,
@@ -261,10 +263,78 @@ def test_an_annotation_write_that_fails_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_no_detections_make_a_file_without_groups(tmp_path):
-    path = write_dicom_annotations(tmp_path / "d.dcm", _detections(0), CLASSES, dimensions=(100, 100))
-    ann = hd.ann.annread(path)
-    assert ann.get_annotation_groups() == []
+def test_no_detections_make_no_file_rather_than_an_invalid_one(tmp_path):
+    """An annotation object holds at least one group of at least one annotation (PS3.3 C.37.1.2)."""
+    with pytest.raises(NoAnnotationsError, match=r"d\.dcm: no detections to write: .* holds at least one annotation"):
+        write_dicom_annotations(tmp_path / "d.dcm", _detections(0), CLASSES, dimensions=(100, 100))
+    assert list(tmp_path.iterdir()) == []
+
+
+def _slide_outputs(tmp_path, slide_path, dimensions=(1000, 800), mpp=(0.25, 0.25)):
+    """The annotations and the Parametric Maps of one slide (``tmp_path / "out"``), as a run writes them."""
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    write_dicom_annotations(
+        out / "detections.dcm", _detections(20), CLASSES, dimensions=dimensions, slide_path=slide_path, mpp=mpp
+    )
+    heatmap = np.random.default_rng(3).random((2, dimensions[1] // 8, dimensions[0] // 8)).astype(np.float32)
+    write_dicom_parametric_map(
+        out / "heatmap_dicom",
+        heatmap,
+        ["tissue", "tumour"],
+        scale_level0=8,
+        dimensions=dimensions,
+        slide_path=slide_path,
+        mpp=mpp,
+    )
+    return [out / "detections.dcm", *sorted((out / "heatmap_dicom").iterdir())]
+
+
+def test_every_dicom_object_of_a_slide_is_in_one_study_and_references_one_source(tmp_path):
+    """A slide that is not DICOM: the annotations and each heatmap file, written apart (as by different writer
+    processes), reference one placeholder study, series, instance and frame of reference; another slide
+    gets others."""
+    slide = tmp_path / "case-17.svs"
+    slide.write_bytes(b"slide bytes" * 1000)
+    files = _slide_outputs(tmp_path, slide)
+    headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in files]
+    assert len({h.StudyInstanceUID for h in headers}) == 1
+    refs = {
+        (r.SeriesInstanceUID, r.ReferencedInstanceSequence[0].ReferencedSOPInstanceUID)
+        for h in headers
+        for r in h.ReferencedSeriesSequence
+    }
+    assert len(refs) == 1
+    frame_of_reference = dicom.placeholder_uids(slide, (1000, 800), (0.25, 0.25))["frame_of_reference"]
+    assert {h.FrameOfReferenceUID for h in headers[1:]} == {frame_of_reference}
+    specimens = {h.SpecimenDescriptionSequence[0].SpecimenUID for h in headers}
+    assert len(specimens) == 1
+    other = tmp_path / "case-18.svs"
+    other.write_bytes(b"other bytes" * 1000)
+    assert dicom.placeholder_uids(other, (1000, 800), (0.25, 0.25))["study"] != headers[0].StudyInstanceUID
+
+
+def test_the_files_of_a_slide_meet_the_standard(tmp_path):
+    """Type 1 and 2 attributes of the mandatory modules, declared private coding schemes (highdicom's tables
+    of the standard), and dciodvfy where it is installed: the classes' private codes come with their
+    Coding Scheme Identification item."""
+    files = _slide_outputs(tmp_path, tmp_path / "slide.svs")
+    for path in files:
+        assert standard_problems(path) == [], path
+    schemes = pydicom.dcmread(files[0]).CodingSchemeIdentificationSequence
+    assert [s.CodingSchemeDesignator for s in schemes] == ["99WSIPL"]
+
+
+@pytest.mark.skipif(DCIODVFY is None, reason="dciodvfy not installed (Debian: apt-get install dicom3tools)")
+def test_dciodvfy_finds_no_error_in_the_files_of_a_slide(tmp_path, dicom_slide):
+    for p in dicom_slide:  # the specimen a scanner describes (GeneralSeries' Laterality is required without)
+        ds = pydicom.dcmread(p)
+        ds.ContainerIdentifier, ds.IssuerOfTheContainerIdentifierSequence, ds.ContainerTypeCodeSequence = "S1", [], []
+        ds.SpecimenDescriptionSequence = [hd.SpecimenDescription(specimen_id="S1", specimen_uid=hd.UID())]
+        ds.save_as(p, enforce_file_format=True)
+    for slide, dimensions in ((tmp_path / "slide.svs", (1000, 800)), (dicom_slide[0], (640, 512))):
+        for path in _slide_outputs(tmp_path / slide.stem, slide, dimensions):
+            assert dciodvfy_errors(path) == [], path
 
 
 def _spool_peak(tmp_path, c: int, h: int, w: int) -> int:

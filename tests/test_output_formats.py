@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -175,15 +176,15 @@ def test_parquet_reads_back_with_pandas_in_row_groups(tmp_path, monkeypatch):
 def test_geoparquet_reads_back_as_a_geodataframe(tmp_path, monkeypatch):
     monkeypatch.setattr(parquet_io, "ROW_GROUP", 100)
     dets = _dets(250)
-    write_geoparquet(tmp_path / "d.geoparquet", dets, CLASSES)
-    gdf = gpd.read_parquet(tmp_path / "d.geoparquet")
+    write_geoparquet(tmp_path / "d.parquet", dets, CLASSES)
+    gdf = gpd.read_parquet(tmp_path / "d.parquet")
     assert isinstance(gdf, gpd.GeoDataFrame) and gdf.geometry.name == "geometry"
     assert gdf.crs is None and len(gdf) == len(dets)
     assert (gdf.geom_type == "Polygon").all() and gdf.is_valid.all()
     bounds = gdf.geometry.bounds.to_numpy()
     np.testing.assert_array_equal(bounds, np.stack([dets[k] for k in ("x0", "y0", "x1", "y1")], 1))
     np.testing.assert_allclose(gdf.area, (dets["x1"] - dets["x0"]).astype(float) * (dets["y1"] - dets["y0"]))
-    geo = json.loads(pq.read_schema(tmp_path / "d.geoparquet").metadata[b"geo"])
+    geo = json.loads(pq.read_schema(tmp_path / "d.parquet").metadata[b"geo"])
     assert geo["primary_column"] == "geometry"
     assert geo["columns"]["geometry"]["encoding"] == "WKB"
     np.testing.assert_allclose(geo["columns"]["geometry"]["bbox"], gdf.total_bounds)
@@ -199,12 +200,44 @@ def test_empty_detections_make_readable_tables(tmp_path):
     assert isinstance(gdf, gpd.GeoDataFrame) and len(gdf) == 0
 
 
+def test_dsa_annotations_meet_large_images_schema_and_read_back(tmp_path):
+    """Rectangles in level-0 pixels with the class as group and label and the score in ``user``; a box with
+    a coordinate that is not a number is left out (the schema takes numbers); none make an empty list."""
+    import jsonschema
+
+    from wsi_pipeline.io.dsa import ANNOTATION_SCHEMA, read_dsa, write_dsa
+
+    dets = _with_degenerate(_dets(300))
+    write_dsa(tmp_path / "d.dsa.json", dets, CLASSES)
+    doc = json.loads((tmp_path / "d.dsa.json").read_text())
+    jsonschema.validate(doc, ANNOTATION_SCHEMA)
+    kept = np.isfinite(detections_io.detection_boxes(dets)).all(1)
+    assert len(doc["elements"]) == kept.sum() == len(dets) - 1
+    first = doc["elements"][0]
+    assert first["group"] == first["label"]["value"] == CLASSES[int(dets["label"][0])]["name"]
+    assert first["lineColor"] == "rgb(255,128,0)" if dets["label"][0] == 0 else "rgb(0,0,255)"
+    back = read_dsa(tmp_path / "d.dsa.json", CLASSES)
+    want = dets[kept]
+    np.testing.assert_allclose(detections_io.detection_boxes(back), detections_io.detection_boxes(want), atol=2e-3)
+    np.testing.assert_allclose(back["score"], want["score"], atol=1e-6)
+    np.testing.assert_array_equal(back["label"], want["label"])
+    write_dsa(tmp_path / "e.dsa.json", dets[:0], CLASSES)
+    empty = json.loads((tmp_path / "e.dsa.json").read_text())
+    jsonschema.validate(empty, ANNOTATION_SCHEMA)
+    assert empty["elements"] == [] and len(read_dsa(tmp_path / "e.dsa.json")) == 0
+    bad = {**doc, "elements": [{**first, "center": [1, 2]}]}  # the schema does catch what large_image refuses
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, ANNOTATION_SCHEMA)
+
+
 # -- choosing formats ----------------------------------------------------------------
 
 
 def test_formats_are_parsed_into_the_registry_order():
     assert RunConfig().formats == DEFAULT_FORMATS == ("geojson", "csv", "ome-tiff", "overlay")
     assert parse_formats("parquet, geojson.gz,parquet") == ("geojson.gz", "parquet")
+    assert parse_formats("geoparquet,parquet") == parse_formats(["geoparquet"]) == ("geoparquet",)
+    assert output_files(["geoparquet"]) == ["detections.parquet", "summary.json"]
     assert RunConfig(formats=["csv", "GeoJSON"]).formats == ("geojson", "csv")
     assert output_files(DEFAULT_FORMATS) == list(OUTPUT_FILES)
     assert output_files(("parquet", "ome-tiff"), heatmap=False) == ["detections.parquet", "summary.json"]
@@ -280,7 +313,7 @@ def test_an_unknown_format_on_the_command_line_is_one_usage_error(slide_path, tm
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: options: formats: unknown format 'shp' (known: geojson, geojson.gz, geojson.zip, csv, parquet, "
-        "geoparquet, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"
+        "geoparquet, dsa, dicom, ome-tiff, ome-zarr, dicom-heatmap, overlay)"
     ]
     assert not (tmp_path / "o").exists()
 
@@ -326,20 +359,31 @@ def slide_path(tmp_path_factory):
 
 
 def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
-    with Pipeline(backend="ort", formats="geojson.gz,geojson.zip,parquet,geoparquet", writer_processes=0) as pipe:
+    """GeoParquet is written as ``detections.parquet`` (GeoParquet 1.1: not ``.geoparquet``), read by
+    geopandas, pyarrow and DuckDB; ``parquet`` beside it is that one file. The CSV and Parquet rows
+    carry their tile."""
+    import duckdb
+
+    with Pipeline(
+        backend="ort", formats="geojson.gz,geojson.zip,csv,parquet,geoparquet,dsa", writer_processes=0
+    ) as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")
+        plan = pipe.plan(slide_path)
+        geometry = plan.geometry
+        plan.close()
     out = tmp_path / "run"
     files = [
         "detections.geojson.gz",
         "detections.geojson.zip",
+        "detections.csv",
         "detections.parquet",
-        "detections.geoparquet",
+        "detections.dsa.json",
         "summary.json",
     ]
     assert sorted(p.name for p in out.iterdir()) == sorted(files)  # no heatmap.ome.tif, no overlay
     summary = json.loads((out / "summary.json").read_text())
     assert summary["files"] == files
-    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "parquet", "geoparquet"]
+    assert summary["parameters"]["formats"] == ["geojson.gz", "geojson.zip", "csv", "geoparquet", "dsa"]
     assert summary["geojson_left_out"] == 0
     assert summary["heatmap_scores"] is not None  # the heatmap is still blended and measured
     assert result.heatmap is None
@@ -352,8 +396,21 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     df = pd.read_parquet(out / "detections.parquet")
     np.testing.assert_array_equal(df["x0"].to_numpy(), result.detections["x0"])
     assert set(df["class"].astype(str)) == {"nucleus"}
-    gdf = gpd.read_parquet(out / "detections.geoparquet")
+    gdf = gpd.read_parquet(out / "detections.parquet")
     assert len(gdf) == n and (gdf.geom_type == "Polygon").all()
+    assert json.loads(pq.read_schema(out / "detections.parquet").metadata[b"geo"])["version"] == "1.1.0"
+    path = str(out / "detections.parquet")
+    assert duckdb.sql(f"SELECT count(*) FROM '{path}'").fetchall() == [(n,)]
+    assert duckdb.sql(f"SELECT count(*) FROM read_parquet('{path}')").fetchall() == [(n,)]
+    # Each detection's tile: the one whose core holds its centre, so whose whole extent holds it too.
+    csv = pd.read_csv(out / "detections.csv")
+    np.testing.assert_array_equal(csv[["tile_row", "tile_col"]].to_numpy(), df[["tile_row", "tile_col"]].to_numpy())
+    cx, cy = (df.x0 + df.x1) / 2, (df.y0 + df.y1) / 2
+    x0, y0 = geometry.col_x0_level0(df.tile_col.to_numpy()), geometry.row_y0_level0(df.tile_row.to_numpy())
+    assert ((cx >= x0) & (cx < x0 + geometry.tile_extent_level0)).all()
+    assert ((cy >= y0) & (cy < y0 + geometry.tile_extent_level0)).all()
+    assert df.tile_row.nunique() > 1 and df.tile_col.nunique() > 1
+    assert len(json.loads((out / "detections.dsa.json").read_text())["elements"]) == n
     review = load_run(out)  # the review helpers find the zipped GeoJSON
     assert len(review.detections) == n and review.heatmap is None
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)
@@ -400,9 +457,50 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     node = next(iter(Reader(parse_url(str(out / "heatmap.ome.zarr")))()))
     assert node.metadata["channel_names"] == ["tissue", "tumour"]
     np.testing.assert_array_equal(np.asarray(zarr.open_group(str(out / "heatmap.ome.zarr"), mode="r")["0"]), tiff)
+    # The classes' display colours: the same in the OME-TIFF's OME-XML (RGBA as a signed int) and the OME-Zarr.
+    ome = tifffile.TiffFile(out / "heatmap.ome.tif").ome_metadata
+    tiff_colors = [f"{int(c) & 0xFFFFFFFF:08X}" for c in re.findall(r'<Channel [^>]*Color="(-?\d+)"', ome)]
+    omero = zarr.open_group(str(out / "heatmap.ome.zarr"), mode="r").attrs["omero"]
+    zarr_colors = [ch["color"] for ch in omero["channels"]]
+    assert [c[:6] for c in tiff_colors] == zarr_colors and len(set(zarr_colors)) == 2
+    assert all(c.endswith("FF") for c in tiff_colors)
 
     maps = sorted(p.name for p in (out / "heatmap_dicom").iterdir())
     assert maps == sorted(parametric_map_file_names(["tissue", "tumour"]))
     pm = pydicom.dcmread(out / "heatmap_dicom" / maps[1])
     assert pm.SOPClassUID == pydicom.uid.ParametricMapStorage
     assert int(pm.TotalPixelMatrixColumns) == tiff.shape[2] and int(pm.TotalPixelMatrixRows) == tiff.shape[1]
+    from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
+
+    for path in [out / "detections.dcm", *(out / "heatmap_dicom").iterdir()]:
+        assert standard_problems(path) == [], path
+        assert DCIODVFY is None or dciodvfy_errors(path) == [], path
+    # One placeholder study and source for every DICOM object of the slide, though written by different processes.
+    headers = [
+        pydicom.dcmread(p, stop_before_pixels=True)
+        for p in [out / "detections.dcm", *(out / "heatmap_dicom").iterdir()]
+    ]
+    assert len({h.StudyInstanceUID for h in headers}) == 1
+    assert len({h.ReferencedSeriesSequence[0].SeriesInstanceUID for h in headers}) == 1
+
+
+def test_a_slide_without_detections_has_no_dicom_annotation_file_and_says_why(slide_path, tmp_path):
+    """No annotation file (none can hold zero annotations); the heatmap's DICOM files are written and
+    meet the standard."""
+    from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
+
+    formats = "dicom,csv,ome-tiff,dicom-heatmap"
+    with Pipeline(backend="ort", formats=formats, score_threshold=1.0, writer_processes=0) as pipe:
+        result = pipe.run(slide_path, out_dir=tmp_path / "run")
+    out = tmp_path / "run"
+    assert len(result.detections) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    files = ["detections.csv", "heatmap.ome.tif", "heatmap_dicom", "summary.json"]
+    assert summary["files"] == files
+    assert summary["not_written"] == {"detections.dcm": FORMATS["dicom"].holds_none}
+    assert sorted(p.name for p in out.iterdir()) == files
+    maps = sorted((out / "heatmap_dicom").iterdir())
+    assert len(maps) == 2
+    for path in maps:
+        assert standard_problems(path) == [], path
+        assert DCIODVFY is None or dciodvfy_errors(path) == [], path

@@ -66,3 +66,62 @@ def test_box_outlines_equal_cv2_rectangle_per_box():
     got = np.zeros_like(want)
     draw_box_outlines(got, corners, colors)
     np.testing.assert_array_equal(got, want)
+
+
+def _he_picture() -> tuple[np.ndarray, np.ndarray]:
+    """A small H&E-like picture: pink stroma with purple nuclei; the nuclei's boxes (picture px)."""
+    img = np.empty((120, 400, 3), np.uint8)
+    img[:] = (225, 160, 205)  # stroma
+    boxes = []
+    for y in range(10, 110, 25):
+        for x in range(10, 150, 25):
+            cv2.circle(img, (x + 6, y + 6), 6, (95, 40, 140), -1)  # nucleus
+            boxes.append([x - 1, y - 1, x + 14, y + 14])
+    return img, np.array(boxes, np.float32)
+
+
+def test_boxes_of_a_colour_like_what_they_surround_are_drawn_in_a_contrasting_one():
+    """A purple class on purple nuclei is drawn in a colour far from the nuclei and the stroma; a
+    yellow class keeps its colour."""
+    from wsi_pipeline.io.overlay import MIN_CONTRAST_DELTA_E, _delta_e
+
+    img, boxes = _he_picture()
+    purple, yellow = (123, 44, 191), (255, 255, 0)
+    labels = np.arange(len(boxes)) % 2
+    out = render_overlay(img, 1.0, boxes=boxes, labels=labels, class_colors=[purple, yellow])
+    x0, y0 = boxes[0, :2].astype(int)
+    drawn_0 = tuple(int(v) for v in out[y0, x0 + 3])  # top edge of a class-0 box
+    drawn_1 = tuple(int(v) for v in out[int(boxes[1, 1]), int(boxes[1, 0]) + 3])
+    assert drawn_1 == yellow
+    assert drawn_0 not in (purple, yellow)
+    assert _delta_e(np.array([drawn_0]), np.array([(95, 40, 140), (225, 160, 205)])).min() >= MIN_CONTRAST_DELTA_E
+    kept = render_overlay(img, 1.0, boxes=boxes, labels=labels, class_colors=[purple, yellow], contrast=False)
+    assert tuple(int(v) for v in kept[y0, x0 + 3]) == purple
+
+
+def test_the_legend_strip_names_the_classes_in_the_colours_drawn_and_shows_the_heatmap_scale(tmp_path):
+    img, boxes = _he_picture()
+    heat = np.zeros((1, 30, 100), np.float32)
+    heat[0, :10, :10] = 0.8
+    labels = np.zeros(len(boxes), np.int64)
+    out = render_overlay(
+        img,
+        1.0,
+        heat,
+        4.0,
+        boxes,
+        labels,
+        [(123, 44, 191)],
+        legend=True,
+        class_names=["nucleus"],
+        heatmap_names=["tumour"],
+    )
+    assert out.shape == (img.shape[0] + 24, img.shape[1], 3)
+    strip = out[img.shape[0] :]
+    drawn = tuple(int(v) for v in out[int(boxes[0, 1]), int(boxes[0, 0]) + 3])
+    assert tuple(int(v) for v in strip[12, 10]) == drawn  # the swatch: the colour the boxes have
+    jet = cv2.cvtColor(cv2.applyColorMap(np.array([[255]], np.uint8), cv2.COLORMAP_JET), cv2.COLOR_BGR2RGB)[0, 0]
+    assert (np.abs(strip[12].astype(int) - jet).sum(1) < 10).any()  # the scale reaches the colour of 1
+    np.testing.assert_array_equal(
+        render_overlay(img, 1.0, heat, 4.0, boxes, labels, [(123, 44, 191)])[:, :5], out[:120, :5]
+    )

@@ -114,7 +114,7 @@ def test_qupath_geojson_shape(run_out, slide_path):
 def test_csv_matches_detections(run_out):
     result, out = run_out
     lines = (out / "detections.csv").read_text().splitlines()
-    assert lines[0] == "x0,y0,x1,y1,score,label,class"
+    assert lines[0] == "x0,y0,x1,y1,score,label,class,tile_row,tile_col"
     assert len(lines) == len(result.detections) + 1
     first = lines[1].split(",")
     d = result.detections[0]

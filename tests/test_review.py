@@ -327,6 +327,44 @@ def test_load_run_matches_the_result(pathology_run):
         load_run(root / "missing")
 
 
+def test_load_run_reads_whichever_detection_file_the_run_wrote(pathology_run, tmp_path):
+    """Runs whose formats leave out GeoJSON: Parquet, CSV, the DSA annotation, the GeoParquet name of
+    earlier versions; a folder with none loads empty and says so."""
+    import shutil
+
+    from wsi_pipeline.io.dsa import write_dsa
+    from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
+    from wsi_pipeline.review.results import NoDetectionFileWarning
+
+    root, _, result = pathology_run
+    classes = [{"name": "nucleus", "color": "#7b2cbf"}]
+    writers = {
+        "detections.parquet": write_parquet,
+        "detections.csv": None,  # the run's own
+        "detections.geoparquet": write_geoparquet,
+        "detections.dsa.json": write_dsa,
+    }
+    for name, write in writers.items():
+        folder = tmp_path / name / "slide"
+        folder.mkdir(parents=True)
+        shutil.copy(root / "run" / "summary.json", folder)
+        if write is None:
+            shutil.copy(root / "run" / name, folder)
+        else:
+            write(folder / name, result.detections, classes)
+        run = load_run(folder)
+        assert run.detections_file == folder / name
+        assert run.class_names == ["nucleus"] and len(run.detections) == len(result.detections) > 0
+        for k in ("x0", "y0", "x1", "y1"):
+            np.testing.assert_allclose(run.detections[k], result.detections[k], atol=0.006)
+    folder = tmp_path / "none"
+    folder.mkdir()
+    shutil.copy(root / "run" / "summary.json", folder)
+    with pytest.warns(NoDetectionFileWarning, match=r"no detection file \(detections.parquet, detections.geojson"):
+        run = load_run(folder)
+    assert len(run.detections) == 0 and run.detections_file is None
+
+
 def test_zoom_boxes_land_on_truth_objects(pathology_run):
     from wsi_pipeline.synthetic import load_truth
 

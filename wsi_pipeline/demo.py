@@ -45,7 +45,7 @@ outputs in {folder}{os.sep}:
   overlay.png          the slide with the tumour heatmap and the boxes: open it in any image viewer
   detections.geojson   QuPath: open {slide}, then File > Import objects (or drag the file onto the viewer)
   heatmap.ome.tif      QuPath / Fiji (Bio-Formats) / tifffile: the per-class probability pyramid
-  detections.csv       x0, y0, x1, y1, score, label in level-0 pixels: pandas, a spreadsheet
+  detections.csv       x0, y0, x1, y1, score, label, class in level-0 pixels, and each box's tile: pandas, a spreadsheet
   summary.json         counts, areas, slide-level scores, timings, settings
 review them in Jupyter: notebooks/02_review_results.ipynb with RUN_DIR = "{folder}"
   (or WSI_NB_RUN_DIR={folder} in the environment Jupyter starts from)

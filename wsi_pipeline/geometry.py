@@ -205,6 +205,21 @@ class TilingGeometry:
         """Level-0 y of the top edge of tile row(s) ``row`` (rounded to whole pixels)."""
         return _round_level0(np.asarray(row) * self.step * self.downsample)
 
+    def core_tiles_level0(self, x_level0: np.ndarray, y_level0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Grid rows and columns (int32) of the tiles whose cores hold the level-0 points ``x, y``.
+
+        A tile's core is the tile less half the overlap on each side with a neighbour (as
+        :mod:`~wsi_pipeline.stitch.ownership` keeps boxes): the cores partition the slide, so a
+        merged box, whose centre is in it, is traced to one tile, the one that saw it whole.
+        """
+        half = self.overlap / 2.0
+
+        def index(v_level0: np.ndarray, n: int) -> np.ndarray:
+            v = np.nan_to_num(np.asarray(v_level0, np.float64) / self.downsample, nan=0.0)
+            return np.clip(np.floor((v - half) / self.step), 0, n - 1).astype(np.int32)
+
+        return index(y_level0, self.n_rows), index(x_level0, self.n_cols)
+
     def tile_to_level0(self, boxes_tile: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Boxes in tile pixels to level-0 pixels.
 

@@ -30,7 +30,7 @@ from .config import RunConfig
 from .geometry import TilingGeometry
 from .inference.card import ModelCard
 from .io.atomic import partial_name, write_joined, write_json
-from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color
+from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color, with_tiles
 from .io.formats import (
     DEFAULT_FORMATS,
     DETECTIONS,
@@ -39,6 +39,7 @@ from .io.formats import (
     OVERLAY,
     chosen,
     detection_notes,
+    not_written,
     output_files,
 )
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, write_spooled_heatmap
@@ -165,18 +166,22 @@ class SlideOutputs:
         return self.stats.summary(list(self.card.heatmap.classes), mm2)
 
     def overlay_inputs(self, dets: np.ndarray) -> tuple:
-        """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes, colours."""
+        """:func:`~.io.overlay.write_overlay`'s arguments after the path: thumbnail, heatmap, boxes,
+        colours, and the class and heatmap channel names of its legend."""
         self.drain_heatmap()
         thumb = self.slide.get_thumbnail(self.config.overlay_size)
         thumb_ds = self.slide.dimensions[0] / thumb.shape[1]
         heat = self.reduced.array if self.reduced is not None else None
+        heat_names = None
         if heat is not None:
-            shown = [i for i, n in enumerate(self.card.heatmap.classes) if n.lower() not in _ALL_OVER]
-            heat = heat[shown] if shown else heat
+            names = list(self.card.heatmap.classes)
+            shown = [i for i, n in enumerate(names) if n.lower() not in _ALL_OVER] or list(range(len(names)))
+            heat, heat_names = heat[shown], [names[i] for i in shown]
         scale = self.geometry.heatmap_scale_level0 * (self.reduced.factor if self.reduced is not None else 1)
         boxes = detection_boxes(dets) if len(dets) else None
         colors = [parse_color(c.color) for c in self.card.classes]
-        return thumb, thumb_ds, heat, scale, boxes, dets["label"] if len(dets) else None, colors
+        labels = dets["label"] if len(dets) else None
+        return thumb, thumb_ds, heat, scale, boxes, labels, colors, [c.name for c in self.card.classes], heat_names
 
     def write(self, dets: np.ndarray, writers: WriterPool) -> Callable[[], np.ndarray | HeatmapFile | None]:
         """Start writing the heatmap file, the overlay and the detection files; return the step that
@@ -215,17 +220,24 @@ class SlideOutputs:
                 writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *overlay)
             n_parts = writers.parts(len(dets))
             prefix = feature_ids(dets) if n_parts > 1 else ""
+            tiled = None
             for fmt in chosen(formats, DETECTIONS):
+                if fmt.filename in not_written(formats, dets):
+                    continue
+                if fmt.tiles and tiled is None:
+                    x_level0, y_level0 = ((dets[a] + dets[b]) / 2 for a, b in (("x0", "x1"), ("y0", "y1")))
+                    tiled = with_tiles(dets, *self.geometry.core_tiles_level0(x_level0, y_level0))
+                rows = tiled if fmt.tiles else dets
                 split = fmt.parts_writer() if n_parts > 1 else None
                 if split is None:
-                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, dets, classes)
+                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, rows, classes)
                     continue
                 bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
                 paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
                 part_jobs = WriteJobs()
                 joins.append((split, out / fmt.filename, paths, part_jobs))
                 for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
-                    writers.submit(part_jobs, fmt.filename, split.write_part, path, dets[a:b], classes, prefix, a)
+                    writers.submit(part_jobs, fmt.filename, split.write_part, path, rows[a:b], classes, prefix, a)
         except BaseException:
             # Nothing may write into the folder after this returns: the jobs begun end first.
             for begun in (heatmap_jobs, jobs, *(j[3] for j in joins)):
@@ -276,16 +288,23 @@ class SlideOutputs:
         return finish
 
     def summary_entries(self, dets: np.ndarray) -> dict[str, Any]:
-        """What ``summary.json`` says of the files: ``files`` (written, itself last) and, with a
-        GeoJSON format, ``geojson_left_out`` (boxes without area, not written there; logged)."""
-        notes = detection_notes(self.config.formats, dets)
+        """What ``summary.json`` says of the files: ``files`` (written, itself last), with a
+        GeoJSON format ``geojson_left_out`` (boxes without area, not written there; logged), and
+        ``not_written`` where a chosen file cannot hold a slide's zero detections (logged)."""
+        notes: dict[str, Any] = detection_notes(self.config.formats, dets)
         if notes.get("geojson_left_out"):
             log.warning(
                 "%s: %d detections have no area (zero width or height) and are left out of the GeoJSON",
                 self.slide.path,
                 notes["geojson_left_out"],
             )
-        return {"files": output_files(self.config.formats, heatmap=self.card.heatmap is not None), **notes}
+        left_out = not_written(self.config.formats, dets)
+        for name, why in left_out.items():
+            log.info("%s: %s not written: %s", self.slide.path, name, why)
+        if left_out:
+            notes["not_written"] = left_out
+        files = output_files(self.config.formats, heatmap=self.card.heatmap is not None, detections=len(dets) > 0)
+        return {"files": files, **notes}
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Write ``summary.json``, the mark of a complete folder: after every other file."""

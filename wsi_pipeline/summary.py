@@ -117,6 +117,7 @@ class Summary(TypedDict, total=False):
     run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
     files: list[str]  # the files the run wrote in its folder, summary.json last (docs/outputs.md)
     geojson_left_out: int  # boxes without area left out of the GeoJSON (with a GeoJSON format)
+    not_written: dict[str, str]  # chosen files left out, and why (formats that cannot hold zero detections)
 
 
 def package_versions() -> dict[str, str]:

@@ -33,6 +33,10 @@ DETECTION_DTYPE = np.dtype(
     [("x0", "<f4"), ("y0", "<f4"), ("x1", "<f4"), ("y1", "<f4"), ("score", "<f4"), ("label", "<i4")]
 )
 CSV_COLUMNS = ("x0", "y0", "x1", "y1", "score", "label", "class")
+# A run's detections as its CSV and Parquet files get them: with the grid row and column of the tile
+# whose core holds the box's centre (:meth:`~wsi_pipeline.geometry.TilingGeometry.core_tiles_level0`).
+TILE_FIELDS = ("tile_row", "tile_col")
+TILED_DETECTION_DTYPE = np.dtype(DETECTION_DTYPE.descr + [(k, "<i4") for k in TILE_FIELDS])
 # Rows formatted at a time: a chunk of GeoJSON is ~21 MiB of text; building it (io/text_rows.py)
 # peaks at ~70 MiB.
 CHUNK = 65536
@@ -52,6 +56,25 @@ def make_detections(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray) -
     out["score"] = np.asarray(scores, np.float32).reshape(-1)
     out["label"] = np.asarray(labels).reshape(-1).astype(np.int32)
     return out
+
+
+def with_tiles(dets: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``dets`` with the fields ``tile_row`` and ``tile_col`` (:data:`TILED_DETECTION_DTYPE`).
+
+    >>> d = with_tiles(make_detections([[10, 20, 30, 40]], [0.9], [0]), [2], [5])
+    >>> int(d["tile_row"][0]), int(d["tile_col"][0])
+    (2, 5)
+    """
+    out = np.empty(len(dets), TILED_DETECTION_DTYPE)
+    for name in DETECTION_DTYPE.names:
+        out[name] = dets[name]
+    out["tile_row"], out["tile_col"] = rows, cols
+    return out
+
+
+def has_tiles(dets: np.ndarray) -> bool:
+    """Whether ``dets`` has the tile fields (:func:`with_tiles`)."""
+    return set(TILE_FIELDS) <= set(dets.dtype.names or ())
 
 
 def detection_boxes(dets: np.ndarray) -> np.ndarray:
@@ -255,16 +278,18 @@ def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
 
 
 CSV_HEAD = ",".join(CSV_COLUMNS) + "\r\n"
+CSV_TILED_HEAD = ",".join((*CSV_COLUMNS, *TILE_FIELDS)) + "\r\n"
 
 
 def write_csv(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dict]) -> None:
-    """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels), atomically.
+    """Write detections as CSV (x0, y0, x1, y1, score, label, class; level-0 pixels, and
+    tile_row, tile_col where ``dets`` has them: :func:`with_tiles`), atomically.
 
     Coordinates with 2 decimals, scores with 5; class names are quoted as CSV needs. The file can
-    also be written in parts by several processes (:data:`CSV_PARTS`).
+    also be written in parts by several processes (:data:`CSV_PARTS`, for detections with tiles).
     """
     with atomic_write(path, "wb") as f:
-        f.write(CSV_HEAD.encode())
+        f.write((CSV_TILED_HEAD if has_tiles(dets) else CSV_HEAD).encode())
         f.writelines(_csv_rows(dets, classes))
 
 
@@ -285,14 +310,22 @@ def _csv_rows(dets: np.ndarray, classes: Sequence[dict]) -> Iterator[bytes]:
     for start in range(0, len(dets), CHUNK):
         d = dets[start : start + CHUNK]
         x0, y0, x1, y1 = (decimal_column(d[k], 2, shortest=False) for k in ("x0", "y0", "x1", "y1"))
+        tiles = [cell for k in TILE_FIELDS for cell in (b",", _int_column(d[k]))] if has_tiles(d) else []
         yield join_rows(
             [
                 x0, b",", y0, b",", x1, b",", y1, b",",
                 decimal_column(d["score"], 5, shortest=False),
                 choice_column(np.searchsorted(labels, d["label"]), tails),
+                *tiles,
                 b"\r\n",
             ]
         )  # fmt: skip
+
+
+def _int_column(values: np.ndarray) -> np.ndarray:
+    """Integers as decimal text (few distinct values, as a slide's tile rows and columns)."""
+    found = np.unique(values)
+    return choice_column(np.searchsorted(found, values), [str(int(v)).encode() for v in found])
 
 
 @dataclass(frozen=True)
@@ -312,7 +345,7 @@ class PartsWriter:
 
 
 GEOJSON_PARTS = PartsWriter(write_geojson_part, GEOJSON_HEAD, ",", GEOJSON_TAIL)
-CSV_PARTS = PartsWriter(write_csv_part, CSV_HEAD, "", "")
+CSV_PARTS = PartsWriter(write_csv_part, CSV_TILED_HEAD, "", "")  # a run's CSV: with tiles
 
 
 def _csv_field(text: str) -> str:

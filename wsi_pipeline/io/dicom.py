@@ -21,17 +21,27 @@ Source: both objects reference the slide's level-0 image. For a DICOM slide
 (a VL Whole Slide Microscopy series) that is the real instance: its patient,
 study, specimen and frame of reference are copied and its series and instance
 UIDs referenced. For any other slide a placeholder source description is made
-(:func:`placeholder_source_image`): new Study, Series, Frame of Reference and
-SOP Instance UIDs, empty patient and study attributes, the slide's file name as
-container and specimen identifier. The references then point at an instance
-that exists nowhere; users who store the outputs in a PACS fill in the
-patient and study attributes first (docs/outputs_heatmap_dicom.md lists them).
+(:func:`placeholder_source_image`): Study, Series, Frame of Reference and
+SOP Instance UIDs derived from the slide file's identity (its size and a
+fingerprint of its content, :func:`placeholder_uids`), so that every DICOM
+object made for one slide, by any process or run, lands in one study and
+one frame of reference; empty patient and study attributes, the slide's file
+name as container and specimen identifier. The references then point at an
+instance that exists nowhere; users who store the outputs in a PACS fill in
+the patient and study attributes first (docs/outputs_heatmap_dicom.md lists them).
+
+A Microscopy Bulk Simple Annotations instance holds at least one annotation
+group of at least one annotation (PS3.3 C.37.1.2: the group sequence and the
+point data are Type 1), so a slide without detections has no annotation file
+(:class:`NoAnnotationsError`; the pipeline leaves the file out and says so in
+``summary.json``).
 
 Writes are atomic: the file appears complete under its name or not at all.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -42,10 +52,11 @@ from typing import Any
 import highdicom as hd
 import numpy as np
 import pydicom
+from highdicom.coding_schemes import CodingSchemeIdentificationItem
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
-from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage
+from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage, generate_uid
 
 from wsi_pipeline import __version__
 from wsi_pipeline.errors import WSIPipelineError
@@ -74,6 +85,13 @@ PLACEHOLDER_ATTRIBUTES = (
     "ReferringPhysicianName",
 )
 _PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
+# Its declaration (PS3.3 C.12.1.1.3.3: a private scheme's designator is described in the
+# Coding Scheme Identification Sequence of the instances that use it).
+PRIVATE_SCHEME_ITEM = CodingSchemeIdentificationItem(
+    designator=_PRIVATE_SCHEME,
+    name="wsi-pipeline detector classes",
+    responsible_organization="wsi-pipeline",
+)
 # Parametric Map stored values: uint16, value = stored / 65535 (an 8-bit heatmap's values map exactly: 257 x).
 _STORED = np.dtype(np.uint16)
 _SCALE = 1 / 65535
@@ -122,6 +140,37 @@ def dicom_source_image(slide_path: str | os.PathLike[str]) -> Dataset | None:
     return best
 
 
+class NoAnnotationsError(WSIPipelineError):
+    """No detections to write: a DICOM annotation object cannot be empty."""
+
+
+def placeholder_uids(
+    slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int], mpp: tuple[float, float] | None
+) -> dict[str, str]:
+    """The UIDs of a slide's placeholder source: ``study``, ``series``, ``frame_of_reference``,
+    ``instance`` and ``specimen``, the same for every call about the same slide.
+
+    They are derived (:func:`pydicom.uid.generate_uid` of fixed entropy) from the slide file's
+    identity (size and content fingerprint, as a batch's resume compares) with its level-0 size
+    and resolution, or from its path where the file cannot be read. So the annotations and each
+    heatmap file, written by different processes, reference one study, series and frame of
+    reference, and a rerun of the slide joins that study.
+    """
+    from ..run_key import input_identity  # the fingerprint a batch keeps of a slide
+
+    identity = input_identity(slide_path) if slide_path is not None and Path(slide_path).exists() else None
+    key = json.dumps(
+        {
+            "slide": identity or (os.path.abspath(slide_path) if slide_path is not None else None),
+            "dimensions": [int(v) for v in dimensions],
+            "mpp": [float(v) for v in mpp] if mpp is not None else None,
+        },
+        sort_keys=True,
+    )
+    roles = ("study", "series", "frame_of_reference", "instance", "specimen")
+    return {role: generate_uid(entropy_srcs=["wsi-pipeline placeholder source", key, role]) for role in roles}
+
+
 def placeholder_source_image(
     slide_path: str | os.PathLike[str] | None,
     dimensions: tuple[int, int],
@@ -133,19 +182,20 @@ def placeholder_source_image(
     It has level 0's size (``dimensions``: width, height in pixels), its pixel
     spacing (``mpp``: x, y µm per pixel; 1 µm when unknown), the usual slide
     orientation (rows along -X, columns along -Y) with the origin placed so
-    that the image lies at positive slide coordinates, new UIDs, the slide's file name as
-    container and specimen identifier, and empty :data:`PLACEHOLDER_ATTRIBUTES`.
-    No file is written for it.
+    that the image lies at positive slide coordinates, the slide's :func:`placeholder_uids`, the
+    slide's file name as container and specimen identifier, and empty
+    :data:`PLACEHOLDER_ATTRIBUTES`. No file is written for it.
     """
     width, height = (int(v) for v in dimensions)
+    uids = placeholder_uids(slide_path, dimensions, mpp)
     mpp_x, mpp_y = mpp if mpp is not None else (1.0, 1.0)
     name = (Path(slide_path).name.split(".")[0] if slide_path is not None else "") or "slide"
     ds = Dataset()
     ds.SOPClassUID = VLWholeSlideMicroscopyImageStorage
-    ds.SOPInstanceUID = hd.UID()
-    ds.StudyInstanceUID = hd.UID()
-    ds.SeriesInstanceUID = hd.UID()
-    ds.FrameOfReferenceUID = hd.UID()
+    ds.SOPInstanceUID = uids["instance"]
+    ds.StudyInstanceUID = uids["study"]
+    ds.SeriesInstanceUID = uids["series"]
+    ds.FrameOfReferenceUID = uids["frame_of_reference"]
     ds.PositionReferenceIndicator = "SLIDE_CORNER"
     ds.Modality = "SM"
     for keyword in PLACEHOLDER_ATTRIBUTES:
@@ -153,7 +203,7 @@ def placeholder_source_image(
     ds.ContainerIdentifier = name[:16]
     ds.IssuerOfTheContainerIdentifierSequence = []
     ds.ContainerTypeCodeSequence = []
-    ds.SpecimenDescriptionSequence = [hd.SpecimenDescription(specimen_id=name[:64], specimen_uid=hd.UID())]
+    ds.SpecimenDescriptionSequence = [hd.SpecimenDescription(specimen_id=name[:64], specimen_uid=uids["specimen"])]
     ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
     ds.SamplesPerPixel = 3
     ds.PhotometricInterpretation = "RGB"
@@ -269,18 +319,24 @@ def write_dicom_annotations(
     dets = np.asarray(dets)
     if dets.dtype.names is None or not {"x0", "y0", "x1", "y1", "score", "label"} <= set(dets.dtype.names):
         raise TypeError(f"dets: expected a detection record array, found dtype {dets.dtype}")
+    if not len(dets):
+        raise NoAnnotationsError(
+            f"{path}: no detections to write: a DICOM Microscopy Bulk Simple Annotations object holds at "
+            "least one annotation, so no file is written"
+        )
     src, _ = source_image(slide_path, dimensions, mpp)
     algorithm = hd.AlgorithmIdentificationSequence(
         name=algorithm_name, family=codes.DCM.ArtificialIntelligence, version=str(algorithm_version)
     )
-    groups = []
-    for number, label in enumerate(np.unique(dets["label"]).tolist() if len(dets) else [], start=1):
+    groups, schemes = [], set()
+    for number, label in enumerate(np.unique(dets["label"]).tolist(), start=1):
         d = dets[dets["label"] == label]
         x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
         corners = np.stack(
             [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1
         )  # N x 4 x (column, row)
         name, category, prop_type = _class_codes(label, classes)
+        schemes.add(prop_type.scheme_designator)
         color = detection_class(classes, label).get("color")
         groups.append(
             hd.ann.AnnotationGroup(
@@ -307,6 +363,7 @@ def write_dicom_annotations(
         instance_number=1,
         content_label="DETECTIONS",
         content_description="Detections of the wsi-pipeline detector, level-0 pixel boxes",
+        coding_schemes=[PRIVATE_SCHEME_ITEM] if _PRIVATE_SCHEME in schemes else None,
         **_equipment(),
     )
     return _save(path, ann)

@@ -49,6 +49,11 @@ class OutputFormat:
         slide_args: the job also takes the slide's ``dimensions``, ``slide_path`` and ``mpp``.
         parts: ``"module:NAME"`` of a :class:`~.detections.PartsWriter`, where the file can be
             written in parts by several writer processes at once (large slides).
+        tiles: the writer takes the detections with their tiles (:func:`~.detections.with_tiles`).
+        includes: formats whose file this one's holds, and more (the same file name): choosing
+            both writes this one alone.
+        holds_none: what stops the file from holding zero detections, where it cannot (the file
+            is then not written for a slide without detections, and ``summary.json`` says why).
     """
 
     name: str
@@ -61,6 +66,9 @@ class OutputFormat:
     made_from: tuple[str, ...] = ()
     slide_args: bool = False
     parts: str | None = None
+    tiles: bool = False
+    includes: tuple[str, ...] = ()
+    holds_none: str | None = None
 
     def write_function(self) -> Callable:
         """The writer-pool job function (a module-level function: the pool pickles it)."""
@@ -119,6 +127,7 @@ FORMATS: dict[str, OutputFormat] = {
             "wsi_pipeline.io.detections:write_csv",
             about="CSV table",
             parts="wsi_pipeline.io.detections:CSV_PARTS",
+            tiles=True,
         ),
         OutputFormat(
             "parquet",
@@ -128,15 +137,25 @@ FORMATS: dict[str, OutputFormat] = {
             requires=("pyarrow",),
             extra="parquet",
             about="Parquet table for pandas, polars, DuckDB",
+            tiles=True,
         ),
         OutputFormat(
             "geoparquet",
-            "detections.geoparquet",
+            "detections.parquet",
             DETECTIONS,
             "wsi_pipeline.io.parquet:write_geoparquet",
             requires=("pyarrow", "shapely"),
             extra="geoparquet",
-            about="GeoParquet with box polygons for geopandas",
+            about="the Parquet table with box polygons and GeoParquet metadata, for geopandas, GDAL, DuckDB",
+            includes=("parquet",),
+            tiles=True,
+        ),
+        OutputFormat(
+            "dsa",
+            "detections.dsa.json",
+            DETECTIONS,
+            "wsi_pipeline.io.dsa:write_dsa",
+            about="large_image annotation JSON (rectangles), for HistomicsTK and the Digital Slide Archive",
         ),
         OutputFormat(
             "dicom",
@@ -147,6 +166,7 @@ FORMATS: dict[str, OutputFormat] = {
             extra="dicom",
             slide_args=True,
             about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers",
+            holds_none="no detections: a DICOM Microscopy Bulk Simple Annotations object holds at least one",
         ),
         OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
         OutputFormat(
@@ -184,7 +204,8 @@ DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")
 
 def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[str, ...]:
     """Names as given (``"geojson.gz,parquet"`` or a list) -> a tuple in :data:`FORMATS`' order,
-    without repeats. ConfigError for an empty list, an unknown name, or a format whose library
+    without repeats, nor a format another one chosen includes (``parquet`` beside ``geoparquet``:
+    one ``detections.parquet``). ConfigError for an empty list, an unknown name, or a format whose library
     is not installed (naming the extra that installs it)."""
     items = value.split(",") if isinstance(value, str) else list(value)
     if not all(isinstance(n, str) for n in items):
@@ -204,6 +225,7 @@ def parse_formats(value: str | Iterable[str], source: str = "config") -> tuple[s
                 f"{source}: formats: {name} needs {' and '.join(missing)}, which {verb} not installed: "
                 f"pip install 'wsi-pipeline[{fmt.extra}]'"
             )
+    names -= {inner for name in names for inner in FORMATS[name].includes}
     for name in names:
         lacking = [m for m in FORMATS[name].made_from if m not in names]
         if lacking:
@@ -220,10 +242,23 @@ def chosen(names: Iterable[str], kind: str | None = None) -> list[OutputFormat]:
     return [f for n, f in FORMATS.items() if n in names and (kind is None or f.kind == kind)]
 
 
-def output_files(names: Iterable[str], heatmap: bool = True) -> list[str]:
+def output_files(names: Iterable[str], heatmap: bool = True, detections: bool = True) -> list[str]:
     """The files (or folders: ``ome-zarr``, ``dicom-heatmap``) a slide folder holds for formats
-    ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap output)."""
-    return [f.filename for f in chosen(names) if heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)] + [SUMMARY_FILE]
+    ``names``, ``summary.json`` last; heatmap files only with ``heatmap`` (a model with a heatmap
+    output); without ``detections`` (a slide with none), not the files that cannot hold zero."""
+    return [
+        f.filename
+        for f in chosen(names)
+        if (heatmap or f.kind not in (HEATMAP, HEATMAP_FILE)) and (detections or f.holds_none is None)
+    ] + [SUMMARY_FILE]
+
+
+def not_written(names: Iterable[str], dets) -> dict[str, str]:
+    """The files of formats ``names`` left out for the detections ``dets``, each with why
+    (``summary.json`` ``not_written``): those that cannot hold zero detections, for a slide without."""
+    if len(dets):
+        return {}
+    return {f.filename: f.holds_none for f in chosen(names) if f.holds_none is not None}
 
 
 def detection_notes(names: Iterable[str], dets) -> dict[str, int]:

@@ -45,9 +45,21 @@ import tifffile
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import partial_name
+from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_xml import OmePixels, read_ome_pixels
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
+# Heatmap channels' display colours (RRGGBB) where none are given: a reader shows each class in its own.
+CHANNEL_PALETTE = ("FF0000", "00FF00", "0000FF", "FFFF00", "FF00FF", "00FFFF", "FF8000", "8000FF")
+
+
+def _ome_colors(colors: Sequence[str]) -> dict[str, list[int]]:
+    """``{"Color": [...]}`` of the OME-XML channels: RGBA packed in a signed 32-bit int, as OME wants."""
+    if not colors:
+        return {}
+    return {"Color": [int(np.array([(int(c, 16) << 8) | 0xFF], np.uint32).view(np.int32)[0]) for c in colors]}
+
+
 # Output rows of a reduced level computed at a time when building the pyramid.
 _BAND_ROWS = 64
 # Spool pages this process may keep mapped before handing them back to the page cache.
@@ -151,6 +163,7 @@ class HeatmapRowWriter:
         tile: int,
         dtype: str | np.dtype,
         value_scale: float | None,
+        channel_colors: Sequence[str | Sequence[int]] | None = None,
     ) -> None:
         self.path = Path(path)
         dtype_name = np.dtype(dtype).name
@@ -174,6 +187,14 @@ class HeatmapRowWriter:
             raise ValueError(msg)
         self.width, self.height, self.channels = int(width), int(height), int(channels)
         self.channel_names = channel_names
+        colors = (
+            [CHANNEL_PALETTE[k % len(CHANNEL_PALETTE)] for k in range(channels)]
+            if channel_colors is None
+            else ["{:02X}{:02X}{:02X}".format(*parse_color(c)) for c in channel_colors]
+        )
+        if len(colors) != channels:
+            raise ValueError(f"{self.path}: expected {channels} channel colours, found {len(colors)}")
+        self.channel_colors = colors  # "RRGGBB", the same in the OME-TIFF's OME-XML and the OME-Zarr
         self.physical_size_um = physical_size_um
         self.tile = int(tile)
         self.dtype = np.dtype(_DTYPES[dtype_name])
@@ -276,8 +297,11 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         levels: int | str = "auto",
         compression: str = "zlib",
         spool_dir: str | os.PathLike[str] | None = None,
+        channel_colors: Sequence[str | Sequence[int]] | None = None,
     ) -> None:
-        self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
+        self._init_heatmap(
+            path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale, channel_colors
+        )
         if compression not in ("zlib", "zstd"):
             msg = f"{self.path}: compression expected 'zlib' or 'zstd', found {compression!r}"
             raise ValueError(msg)
@@ -329,6 +353,7 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
             channel_names=tuple(self.channel_names),
             physical_size_um=self.physical_size_um,
             value_scale=self.value_scale,
+            channel_colors=tuple(self.channel_colors),
         )
 
     def close(self) -> Path:
@@ -363,6 +388,7 @@ class SpooledHeatmap:
     channel_names: tuple[str, ...]
     physical_size_um: tuple[float, float] | None
     value_scale: float
+    channel_colors: tuple[str, ...] = ()
 
     def write(self) -> Path:
         """Build the pyramid, write the file under a temporary name, move it into place, remove the
@@ -428,7 +454,7 @@ class SpooledHeatmap:
         meta: dict[str, Any] = {
             "axes": "CYX",
             "Name": self.path.name.split(".")[0],
-            "Channel": {"Name": list(self.channel_names)},
+            "Channel": {"Name": list(self.channel_names), **_ome_colors(self.channel_colors)},
             "MapAnnotation": {
                 "value_scale": repr(self.value_scale),
                 "value_offset": "0",

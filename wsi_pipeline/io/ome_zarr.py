@@ -49,12 +49,10 @@ from ome_zarr.format import FormatV04, FormatV05
 from ome_zarr.writer import write_multiscales_metadata
 
 from wsi_pipeline.io.atomic import partial_name, replace_tree
-from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, halve, pyramid_shapes, quantise
 
 NGFF_VERSIONS = ("0.4", "0.5")
 # Colours given to channels without one (hex RGB, as the omero metadata wants them).
-_PALETTE = ("FF0000", "00FF00", "0000FF", "FFFF00", "FF00FF", "00FFFF", "FF8000", "8000FF")
 
 
 class _Level:
@@ -135,17 +133,11 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
         ngff_version: str = "0.4",
         clevel: int = 5,
     ) -> None:
-        self._init_heatmap(path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale)
+        self._init_heatmap(
+            path, width, height, channels, channel_names, physical_size_um, tile, dtype, value_scale, channel_colors
+        )
         if ngff_version not in NGFF_VERSIONS:
             raise ValueError(f"{self.path}: ngff_version expected one of {NGFF_VERSIONS}, found {ngff_version!r}")
-        colors = (
-            [_PALETTE[k % len(_PALETTE)] for k in range(channels)]
-            if channel_colors is None
-            else ["{:02X}{:02X}{:02X}".format(*parse_color(c)) for c in channel_colors]
-        )
-        if len(colors) != channels:
-            raise ValueError(f"{self.path}: expected {channels} channel colours, found {len(colors)}")
-        self.channel_colors = colors
         self.ngff_version = ngff_version
         self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)
         self._fmt = FormatV04() if ngff_version == "0.4" else FormatV05()

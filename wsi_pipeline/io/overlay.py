@@ -1,4 +1,11 @@
-"""Overlay pictures: a slide thumbnail with the heatmap and the boxes drawn on it."""
+"""Overlay pictures: a slide thumbnail with the heatmap and the boxes drawn on it.
+
+Each class's boxes are drawn in its colour where that stands out against what the boxes
+surround (the picture under their centres, and its tissue), else in the colour of
+:data:`CONTRAST_COLORS` that stands out most (:func:`contrasting_colors`): a purple class is
+not drawn purple on purple nuclei. A legend strip below the picture (optional) names the
+classes in the colours drawn and shows the heatmap's colour scale.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,108 @@ from wsi_pipeline.io.atomic import atomic_write
 
 Color = tuple[int, int, int]
 _DEFAULT_COLOR: Color = (255, 255, 0)
+# Box colours that stand out on stained tissue and on the heatmap's colours, in order of preference.
+CONTRAST_COLORS: tuple[Color, ...] = (
+    (255, 255, 0),
+    (0, 255, 0),
+    (0, 255, 255),
+    (255, 128, 0),
+    (255, 255, 255),
+    (0, 0, 0),
+)
+# CIELAB distance (ΔE 1976) below which a box colour is too close to what it is drawn on.
+MIN_CONTRAST_DELTA_E = 60.0
+_SAMPLED_BOXES = 4096  # box centres sampled per class for the colour under the boxes
+_LEGEND_BACKGROUND: Color = (40, 40, 40)
+
+
+def _lab(colors: np.ndarray) -> np.ndarray:
+    """N x 3 uint8 RGB -> N x 3 CIELAB (L 0-100)."""
+    rgb = np.asarray(colors, np.float32).reshape(1, -1, 3) / 255.0
+    return cv2.cvtColor(rgb, cv2.COLOR_RGB2Lab).reshape(-1, 3)
+
+
+def _delta_e(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ΔE 1976 between each colour of ``a`` (N x 3 RGB) and each of ``b`` (M x 3): N x M."""
+    return np.linalg.norm(_lab(a)[:, None, :] - _lab(b)[None, :, :], axis=2)
+
+
+def tissue_color(thumbnail: np.ndarray) -> np.ndarray:
+    """The median colour of a thumbnail's tissue: its pixels that are not near grey (all of them
+    where none is)."""
+    flat = thumbnail.reshape(-1, 3)
+    spread = flat.max(1).astype(np.int16) - flat.min(1)
+    tissue = flat[spread > 20] if (spread > 20).any() else flat
+    return np.median(tissue[:: max(1, len(tissue) // 100_000)], axis=0)
+
+
+def contrasting_colors(
+    picture: np.ndarray,
+    centers_px: np.ndarray,
+    label_ids: np.ndarray,
+    colors: Sequence[Color],
+    tissue: np.ndarray | None = None,
+) -> list[Color]:
+    """Per class id, its colour, or the one of :data:`CONTRAST_COLORS` that stands out most, where
+    its colour is closer than :data:`MIN_CONTRAST_DELTA_E` to what its boxes are drawn on.
+
+    What they are drawn on: the median colour of ``picture`` (H x W x 3 RGB) under the class's box
+    centres (``centers_px``: N x 2 x, y picture pixels), and the slide's ``tissue`` colour
+    (default :func:`tissue_color` of ``picture``); a replacement also keeps apart from the other
+    classes' colours.
+    """
+    h, w = picture.shape[:2]
+    tissue_rgb = tissue_color(picture) if tissue is None else np.asarray(tissue, np.float64)
+    out: list[Color] = [tuple(int(v) for v in c) for c in colors]  # type: ignore[misc]
+    for k, color in enumerate(colors):
+        centres = centers_px[label_ids == k]
+        if not len(centres):
+            continue
+        centres = centres[:: max(1, len(centres) // _SAMPLED_BOXES)]
+        xs = np.clip(centres[:, 0].astype(np.int64), 0, w - 1)
+        ys = np.clip(centres[:, 1].astype(np.int64), 0, h - 1)
+        under = np.stack([np.median(picture[ys, xs], axis=0), tissue_rgb])
+        if _delta_e(np.array([color]), under).min() >= MIN_CONTRAST_DELTA_E:
+            continue
+        others = np.array([c for j, c in enumerate(out) if j != k] or [tissue_rgb])
+        candidates = np.array(CONTRAST_COLORS)
+        score = _delta_e(candidates, under).min(1) + np.where(_delta_e(candidates, others).min(1) < 1, -1000, 0)
+        out[k] = tuple(int(v) for v in candidates[int(np.argmax(score))])  # type: ignore[assignment]
+    return out
+
+
+def legend_strip(
+    width: int,
+    class_names: Sequence[str],
+    class_colors: Sequence[Color],
+    heatmap_names: Sequence[str] | None = None,
+    colormap: int = cv2.COLORMAP_JET,
+    threshold: float = 0.05,
+) -> np.ndarray:
+    """A legend ``width`` pixels wide: each class's name after a swatch of its box colour, then the
+    heatmap's colour scale (``threshold``..1; its classes named, where given). H x W x 3 uint8 RGB."""
+    font, scale, thick = cv2.FONT_HERSHEY_SIMPLEX, 0.45, 1
+    height = 24
+    strip = np.empty((height, width, 3), np.uint8)
+    strip[:] = _LEGEND_BACKGROUND
+    x = 6
+    for name, color in zip(class_names, class_colors, strict=True):
+        cv2.rectangle(strip, (x, 5), (x + 13, 18), tuple(int(v) for v in color), -1)
+        cv2.putText(strip, str(name), (x + 18, 17), font, scale, (255, 255, 255), thick, cv2.LINE_AA)
+        x += 18 + cv2.getTextSize(str(name), font, scale, thick)[0][0] + 14
+    if heatmap_names is not None:
+        label = "heatmap (" + ", ".join(heatmap_names) + ")" if heatmap_names else "heatmap"
+        cv2.putText(strip, label + f" {threshold:g}", (x, 17), font, scale, (255, 255, 255), thick, cv2.LINE_AA)
+        x += cv2.getTextSize(label + f" {threshold:g}", font, scale, thick)[0][0] + 4
+        bar_width = 100
+        values = np.linspace(threshold, 1.0, bar_width)
+        bar = cv2.applyColorMap(np.rint(values * 255).astype(np.uint8).reshape(1, -1), colormap)
+        bar = cv2.cvtColor(bar, cv2.COLOR_BGR2RGB)
+        end = min(width, x + bar_width)
+        if end > x:
+            strip[5:19, x:end] = bar[:, : end - x]
+        cv2.putText(strip, "1", (end + 4, 17), font, scale, (255, 255, 255), thick, cv2.LINE_AA)
+    return strip
 
 
 def _class_color(class_colors: Mapping[int, Color] | Sequence[Color] | None, label: int) -> Color:
@@ -38,6 +147,10 @@ def render_overlay(
     threshold: float = 0.05,
     colormap: int = cv2.COLORMAP_JET,
     line_thickness: int = 1,
+    contrast: bool = True,
+    legend: bool = False,
+    class_names: Sequence[str] | None = None,
+    heatmap_names: Sequence[str] | None = None,
 ) -> np.ndarray:
     """Draw a heatmap and boxes over a thumbnail.
 
@@ -56,9 +169,14 @@ def render_overlay(
         threshold: heatmap values at or below this are not drawn.
         colormap: an OpenCV colormap id.
         line_thickness: box outline in thumbnail pixels.
+        contrast: draw a class whose colour is too close to what its boxes lie on in a
+            contrasting colour instead (:func:`contrasting_colors`).
+        legend: add a :func:`legend_strip` below the picture (classes ``class_names``, default
+            ``class_k``, in the colours drawn; the heatmap's scale, its channels
+            ``heatmap_names``).
 
     Returns:
-        H x W x 3 uint8 RGB, a new array.
+        H x W x 3 uint8 RGB, a new array (taller by the legend strip, with ``legend``).
     """
     thumbnail = np.asarray(thumbnail)
     if thumbnail.ndim != 3 or thumbnail.shape[2] != 3 or thumbnail.dtype != np.uint8:
@@ -104,10 +222,11 @@ def render_overlay(
             raise ValueError(msg)
         corners = np.rint(boxes / thumb_downsample).astype(np.int64)
         label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
-        colors = np.array(
-            [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)] + [_DEFAULT_COLOR],
-            np.uint8,
-        )
+        drawn = [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
+        if contrast:
+            centres = (corners[:, :2] + corners[:, 2:]) / 2
+            drawn = contrasting_colors(out, centres, label_ids, drawn, tissue_color(thumbnail))
+        colors = np.array(drawn + [_DEFAULT_COLOR], np.uint8)
         box_colors = colors[np.where(label_ids >= 0, label_ids, len(colors) - 1)]
         if line_thickness == 1:
             draw_box_outlines(out, corners, box_colors)
@@ -115,7 +234,15 @@ def render_overlay(
             for (x0, y0, x1, y1), color in zip(corners.tolist(), box_colors.tolist(), strict=True):
                 # cv2 draws the closing corner inclusive: stop one pixel short.
                 cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)), tuple(color), line_thickness)
-    return out
+    else:
+        drawn = []
+    if not legend:
+        return out
+    n_classes = max(len(drawn), len(class_names or ()))
+    names = list(class_names or []) + [f"class_{k}" for k in range(len(class_names or ()), n_classes)]
+    legend_colors = drawn + [_class_color(class_colors, k) for k in range(len(drawn), n_classes)]
+    strip = legend_strip(tw, names, legend_colors, heatmap_names if heatmap is not None else None, colormap, threshold)
+    return np.concatenate([out, strip], axis=0)
 
 
 def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray) -> None:
@@ -173,9 +300,24 @@ def write_overlay(
     boxes: np.ndarray | None,
     labels: np.ndarray | None,
     class_colors: Sequence[Color] | None,
+    class_names: Sequence[str] | None = None,
+    heatmap_names: Sequence[str] | None = None,
+    legend: bool = True,
 ) -> Path:
-    """:func:`render_overlay` with its defaults, written as PNG (:func:`write_png`)."""
-    img = render_overlay(thumbnail, thumb_downsample, heatmap, heatmap_scale_level0, boxes, labels, class_colors)
+    """:func:`render_overlay` with its defaults and, with ``legend``, its legend strip, written as
+    PNG (:func:`write_png`)."""
+    img = render_overlay(
+        thumbnail,
+        thumb_downsample,
+        heatmap,
+        heatmap_scale_level0,
+        boxes,
+        labels,
+        class_colors,
+        legend=legend,
+        class_names=class_names,
+        heatmap_names=heatmap_names,
+    )
     return write_png(path, img)
 
 

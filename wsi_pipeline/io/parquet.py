@@ -2,12 +2,16 @@
 
 One row per detection, columns ``x0, y0, x1, y1`` (float32, level-0 pixels,
 origin top-left), ``score`` (float32), ``label`` (int32, index into the
-model's classes) and ``class`` (the label's name, dictionary-encoded). The
-detection array holds no tile index, so neither do the files. GeoParquet adds
-``geometry``: each box as a WKB Polygon (level-0 pixels, no CRS), with the
-GeoParquet ``geo`` metadata, so ``geopandas.read_parquet`` returns a
-GeoDataFrame. Rows are written in row groups of :data:`ROW_GROUP` rows, zstd
-compressed: besides the detection array, a writer holds one row group.
+model's classes), ``class`` (the label's name, dictionary-encoded) and, for
+detections with their tiles (:func:`~.detections.with_tiles`, as a run writes
+them), ``tile_row`` and ``tile_col`` (int32, the grid row and column of the
+tile whose core holds the box's centre). GeoParquet adds ``geometry``: each
+box as a WKB Polygon (level-0 pixels, no CRS), with the GeoParquet ``geo``
+metadata (version :data:`GEOPARQUET_VERSION`), so ``geopandas.read_parquet``
+returns a GeoDataFrame; a run writes it as ``detections.parquet``, the
+``.parquet`` extension GeoParquet 1.1 asks for, which pandas and DuckDB read
+as the plain table. Rows are written in row groups of :data:`ROW_GROUP` rows,
+zstd compressed: besides the detection array, a writer holds one row group.
 
 Needs pyarrow (extra ``parquet``); GeoParquet also shapely (extra ``geoparquet``).
 """
@@ -22,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .atomic import atomic_write
-from .detections import detection_class, labels_present
+from .detections import TILE_FIELDS, detection_class, has_tiles, labels_present
 
 # Rows a row group: ~2 MiB of columns; the GeoParquet writer holds their shapely boxes too (~0.1 GiB).
 ROW_GROUP = 1 << 16
@@ -31,11 +35,12 @@ GEOPARQUET_VERSION = "1.1.0"
 BOX_COLUMNS = ("x0", "y0", "x1", "y1")
 
 
-def _schema(geometry: bool, classes_doc: list[dict], bbox: list[float] | None):
+def _schema(geometry: bool, tiles: bool, classes_doc: list[dict], bbox: list[float] | None):
     import pyarrow as pa
 
     fields = [pa.field(k, pa.float32()) for k in (*BOX_COLUMNS, "score")]
     fields += [pa.field("label", pa.int32()), pa.field("class", pa.dictionary(pa.int32(), pa.string()))]
+    fields += [pa.field(k, pa.int32()) for k in TILE_FIELDS if tiles]
     meta = {"wsi_pipeline": json.dumps({"coordinates": "level-0 pixels, origin top-left", "classes": classes_doc})}
     if geometry:
         fields.append(pa.field("geometry", pa.binary()))
@@ -67,13 +72,15 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
     labels = np.array(labels_present(dets), np.int32)
     names = pa.array([detection_class(classes, int(lab))["name"] for lab in labels], pa.string())
     classes_doc = [{"label": int(lab), "name": detection_class(classes, int(lab))["name"]} for lab in labels]
-    schema = _schema(geometry, classes_doc, _bbox(dets) if geometry else None)
+    tiles = has_tiles(dets)
+    schema = _schema(geometry, tiles, classes_doc, _bbox(dets) if geometry else None)
     with atomic_write(path, "wb") as f, pq.ParquetWriter(f, schema, compression=COMPRESSION) as writer:
         for start in range(0, len(dets), ROW_GROUP):
             d = dets[start : start + ROW_GROUP]
             cols = [pa.array(d[k]) for k in (*BOX_COLUMNS, "score", "label")]
             codes = np.searchsorted(labels, d["label"]).astype(np.int32)
             cols.append(pa.DictionaryArray.from_arrays(pa.array(codes), names))
+            cols += [pa.array(d[k]) for k in TILE_FIELDS if tiles]
             if geometry:
                 cols.append(_wkb_boxes(d))
             writer.write_table(pa.Table.from_arrays(cols, schema=schema), row_group_size=ROW_GROUP)

@@ -9,7 +9,9 @@ of the slide (origin top-left, x to the right, y down).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,79 @@ PALETTE: tuple[RGB, ...] = (
 )
 # Where a run folder may hold its detections as GeoJSON, in the order looked for.
 GEOJSON_FILES = ("detections.geojson", "detections.geojson.zip", "detections.geojson.gz")
+# Every detection file a run may have written (docs/outputs.md), in the order looked for: Parquet
+# first (every box, read fastest; a GeoParquet too), then GeoJSON (class colours), CSV, the
+# GeoParquet name of earlier versions, the DSA annotation. DICOM is not read here.
+DETECTION_FILES = (
+    "detections.parquet",
+    *GEOJSON_FILES,
+    "detections.csv",
+    "detections.geoparquet",
+    "detections.dsa.json",
+)
+
+
+class NoDetectionFileWarning(UserWarning):
+    """A run folder holds none of :data:`DETECTION_FILES`: the review shows no detections."""
+
+
+def _read_table(path: Path) -> tuple[np.ndarray, dict[int, str]]:
+    """Detections and ``{label: class name}`` of a run's Parquet or CSV file."""
+    if path.suffix in (".parquet", ".geoparquet"):
+        if importlib.util.find_spec("pyarrow") is None:
+            raise WSIPipelineError(f"{path}: reading Parquet needs pyarrow: pip install 'wsi-pipeline[parquet]'")
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=[*DETECTION_DTYPE.names, "class"])
+        dets = np.empty(table.num_rows, DETECTION_DTYPE)
+        for name in DETECTION_DTYPE.names:
+            dets[name] = table.column(name).to_numpy()
+        found = dict(zip(table.column("label").to_pylist(), table.column("class").to_pylist(), strict=True))
+        return dets, found
+    try:
+        rows = np.loadtxt(path, delimiter=",", skiprows=1, usecols=range(6), quotechar='"', ndmin=2)
+    except (ValueError, OSError) as exc:
+        raise WSIPipelineError(f"{path}: not a readable detections CSV file: {exc}") from exc
+    dets = np.empty(len(rows), DETECTION_DTYPE)
+    for i, name in enumerate(DETECTION_DTYPE.names):
+        dets[name] = rows[:, i]
+    return dets, {}
+
+
+def read_run_detections(run_dir: Path, names: list[str]) -> tuple[np.ndarray, Path | None]:
+    """The detections of the first of :data:`DETECTION_FILES` the folder holds, and that file
+    (None, with an empty array and a :class:`NoDetectionFileWarning`, when it holds none).
+
+    Labels are the run's (``names``, the summary's classes, in label order); a class a file
+    names beyond them is appended to ``names``.
+    """
+    path = next((run_dir / n for n in DETECTION_FILES if (run_dir / n).is_file()), None)
+    if path is None:
+        message = (
+            f"{run_dir}: no detection file ({', '.join(DETECTION_FILES)}): the run's formats wrote none "
+            f"that the review reads, so it shows no detections; rerun with --formats geojson, csv or parquet"
+        )
+        warnings.warn(message, NoDetectionFileWarning, stacklevel=3)
+        return np.zeros(0, DETECTION_DTYPE), None
+    if path.name in GEOJSON_FILES:
+        dets = read_geojson(path, classes=[{"name": n} for n in names])
+        if len(dets) and int(dets["label"].max()) >= len(names):  # names the summary did not list
+            for feat in load_geojson(path).get("features", []):
+                n = ((feat.get("properties") or {}).get("classification") or {}).get("name", "object")
+                if n not in names:
+                    names.append(n)
+        return dets, path
+    if path.name.endswith(".dsa.json"):
+        from ..io.dsa import read_dsa
+
+        dets = read_dsa(path, [{"name": n} for n in names])
+        found = {}
+    else:
+        dets, found = _read_table(path)
+    for label in sorted(set(np.unique(dets["label"]).tolist()) - set(range(len(names)))):
+        names.extend(f"class_{k}" for k in range(len(names), label))
+        names.append(found.get(label, f"class_{label}"))
+    return dets, path
 
 
 def _card_classes(card_path: str | None) -> tuple[list[str], list[RGB], int | None] | None:
@@ -103,6 +178,7 @@ class ReviewRun:
     heatmap_scale_level0: float = 1.0
     run_dir: Path | None = None
     slide: Slide | None = field(default=None, repr=False)
+    detections_file: Path | None = field(default=None, repr=False)  # the file load_run read them from
 
     # -- construction ------------------------------------------------------
     @classmethod
@@ -238,8 +314,10 @@ def _slide_folder(run_dir: Path) -> Path:
 
 
 def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Slide | None = None) -> ReviewRun:
-    """Load a run folder (summary.json, detections.geojson (or .geojson.zip, .geojson.gz), heatmap.ome.tif
-    when written).
+    """Load a run folder (summary.json, the detections from whichever file the run wrote of
+    :data:`DETECTION_FILES`, recorded as ``detections_file``; heatmap.ome.tif when written).
+    A folder without any detection file loads with no detections, a logged warning and a
+    :class:`NoDetectionFileWarning`.
 
     ``run_dir`` is one slide's folder (``pipe.run(..., out_dir=...)``, or
     ``DIR/slides/<name>`` of ``wsi-pipeline run --out DIR``), or a batch
@@ -259,19 +337,10 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
         names, colors = card[0], list(card[1])
     else:
         colors = []
-    # The GeoJSON the run wrote, in whichever of its formats (docs/outputs.md).
-    geo = next((p for p in (run_dir / n for n in GEOJSON_FILES) if p.is_file()), run_dir / GEOJSON_FILES[0])
-    if geo.is_file():
-        dets = read_geojson(geo, classes=[{"name": n} for n in names])
-    else:
-        dets = np.zeros(0, DETECTION_DTYPE)
-    if len(dets) and int(dets["label"].max()) >= len(names):  # names the summary did not list
-        for feat in load_geojson(geo).get("features", []):
-            n = ((feat.get("properties") or {}).get("classification") or {}).get("name", "object")
-            if n not in names:
-                names.append(n)
+    dets, detections_file = read_run_detections(run_dir, names)
     if len(colors) != len(names):
-        found = _geojson_colors(geo, names) if geo.is_file() else {}
+        geo = next((p for p in (run_dir / n for n in GEOJSON_FILES) if p.is_file()), None)
+        found = _geojson_colors(geo, names) if geo is not None else {}
         colors = [found.get(n, PALETTE[i % len(PALETTE)]) for i, n in enumerate(names)]
 
     mpp = tuple(summary["mpp"]) if summary.get("mpp") else None
@@ -310,7 +379,8 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
         heatmap_scale_level0=float(scale),
         run_dir=run_dir,
         slide=opened,
+        detections_file=detections_file,
     )
 
 
-__all__ = ["PALETTE", "ReviewRun", "load_run", "parse_color"]
+__all__ = ["DETECTION_FILES", "PALETTE", "NoDetectionFileWarning", "ReviewRun", "load_run", "parse_color"]
