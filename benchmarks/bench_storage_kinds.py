@@ -143,13 +143,19 @@ def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
     with open_slide(synth) as src:
         for kind in kinds:
             if kind == "dicom":
-                try:
-                    from wsi_pipeline.synthetic.storage import write_dicom_storage
-                except ImportError as exc:
-                    log(f"dicom: not written ({exc})")
-                    continue
+                # A VL Whole Slide Microscopy series of JPEG Baseline frames (YBR_FULL_422, 256 px),
+                # as the tests write them (level 0 held whole: a benchmark-sized slide fits).
+                sys.path.insert(0, str(ROOT / "tests"))
+                from helpers import write_dicom_wsi
+
                 t0 = time.perf_counter()
-                paths[kind] = write_dicom_storage(src, work / "dicom")["path"]
+                folder = work / "dicom"
+                folder.mkdir(exist_ok=True)
+                image = src.read_region((0, 0), 0, src.dimensions)
+                levels = max(1, min(4, len(src.level_dimensions)))
+                write_dicom_wsi(folder, "slide", image, levels=levels, mpp=src.mpp[0], jpeg="YBR_FULL_422")
+                del image
+                paths[kind] = str(folder)
             else:
                 t0 = time.perf_counter()
                 ext = "svs" if kind == "svs" else "tiff"

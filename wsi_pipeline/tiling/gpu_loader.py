@@ -260,33 +260,44 @@ def nvimgcodec_module() -> Any:
         return _NVIMGCODEC[0]
 
 
-_NVIMGCODEC_DECODERS: dict[int, Any] = {}
+# Idle nvImageCodec decoders per device: a decoder serves one call at a time (concurrent calls on one
+# decoder broke its internal state on the GPU machine), and making one costs set-up, so loader
+# threads take one from here and give it back, from run to run.
+_NVIMGCODEC_IDLE: dict[int, list[Any]] = {}
 
 
-def nvimgcodec_decode(data: list[np.ndarray], device: torch.device, stream: Any) -> tuple[list[torch.Tensor], Any]:
+def nvimgcodec_decode(data: list[bytes], device: torch.device, stream: Any) -> tuple[list[torch.Tensor], Any]:
     """Decode RGB JPEG streams (no colour transform) with nvImageCodec, converting nothing.
 
-    ``data``: 1-D uint8 arrays, one stream each; ``stream``: the CUDA stream the decoding is ordered
-    on. Returns ``h x w x 3`` uint8 tensors on ``device`` (views of nvImageCodec's images) and the
+    ``data``: one ``bytes`` per stream (nvImageCodec reads a buffer from its start: views into a
+    larger array are not streams to it); ``stream``: the CUDA stream the decoding is ordered on.
+    Returns ``h x w x 3`` uint8 tensors on ``device`` (views of nvImageCodec's images) and the
     images themselves, to be kept alive until the work reading the tensors is done. The hardware
-    JPEG engines are tried first, then the CUDA decoder (nvImageCodec picks per stream). Raises
-    RuntimeError for a stream it cannot decode.
+    JPEG engines are tried first, then the hybrid CPU-GPU decoder (nvImageCodec picks per stream;
+    its GPU-only decoder could not be made on the GPU machine). Raises RuntimeError for a stream it
+    cannot decode.
     """
     nv = nvimgcodec_module()
     if nv is None:
         raise ConfigError("jpeg_decoder 'nvimgcodec': nvidia-nvimgcodec is not installed")
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _NVIMGCODEC_LOCK:
-        decoder = _NVIMGCODEC_DECODERS.get(index)
-        if decoder is None:
-            backends = [nv.Backend(nv.BackendKind.HW_GPU_ONLY), nv.Backend(nv.BackendKind.GPU_ONLY)]
-            decoder = _NVIMGCODEC_DECODERS[index] = nv.Decoder(device_id=index, backends=backends)
-    # SYCC: the components as stored. An RGB stream's are R, G, B; the default (sRGB) would convert
-    # them from YCbCr.
-    params = nv.DecodeParams(color_spec=nv.ColorSpec.SYCC)
-    images = decoder.decode(data, params=params, cuda_stream=stream.cuda_stream)
-    if any(im is None for im in images):
-        raise RuntimeError(f"nvImageCodec could not decode {sum(im is None for im in images)} of {len(images)} streams")
+        idle = _NVIMGCODEC_IDLE.setdefault(index, [])
+        decoder = idle.pop() if idle else None
+    if decoder is None:
+        backends = [nv.Backend(nv.BackendKind.HW_GPU_ONLY), nv.Backend(nv.BackendKind.HYBRID_CPU_GPU)]
+        decoder = nv.Decoder(device_id=index, backends=backends)
+    try:
+        # SYCC: the components as stored. An RGB stream's are R, G, B; the default (sRGB) would
+        # convert them from YCbCr.
+        params = nv.DecodeParams(color_spec=nv.ColorSpec.SYCC)
+        images = decoder.decode(data, params=params, cuda_stream=stream.cuda_stream)
+    finally:
+        with _NVIMGCODEC_LOCK:
+            _NVIMGCODEC_IDLE[index].append(decoder)
+    failed = sum(im is None for im in images)
+    if failed:
+        raise RuntimeError(f"nvImageCodec could not decode {failed} of {len(images)} streams")
     return [torch.as_tensor(im, device=device) for im in images], images
 
 
@@ -508,7 +519,7 @@ class GpuTileDecoder:
             kept[1].synchronize()
             self._local.nvimgcodec_kept = None
         bounds = np.cumsum([0, *sizes]).tolist()
-        data = [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        data = [buf[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         stream = torch.cuda.current_stream(self.device)
         tensors, images = nvimgcodec_decode(data, self.device, stream)
         self._local.nvimgcodec_pending = images
