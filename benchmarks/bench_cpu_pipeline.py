@@ -1,8 +1,11 @@
 """The CPU product path against the model alone on the same tiles (ONNX Runtime).
 
     python benchmarks/bench_cpu_pipeline.py [--size 8192] [--rounds 3] [--json out.json]
+    python benchmarks/bench_cpu_pipeline.py --storage svs --mpp 0.5     # Aperio-style SVS, 20x model
 
-On a synthetic pathology slide (seed 7) and the shipped pathology model:
+On a synthetic pathology slide (seed 7; with ``--storage KIND`` its pixels stored as that kind of
+:mod:`wsi_pipeline.synthetic.storage`, e.g. an Aperio-style SVS) and the shipped pathology model
+(at its own resolution, or ``--mpp``: tiles read from level 0 and resampled):
 
 - ``Pipeline.run(slide)`` with the default CPU settings (ONNX Runtime, 2
   sessions of 1 thread on a 2-core machine, batch 8), no outputs written:
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from wsi_pipeline import Pipeline  # noqa: E402
 from wsi_pipeline.slide import open_slide  # noqa: E402
 from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
+from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage  # noqa: E402
 from wsi_pipeline.tiling.grid import TileGrid, read_tile  # noqa: E402
 from wsi_pipeline.tiling.tissue import tissue_mask  # noqa: E402
 
@@ -62,11 +66,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--storage", default="synth", choices=["synth", *STORAGE_KINDS])
+    ap.add_argument("--mpp", type=float, help="the grid's resolution (default: the model card's)")
     ap.add_argument("--json")
     args = ap.parse_args()
     path = Path(tempfile.mkdtemp(prefix="bench_cpu_")) / "s.tiff"
     write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
-    with Pipeline.from_card(backend="ort") as pipe:
+    if args.storage != "synth":
+        with open_slide(path) as src:
+            ext = "svs" if args.storage == "svs" else "tiff"
+            path = Path(write_storage(src, path.with_name(f"{args.storage}.{ext}"), args.storage)["path"])
+    with Pipeline.from_card(backend="ort", **({"mpp": args.mpp} if args.mpp else {})) as pipe:
         with open_slide(path) as slide:
             grid = TileGrid(slide, geometry=pipe._geometry(slide))
             sel = grid.select(tissue_mask(slide, "otsu").tile_fractions(grid), pipe.config.min_tissue)
@@ -82,6 +92,9 @@ def main() -> int:
             print(f"round: pipeline {runs[-1]:.1f} tiles/s, model alone {alone[-1]:.1f} tiles/s", flush=True)
         out = {
             "slide_px": args.size,
+            "storage": args.storage,
+            "mpp": args.mpp,
+            "slide_reader": res.summary.get("slide_reader"),
             "tiles": int(len(tiles)),
             "batch_size": pipe.batch_size,
             "sessions": len(pipe.executor._workers),
