@@ -220,7 +220,7 @@ def main() -> int:
     for r in rows:
         if "error" in r or r["mpp"] not in ref:
             continue
-        a, b = r.pop("_boxes"), ref[r["mpp"]]["_boxes"]
+        a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]
         r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)
         r["matched_vs_synth"] = round(match_share(a, b), 4)
         alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
