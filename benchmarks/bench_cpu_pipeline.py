@@ -74,7 +74,7 @@ def main() -> int:
     write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
     if args.storage != "synth":
         with open_slide(path) as src:
-            ext = "svs" if args.storage == "svs" else "tiff"
+            ext = "svs" if args.storage.startswith("svs") else "tiff"
             path = Path(write_storage(src, path.with_name(f"{args.storage}.{ext}"), args.storage)["path"])
     with Pipeline.from_card(backend="ort", **({"mpp": args.mpp} if args.mpp else {})) as pipe:
         with open_slide(path) as slide:

@@ -27,5 +27,7 @@ def storage_kinds(tmp_path_factory):
     paths = {"synth": str(synth)}
     with open_slide(synth) as src:
         for kind in STORAGE_KINDS:
-            paths[kind] = write_storage(src, folder / f"{kind}.{'svs' if kind == 'svs' else 'tiff'}", kind)["path"]
+            paths[kind] = write_storage(src, folder / f"{kind}.{'svs' if kind.startswith('svs') else 'tiff'}", kind)[
+                "path"
+            ]
     return paths

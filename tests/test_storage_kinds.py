@@ -23,6 +23,7 @@ KIND_NAMES = {
     "tiff-ycbcr444": "YCbCr 4:4:4",
     "tiff-rgb": "RGB",
     "svs": "RGB",
+    "svs-j2k": None,
 }
 
 
@@ -41,6 +42,8 @@ def test_each_kind_reads_as_openslide_reads_it(storage_kinds, kind):
         assert slide.level_dimensions == tuple(tuple(d) for d in osr.level_dimensions)
         assert slide.mpp == pytest.approx((0.25, 0.25))
         assert slide.stored_tile_format(0)["jpeg_kind"] == KIND_NAMES[kind]
+        if kind == "svs-j2k":
+            assert slide.stored_tile_format(0)["compression"] == "APERIO_JP2000_YCBC"
         origins, size = _lattice(slide)
         diffs = []
         for level in range(slide.level_count):

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import cv2
 import imagecodecs
 import numpy as np
 import simplejpeg
@@ -34,6 +35,9 @@ from .jpeg_kind import JpegKind
 from .resolution import tiff_page_mpp
 from .stored_tiles import StoredTileSlide, _fill, _with_tables
 from .tiff_file import check_page_data, open_tifffile
+
+# TIFF compression 33003: Aperio's JPEG 2000 of YCbCr samples (33005 holds RGB).
+APERIO_JP2000_YCBCR = 33003
 
 
 @dataclass
@@ -299,6 +303,11 @@ class TiffSlide(StoredTileSlide):
             seg = np.repeat(seg, 3, axis=2)
         elif spp == 4:
             seg = composite_rgba(seg, self.background_rgb)
+        elif lv.page.compression == APERIO_JP2000_YCBCR:
+            # Aperio's YCbCr JPEG 2000 holds Y, Cb, Cr planes without the codestream's colour
+            # transform; tifffile returns them as they are, OpenSlide converts them (JFIF's full range).
+            cv2.cvtColor(seg[..., [0, 2, 1]], cv2.COLOR_YCrCb2RGB, dst=out)
+            return out
         out[...] = seg
         return out
 

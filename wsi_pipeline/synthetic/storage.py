@@ -19,6 +19,9 @@ Kinds (:data:`STORAGE_KINDS`):
     their quantisation and Huffman tables in the page's JPEGTables tag; levels at downsample 4,
     16, ...; the thumbnail as the second page, label (LZW) and macro (JPEG) pages last; mpp and
     magnification in the Aperio ImageDescription.
+``svs-j2k``
+    the same with Aperio's JPEG 2000 (TIFF compression 33003): Y, Cb, Cr planes (JFIF's full
+    range) in a J2K codestream without its own colour transform, as OpenSlide decodes them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ..errors import ConfigError
 from ..io.atomic import partial_name
 from ..slide.base import Slide
 
-STORAGE_KINDS = ("tiff-ycbcr420", "tiff-ycbcr422", "tiff-ycbcr444", "tiff-rgb", "svs")
+STORAGE_KINDS = ("tiff-ycbcr420", "tiff-ycbcr422", "tiff-ycbcr444", "tiff-rgb", "svs", "svs-j2k")
 _SUBSAMPLING = {"tiff-ycbcr420": (2, 2), "tiff-ycbcr422": (2, 1), "tiff-ycbcr444": (1, 1)}
 # Levels stop at the first whose longer side is at most this.
 _SMALLEST_LEVEL_SIDE = 1024
@@ -72,6 +75,9 @@ def split_jpeg_tables(stream: bytes) -> tuple[bytes, bytes]:
 
 
 def _encode(tile: np.ndarray, kind: str, quality: int) -> bytes:
+    if kind == "svs-j2k":
+        ycc = cv2.cvtColor(tile, cv2.COLOR_RGB2YCrCb)[..., [0, 2, 1]]
+        return imagecodecs.jpeg2k_encode(np.ascontiguousarray(ycc), level=quality, codecformat="J2K", mct=False)
     if kind in ("tiff-rgb", "svs"):
         return imagecodecs.jpeg8_encode(tile, level=quality, colorspace="RGB", outcolorspace="RGB")
     return imagecodecs.jpeg8_encode(
@@ -136,7 +142,7 @@ def write_storage(
     path = os.fspath(path)
     width, height = source.dimensions
     mpp = source.mpp[0] if source.mpp else None
-    svs = kind == "svs"
+    svs = kind.startswith("svs")
     plan = _level_plan(width, height, 4 if svs else 2)
     bigtiff = width * height * 3 > 2**31
     tmp = partial_name(path)
@@ -179,10 +185,14 @@ def _write_level(
 ) -> None:
     tiles = _tiles(source, downsample, lw, lh, tile)
     extratags: list = []
-    if kind == "svs":
+    if kind == "svs-j2k":
+        data: Iterator = (_encode(t, kind, quality) for t in tiles)
+        description = _aperio_description(lw, lh, tile, quality, None if mpp is None else mpp * downsample, "J2K/YUV16")
+        resolution: dict = {}
+    elif kind == "svs":
         tables, _ = split_jpeg_tables(_encode(np.zeros((tile, tile, 3), np.uint8), kind, quality))
         extratags.append((347, 7, len(tables), tables, True))  # JPEGTables, shared by every tile
-        data: Iterator = (split_jpeg_tables(_encode(t, kind, quality))[1] for t in tiles)
+        data = (split_jpeg_tables(_encode(t, kind, quality))[1] for t in tiles)
         description = _aperio_description(lw, lh, tile, quality, None if mpp is None else mpp * downsample, "JPEG/RGB")
         resolution: dict = {}
     else:
@@ -192,20 +202,20 @@ def _write_level(
         if mpp is not None:
             per_cm = 1e4 / (mpp * downsample)
             resolution = {"resolution": (per_cm, per_cm), "resolutionunit": "CENTIMETER"}
-    rgb = kind in ("tiff-rgb", "svs")
+    rgb = kind in ("tiff-rgb", "svs", "svs-j2k")
     tw.write(
         data,
         shape=(lh, lw, 3),
         dtype=np.uint8,
         tile=(tile, tile),
         photometric="rgb",
-        compression="jpeg",
+        compression=33003 if kind == "svs-j2k" else "jpeg",
         # The streams are encoded here; these arguments only make tifffile write the tags that
         # describe them (photometric RGB or YCbCr, and YCbCrSubSampling).
-        compressionargs={"outcolorspace": "RGB"} if rgb else None,
+        compressionargs={"outcolorspace": "RGB"} if rgb and kind != "svs-j2k" else None,
         subsampling=None if rgb else _SUBSAMPLING[kind],
         # Aperio marks its pyramid levels as full images (tifffile's SVS series expects that).
-        subfiletype=0 if first or kind == "svs" else 1,
+        subfiletype=0 if first or kind.startswith("svs") else 1,
         description=description,
         software="wsi-pipeline",
         metadata=None,
