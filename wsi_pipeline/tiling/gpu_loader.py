@@ -36,8 +36,8 @@ Measured on one H200 with 16 cores (docs/gpu.md): nvJPEG about 4,300 and
 the threads about 2,500 patches/s alone; torchvision runs one nvJPEG call
 at a time (a global lock), so more loader threads do not help it.
 
-Pixels past the level's edge take the slide's background colour, as in the
-CPU readers. Only grids that read a level as it is are supported (no
+Pixels past the level's edge are the image reflected, as the CPU path fills
+them (:func:`~.grid.fill_past_edge`). Only grids that read a level as it is are supported (no
 resize: ``tile.read_size == tile.size``), and only 3-sample JPEG levels.
 On a CPU device (``device="cpu"``, for tests) the same code runs without
 CUDA streams or events.
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, TileReadError
-from .grid import Tile
+from .grid import Tile, reflect_index
 from .jpeg_processes import JpegHelpers, cpu_share_tile, decode_stored_tile
 
 log = logging.getLogger(__name__)
@@ -616,9 +616,10 @@ class GpuTileDecoder:
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
         if sx0 < sx1 and sy0 < sy1:
             canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
-        ar = torch.arange(size, device=self.device)
-        yy = (torch.tensor(ys0, device=self.device) - py0)[:, None] + ar[None, :]
-        xx = (torch.tensor(xs0, device=self.device) - px0)[:, None] + ar[None, :]
+        # Pixels past the level's edge: the image reflected, as the CPU reader fills them.
+        ar = np.arange(size)
+        yy = torch.from_numpy(reflect_index(np.asarray(ys0)[:, None] + ar, lh) - py0).to(self.device)
+        xx = torch.from_numpy(reflect_index(np.asarray(xs0)[:, None] + ar, lw) - px0).to(self.device)
         return canvas[yy[:, :, None], xx[:, None, :]], kept
 
 
