@@ -56,11 +56,6 @@ def test_every_size_is_covered_and_tiles_past_the_border_only_by_less_than_the_s
                 assert x0[0] == 0 and (np.diff(x0) > 0).all() and (np.diff(x0) <= 448).all()  # no gap
 
 
-def _frame_and_truth(scene: SyntheticScene, w: int, h: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    boxes, labels = scene.objects_in(1024, 1024, w, h)
-    return scene.render(1024, 1024, w, h), boxes - [1024, 1024, 1024, 1024], labels
-
-
 @pytest.mark.parametrize("card_name", CARDS)
 def test_edge_tiles_give_no_box_of_padding_and_no_false_box_at_the_edge(card_name):
     kind, mpp = CARDS[card_name]
@@ -75,10 +70,13 @@ def test_edge_tiles_give_no_box_of_padding_and_no_false_box_at_the_edge(card_nam
         if pad:
             by_padding[pad] = size
     assert by_padding, "no size is padded"
+    # Every frame is the top-left corner of one rendered 512 px square.
+    whole = scene.render(1024, 1024, 512, 512)
+    truth, truth_labels = scene.objects_in(1024, 1024, 512, 512)
+    truth -= 1024
     tiles, cases = [], []
     for size in by_padding.values():
-        frame, truth, truth_labels = _frame_and_truth(scene, size, size)
-        grid = TileGrid(ImageSlide.from_array(frame), 512, 64)
+        grid = TileGrid(ImageSlide.from_array(np.ascontiguousarray(whole[:size, :size])), 512, 64)
         last = grid[len(grid) - 1]
         tiles.append(grid.read(last))
         cases.append((size, last, truth, truth_labels))
