@@ -42,6 +42,7 @@ from .batch_folder import (
     SLIDES_DIR,
     OutputFolderError,
     clean_leftovers,
+    held_names,
     lock_output_folder,
     output_names,
     printable,
@@ -351,13 +352,14 @@ class BatchReport:
 
 
 def plan(
-    slides: list[Path], out_dir: Path, key: RunKey, force: bool
+    slides: list[Path], out_dir: Path, key: RunKey, force: bool, names: list[str] | None = None
 ) -> tuple[list[tuple[Path, str]], list[SlideOutcome]]:
     """Split slides into (to run, already done) by their folders' run keys and input identities;
-    log why each slide that has outputs is redone."""
+    log why each slide that has outputs is redone. ``names``: the slides' folder names
+    (:func:`output_names` of the slides alone by default)."""
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
-    for path, name in zip(slides, output_names(slides), strict=True):
+    for path, name in zip(slides, output_names(slides) if names is None else names, strict=True):
         summary, reason = (None, "--force") if force else resume_state(slide_dir(out_dir, name), key, path)
         if reason is None:
             done.append(SlideOutcome(name, str(path), "skipped", counts=(summary or {}).get("counts", {})))
@@ -405,7 +407,9 @@ def run_batch(
             ) from None
         clean_leftovers(out)
         manifest = Manifest(out)
-        todo, done = plan(slides, out, key, force)
+        # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
+        names = output_names(slides, held_names(out, manifest.slides))
+        todo, done = plan(slides, out, key, force, names)
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
             log.info("%s: already done with these settings, skipped", o.path)
@@ -472,7 +476,7 @@ def run_batch(
                 bar.close()
             if runner is not None:
                 runner.close()  # again after the loop's own close: a no-op then
-    order = output_names(slides)
+    order = names
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 
