@@ -58,8 +58,8 @@ def tiny(tmp_path_factory) -> Path:
 
 
 class _Result:
-    def __init__(self, counts):
-        self.summary = {"counts": counts}
+    def __init__(self, counts, warnings=()):
+        self.summary = {"counts": counts, "warnings": list(warnings)}
 
 
 class _SlowWrittenResult(_Result):
@@ -110,7 +110,7 @@ class FakePipeline:
         )
         if name.startswith("slowwrite") and not wait_written:
             return _SlowWrittenResult({"nucleus": 1}, name, log)
-        return _Result({"nucleus": 1})
+        return _Result({"nucleus": 1}, [f"{path}: level 0 is 0.499 um/px"] if name.startswith("warn") else [])
 
     def close(self):
         self.closed = True
@@ -374,6 +374,24 @@ def test_a_later_run_never_replaces_another_slides_results(tmp_path, caplog, fir
         "skipped",
         "skipped",
     ]
+
+
+def test_slides_with_warnings_are_marked_in_the_manifest_and_the_table(tmp_path):
+    paths = _slides(tmp_path / "in", "warned.tiff", "plain.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
+    m = _manifest(tmp_path / "out")
+    assert m["warned"]["warnings"] == [f"{paths[0]}: level 0 is 0.499 um/px"] and m["plain"]["warnings"] == []
+    table = report.table()
+    assert "done (1 warning)" in table and f"warning: warned: {paths[0]}: level 0 is 0.499 um/px" in table
+    # A rerun that skips them still marks the slide, from its summary.
+    (tmp_path / "out" / "slides" / "warned" / "summary.json").write_text(
+        json.dumps(
+            {**json.loads((tmp_path / "out" / "slides" / "warned" / "summary.json").read_text()), "warnings": ["w"]}
+        )
+    )
+    again = run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False).table()
+    assert "done earlier (1 warning)" in again
 
 
 def test_a_second_run_into_the_same_folder_is_refused(tmp_path, tiny):

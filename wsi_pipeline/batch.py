@@ -339,7 +339,7 @@ class BatchReport:
         rows = [("slide", "status", "detections", "seconds")]
         for o in self.outcomes:
             counts = ", ".join(f"{k} {v}" for k, v in o.counts.items()) if o.counts else "-"
-            status = "done earlier" if o.status == "skipped" else o.status
+            status = ("done earlier" if o.status == "skipped" else o.status) + o.warned
             rows.append((printable(o.name), status, counts, f"{o.seconds:.1f}"))
         widths = [max(display_width(r[i]) for r in rows) for i in range(4)]
         lines = [
@@ -348,6 +348,8 @@ class BatchReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for o in self.failed:
             lines.append(printable(f"failed: {o.name}: {o.error}"))
+        for o in self.outcomes:
+            lines.extend(printable(f"warning: {o.name}: {w}") for w in o.warnings)
         return "\n".join(lines)
 
 
@@ -362,7 +364,12 @@ def plan(
     for path, name in zip(slides, output_names(slides) if names is None else names, strict=True):
         summary, reason = (None, "--force") if force else resume_state(slide_dir(out_dir, name), key, path)
         if reason is None:
-            done.append(SlideOutcome(name, str(path), "skipped", counts=(summary or {}).get("counts", {})))
+            summary = summary or {}
+            done.append(
+                SlideOutcome(
+                    name, str(path), "skipped", counts=summary.get("counts", {}), warnings=summary.get("warnings") or []
+                )
+            )
             continue
         if reason != "not run yet":
             log.info("%s: redone: %s", path, reason)
@@ -426,10 +433,13 @@ def run_batch(
         manifest.update_records(
             {
                 **{
-                    o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts) for o in done
+                    o.name: dict(
+                        **path_record(o.path), status="done", run_key=key.value, counts=o.counts, warnings=o.warnings
+                    )
+                    for o in done
                 },
                 **{
-                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None)
+                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None, warnings=[])
                     for path, name in todo
                 },
             }

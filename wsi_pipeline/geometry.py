@@ -25,12 +25,12 @@ blender, the ownership policy and the stitcher's level-0 mapping read it.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from . import slide_warnings
 from .errors import ConfigError
 
 # Relative tolerance under which two resolutions count as equal.
@@ -98,7 +98,7 @@ def read_resolution(
                 f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
                 "resolution is unknown; choose a level instead"
             )
-        warnings.warn(
+        slide_warnings.warn(
             f"{slide.path}: resolution unknown; the model expects {want} um/px, reading level 0", stacklevel=3
         )
         return 0, float(slide.level_downsamples[0])
@@ -108,7 +108,7 @@ def read_resolution(
                 f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
                 f"({slide.mpp[0]:.4g} um/px); upsampling is not supported"
             )
-        warnings.warn(
+        slide_warnings.warn(
             f"{slide.path}: level 0 is {slide.mpp[0]:.4g} um/px, coarser than the model's "
             f"{want} um/px; reading level 0 as it is",
             stacklevel=3,
