@@ -387,7 +387,10 @@ def test_helpers_that_hang_fail_the_batch_and_ended_ones_are_replaced(slide_path
 
     slide = TiffSlide(slide_path)
     tiles = list(TileGrid(slide))
-    helpers = JpegHelpers(2, 16, timeout_s=2)
+    # Healthy helpers get all the time a loaded machine needs (starting, mapping, decoding); only
+    # the stopped ones meet a short limit, which they miss whatever the load: they never answer.
+    patient_s = 600
+    helpers = JpegHelpers(2, 16, timeout_s=patient_s)
 
     def run_all() -> dict:
         loader = GpuTileLoader(slide, tiles, batch_size=3, device="cpu", helpers=helpers)
@@ -398,8 +401,10 @@ def test_helpers_that_hang_fail_the_batch_and_ended_ones_are_replaced(slide_path
         stopped = helpers.processes
         for proc in stopped:
             os.kill(proc.pid, signal.SIGSTOP)  # alive, never answering
+        helpers.timeout_s = 2
         with pytest.raises(TileReadError, match="did not (finish decoding stored tiles|map a buffer) within 2 s"):
             run_all()
+        helpers.timeout_s = patient_s
         assert all(proc.poll() is not None for proc in stopped)  # the hung ones were killed
         helpers.start_processes()
         ended = helpers.processes
