@@ -340,7 +340,7 @@ class Pipeline:
         if keep_heatmap is None:
             keep_heatmap = out is None
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
-        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue)
+        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue, method)
         if tissue_warning:
             log.warning("%s: %s", slide.path, tissue_warning)
         extra_summary = {"tissue_warning": tissue_warning, "warnings": list(plan.warnings), **extra_summary}
