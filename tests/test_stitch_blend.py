@@ -409,7 +409,8 @@ BLEND_DEVICES = [
 @pytest.mark.parametrize("device", BLEND_DEVICES)
 @pytest.mark.parametrize("step", [12, 7])
 @pytest.mark.parametrize("background", [False, True])
-def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, background):
+@pytest.mark.parametrize("shift", [0, 5])  # 5: the last row and column moved back to end at the border
+def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, background, shift):
     """Numpy on the host, torch on the CPU and on CUDA: runs with gaps, single tiles, skips, all alike.
 
     ``background``: the rows go through a :class:`BackgroundSink` (two sinks on two threads), which
@@ -424,8 +425,10 @@ def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, backgr
         n_cols=n_cols,
         tile_size_out=16,
         step_out=step,
-        out_height=(n_rows - 1) * step + 11,
-        out_width=(n_cols - 1) * step + 9,
+        out_height=(n_rows - 1) * step + 11 - shift,
+        out_width=(n_cols - 1) * step + 9 - shift,
+        last_row_shift_out=shift,
+        last_col_shift_out=shift,
     )
     weights = tile_weights(16, "hann")
     present = {

@@ -358,7 +358,8 @@ class HeatmapBlender:
             for first in range(a, min(a + 2, b)):
                 c = int(cols[first])
                 parity = c % 2
-                n = (g.n_cols - parity + 1) // 2  # the row's columns of this parity
+                # The row's columns of this parity on the lattice (a shifted last one is added alone).
+                n = (g.n_cols - (1 if g.last_col_shift_out else 0) - parity + 1) // 2
                 view = self._xp.every_other_tile(band, parity * s, (self.channels, t, n, t), 2 * s)
                 k = (b - first + 1) // 2  # tiles first, first + 2, ... < b
                 dst = view[:, :, c // 2 : c // 2 + k]
