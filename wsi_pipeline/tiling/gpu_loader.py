@@ -616,10 +616,13 @@ class GpuTileDecoder:
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
         if sx0 < sx1 and sy0 < sy1:
             canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
-        # Pixels past the level's edge: the image reflected, as the CPU reader fills them.
-        ar = np.arange(size)
-        yy = torch.from_numpy(reflect_index(np.asarray(ys0)[:, None] + ar, lh) - py0).to(self.device)
-        xx = torch.from_numpy(reflect_index(np.asarray(xs0)[:, None] + ar, lw) - px0).to(self.device)
+        if py1 > lh or px1 > lw:  # past the level's edge: the image reflected, as the CPU reader fills it
+            at_y = np.clip(reflect_index(np.arange(py0, py1), lh) - py0, 0, None)
+            at_x = np.clip(reflect_index(np.arange(px0, px1), lw) - px0, 0, None)
+            canvas = canvas[torch.from_numpy(at_y).to(self.device)][:, torch.from_numpy(at_x).to(self.device)]
+        ar = torch.arange(size, device=self.device)
+        yy = (torch.tensor(ys0, device=self.device) - py0)[:, None] + ar[None, :]
+        xx = (torch.tensor(xs0, device=self.device) - px0)[:, None] + ar[None, :]
         return canvas[yy[:, :, None], xx[:, None, :]], kept
 
 
