@@ -58,8 +58,8 @@ def tiny(tmp_path_factory) -> Path:
 
 
 class _Result:
-    def __init__(self, counts):
-        self.summary = {"counts": counts}
+    def __init__(self, counts, warnings=()):
+        self.summary = {"counts": counts, "warnings": list(warnings)}
 
 
 class _SlowWrittenResult(_Result):
@@ -110,7 +110,7 @@ class FakePipeline:
         )
         if name.startswith("slowwrite") and not wait_written:
             return _SlowWrittenResult({"nucleus": 1}, name, log)
-        return _Result({"nucleus": 1})
+        return _Result({"nucleus": 1}, [f"{path}: level 0 is 0.499 um/px"] if name.startswith("warn") else [])
 
     def close(self):
         self.closed = True
@@ -346,6 +346,52 @@ def test_slide_names_never_meet_each_other_or_the_batch_files(tmp_path, tiny):
     assert sorted(os.listdir(out / "slides")) == sorted(folder_names)
     sources = {json.loads((out / "slides" / n / "summary.json").read_text())["slide"] for n in folder_names}
     assert len(sources) == len(paths)  # every slide kept its own result
+
+
+@pytest.mark.parametrize("first,second", [("d1/frame.png", "d2/frame.png"), ("qc_frame.png", "qc_frame.jpg")])
+def test_a_later_run_never_replaces_another_slides_results(tmp_path, caplog, first, second):
+    """A slide of the same stem in a later run gets a name of its own; the earlier results, and
+    their manifest record, are kept, and the log says where each went."""
+    out = tmp_path / "out"
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    key = _key(config)
+    a = _slides(tmp_path / "in" / Path(first).parent, Path(first).name)
+    b = _slides(tmp_path / "in" / Path(second).parent, Path(second).name)
+    b[0].write_bytes(b"other" * 50)
+    caplog.set_level("INFO", "wsi_pipeline")
+    run_batch(a, out, FakePipeline, config, key, progress=False)
+    report = run_batch(b, out, FakePipeline, config, key, progress=False)
+    stem = Path(first).stem
+    (name_b,) = [o.name for o in report.outcomes]
+    assert name_b != stem and name_b.startswith(f"{stem}-")
+    assert sorted(os.listdir(out / "slides")) == sorted([stem, name_b])
+    m = _manifest(out)
+    assert m[stem]["path"] == str(a[0]) and m[name_b]["path"] == str(b[0])
+    assert {m[stem]["status"], m[name_b]["status"]} == {"done"}
+    assert f"slides/{stem} holds the results of {a[0]} from an earlier run, which are kept" in caplog.text
+    # Each slide keeps its name on later runs, alone or together: nothing is redone.
+    assert [o.status for o in run_batch(a + b, out, FakePipeline, config, key, progress=False).outcomes] == [
+        "skipped",
+        "skipped",
+    ]
+
+
+def test_slides_with_warnings_are_marked_in_the_manifest_and_the_table(tmp_path):
+    paths = _slides(tmp_path / "in", "warned.tiff", "plain.tiff")
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
+    m = _manifest(tmp_path / "out")
+    assert m["warned"]["warnings"] == [f"{paths[0]}: level 0 is 0.499 um/px"] and m["plain"]["warnings"] == []
+    table = report.table()
+    assert "done (1 warning)" in table and f"warning: warned: {paths[0]}: level 0 is 0.499 um/px" in table
+    # A rerun that skips them still marks the slide, from its summary.
+    (tmp_path / "out" / "slides" / "warned" / "summary.json").write_text(
+        json.dumps(
+            {**json.loads((tmp_path / "out" / "slides" / "warned" / "summary.json").read_text()), "warnings": ["w"]}
+        )
+    )
+    again = run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False).table()
+    assert "done earlier (1 warning)" in again
 
 
 def test_a_second_run_into_the_same_folder_is_refused(tmp_path, tiny):

@@ -169,3 +169,33 @@ def test_cluster_usage_error_leaves_no_pending_manifest(coarse_slide, tmp_path, 
     assert rc == 2, capsys.readouterr().err
     assert "--dask" in capsys.readouterr().err
     assert not (out / "manifest.json").exists()
+
+
+# -- shipped models by name, one name per meaning ----------------------------------------------
+
+
+def test_shipped_models_are_taken_by_name_and_listed(tmp_path, capsys, monkeypatch):
+    from wsi_pipeline.config import load_config
+    from wsi_pipeline.inference import load_card
+
+    monkeypatch.chdir(tmp_path)  # no engines/ here: the name alone finds the shipped card
+    assert load_card("defects_industrial", verify_model=False).name == "defects_industrial"
+    toml = tmp_path / "qc.toml"
+    toml.write_text('[run]\nmodel = "defects_industrial"\n')
+    assert load_config(toml).model == "defects_industrial"
+    with pytest.raises(Exception, match="the name of a shipped model: defects_industrial"):
+        load_card("no_such_model", verify_model=False)
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    assert "shipped model by name: defects_industrial" in " ".join(capsys.readouterr().out.split())
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "defects_industrial" in out and "nuclei_pathology  (default)" in out
+
+
+def test_info_names_the_slide_reader_and_keeps_backend_as_an_old_name(coarse_slide, capsys):
+    assert cli.main(["info", str(coarse_slide), "--reader", "tifffile"]) == 0
+    assert "(read with tifffile)" in capsys.readouterr().out
+    assert cli.main(["info", str(coarse_slide), "--backend", "tifffile"]) == 0
+    captured = capsys.readouterr()
+    assert "(read with tifffile)" in captured.out and "--backend is deprecated here, use --reader" in captured.err

@@ -12,14 +12,16 @@ pytest.importorskip("matplotlib")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 # Smaller than the defaults, so the three run in well under a minute on two cores.
-# Widgets are left out: without a front end, nbclient waits out the cell timeout on their output
-# (they are tested by calling their redraw functions in test_review.py).
+# WSI_NB_WIDGETS is left unset: a headless run must leave the widgets out by itself (they are
+# tested by calling their redraw functions in test_review.py), as nbconvert --execute would run it.
 SMALL = {
     "WSI_NB_SLIDE_SIZE": "1536",
     "WSI_NB_N_IMAGES": "4",
     "WSI_NB_IMAGE_SIZE": "768",
     "MPLBACKEND": "",
-    "WSI_NB_WIDGETS": "0",
+    "WSI_NB_WIDGETS": "",
+    "JPY_SESSION_NAME": "",
+    "VSCODE_PID": "",
 }
 
 
@@ -85,6 +87,13 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         assert (work / "review_run" / "summary.json").is_file()
         assert (work / "detections_filtered.geojson").is_file()
         assert images_shown(nb) >= 4  # overview, region, gallery, counts
+        widget_views = [
+            o
+            for c in nb.cells
+            for o in c.get("outputs", [])
+            if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+        ]
+        assert widget_views == []  # headless: no widgets
     else:
         assert len(list((work / "qc_images").glob("*.png"))) == int(SMALL["WSI_NB_N_IMAGES"])
         assert "PASS" in text or "FAIL" in text

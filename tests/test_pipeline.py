@@ -439,3 +439,21 @@ def test_the_writer_processes_do_not_import_the_main_script(slide_path, tmp_path
     assert int(proc.stdout.split()[-1]) > 0  # the files were written by writer processes
     assert len(ran.read_text().split()) == 1
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_every_warning_about_a_slide_is_in_its_summary(pipe, tmp_path):
+    """The resolution mismatch, on stderr before, is in summary.json's warnings; on every run of
+    the same file (a warnings filter shows a repeated message once), and in the written summary."""
+    path = tmp_path / "coarse.tiff"
+    write_synthetic_slide(path, 600, 600, seed=3, kind="pathology", mpp=0.499)
+    for run in range(2):
+        with pytest.warns(UserWarning, match="coarser than the model's"):
+            result = pipe.run(path, out_dir=tmp_path / f"out{run}")
+        (said,) = [w for w in result.summary["warnings"] if "coarser" in w]
+        assert said == f"{path}: level 0 is 0.499 um/px, coarser than the model's 0.25 um/px; reading level 0 as it is"
+        written = json.loads((tmp_path / f"out{run}" / "summary.json").read_text())
+        assert said in written["warnings"]
+    for _ in range(2):
+        unknown, no_tissue = pipe.run(np.full((300, 300, 3), 200, np.uint8)).summary["warnings"]
+        assert unknown == "<array>: resolution unknown; the model expects 0.25 um/px, reading level 0"
+        assert no_tissue.startswith("<array>: no tile selected")

@@ -408,3 +408,13 @@ def test_widgets_redraw_when_available(monkeypatch):
     picker.update()
     ax = plt.figure(plt.get_fignums()[-1]).axes[0]
     assert ax.images[0].get_extent() == [96, 224, 160, 32]
+
+
+def test_widgets_are_shown_only_under_a_live_front_end_unless_asked():
+    from wsi_pipeline.review import widgets_wanted
+
+    assert not widgets_wanted({})  # nbclient, nbconvert, papermill: no front end's variables
+    assert widgets_wanted({"JPY_SESSION_NAME": "/work/02_review_results.ipynb"})  # Jupyter Server
+    assert widgets_wanted({"VSCODE_PID": "123"})
+    assert not widgets_wanted({"JPY_SESSION_NAME": "x.ipynb", "WSI_NB_WIDGETS": "0"})
+    assert widgets_wanted({"WSI_NB_WIDGETS": "1"})

@@ -34,12 +34,14 @@ def naive_blend(geom: BlendGeometry, tiles: dict, skipped: set, weights: np.ndar
     """Whole-canvas reference: sum(w * p) / sum(w)."""
     num = np.zeros((channels, geom.canvas_height, geom.canvas_width))
     den = np.zeros((geom.canvas_height, geom.canvas_width))
-    t, s = geom.tile_size_out, geom.step_out
+    t = geom.tile_size_out
     for (r, c), p in tiles.items():
-        num[:, r * s : r * s + t, c * s : c * s + t] += p * weights
-        den[r * s : r * s + t, c * s : c * s + t] += weights
+        y, x = geom.row_y0(r), geom.col_x0(c)
+        num[:, y : y + t, x : x + t] += p * weights
+        den[y : y + t, x : x + t] += weights
     for r, c in skipped:
-        den[r * s : r * s + t, c * s : c * s + t] += weights
+        y, x = geom.row_y0(r), geom.col_x0(c)
+        den[y : y + t, x : x + t] += weights
     out = num / den
     return out[:, : geom.out_height, : geom.out_width]
 
@@ -132,9 +134,8 @@ def tile_prediction(image: np.ndarray, stride: int) -> np.ndarray:
 
 
 def run_tiled(image, tile, overlap, stride, kind, geom=None, window_rows=2):
-    """Tile ``image`` on the step lattice with background padding, blend the tiles' predictions."""
+    """Tile ``image`` as the grid places tiles, padding the rest, blend the tiles' predictions."""
     h, w = image.shape
-    step = tile - overlap
     if geom is None:
         geom = BlendGeometry.from_tiling(TilingGeometry(w, h, tile, overlap, heatmap_stride=stride))
     padded = np.zeros((geom.canvas_height * stride, geom.canvas_width * stride), dtype=image.dtype)
@@ -145,7 +146,8 @@ def run_tiled(image, tile, overlap, stride, kind, geom=None, window_rows=2):
     )
     for r in range(geom.n_rows):
         for c in range(geom.n_cols):
-            patch = padded[r * step : r * step + tile, c * step : c * step + tile]
+            y0, x0 = geom.row_y0(r) * stride, geom.col_x0(c) * stride  # the last ones end at the border
+            patch = padded[y0 : y0 + tile, x0 : x0 + tile]
             blender.add(r, c, tile_prediction(patch, stride))
     blender.close()
     return sink.out
@@ -155,7 +157,7 @@ def run_tiled(image, tile, overlap, stride, kind, geom=None, window_rows=2):
 def test_blend_of_equivariant_predictor_equals_untiled_prediction(kind):
     rng = np.random.default_rng(5)
     # A smooth random field, 300 x 236 px (not a multiple of the step: the last
-    # tiles extend past the image and are padded).
+    # tiles are moved back to end at the image's border, off the lattice).
     coarse = rng.random((12, 10))
     image = cv2.resize(coarse, (236, 300), interpolation=cv2.INTER_CUBIC).astype(np.float64)
     stride = 4
@@ -349,8 +351,9 @@ def test_background_sink_reads_copied_rows_only_after_their_copy():
     assert seen["a"] == seen["b"] == [float(k) for k in range(20)]
 
 
-@pytest.mark.parametrize("step", [12, 7])  # 7: tiles two columns apart overlap, one add per tile
-def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
+# 7: tiles two columns apart overlap, one add per tile; shift 5: the last row and column end at the border
+@pytest.mark.parametrize("step,shift", [(12, 0), (7, 0), (12, 5)])
+def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step, shift):
     rng = np.random.default_rng(3)
     n_cols = 11
     geom = BlendGeometry(
@@ -358,8 +361,10 @@ def test_adding_a_run_of_tiles_equals_the_whole_canvas_blend(step):
         n_cols=n_cols,
         tile_size_out=16,
         step_out=step,
-        out_height=2 * step + 16,
-        out_width=(n_cols - 1) * step + 16,
+        out_height=2 * step + 16 - shift,
+        out_width=(n_cols - 1) * step + 16 - shift,
+        last_row_shift_out=shift,
+        last_col_shift_out=shift,
     )
     weights = tile_weights(16, "gaussian")
     present = {0: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 1: [1, 2, 4, 5, 6, 9], 2: [3, 7]}
@@ -404,7 +409,8 @@ BLEND_DEVICES = [
 @pytest.mark.parametrize("device", BLEND_DEVICES)
 @pytest.mark.parametrize("step", [12, 7])
 @pytest.mark.parametrize("background", [False, True])
-def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, background):
+@pytest.mark.parametrize("shift", [0, 5])  # 5: the last row and column moved back to end at the border
+def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, background, shift):
     """Numpy on the host, torch on the CPU and on CUDA: runs with gaps, single tiles, skips, all alike.
 
     ``background``: the rows go through a :class:`BackgroundSink` (two sinks on two threads), which
@@ -419,8 +425,10 @@ def test_blending_on_a_device_equals_the_whole_canvas_blend(device, step, backgr
         n_cols=n_cols,
         tile_size_out=16,
         step_out=step,
-        out_height=(n_rows - 1) * step + 11,
-        out_width=(n_cols - 1) * step + 9,
+        out_height=(n_rows - 1) * step + 11 - shift,
+        out_width=(n_cols - 1) * step + 9 - shift,
+        last_row_shift_out=shift,
+        last_col_shift_out=shift,
     )
     weights = tile_weights(16, "hann")
     present = {

@@ -33,3 +33,20 @@ def test_core_of_inner_and_edge_tiles():
     assert (x0, x1) == (32.0, np.inf) and (y0, y1) == (-np.inf, 480.0)
     with pytest.raises(ValueError, match="row 3"):
         tile_core_px(3, 0, 3, 3, 512, 64)
+
+
+def test_cores_partition_a_grid_whose_last_row_and_column_end_at_the_border():
+    tile, overlap, n_rows, n_cols, shift = 512, 64, 3, 4, 300
+    step = tile - overlap
+    x0s = [c * step - (shift if c == n_cols - 1 else 0) for c in range(n_cols)]
+    y0s = [r * step - (shift if r == n_rows - 1 else 0) for r in range(n_rows)]
+    rng = np.random.default_rng(1)
+    centres = rng.uniform(0, [x0s[-1] + tile, y0s[-1] + tile], (3000, 2))
+    boxes_level0 = np.c_[centres - 3, centres + 3]
+    owners = np.zeros(len(centres), dtype=int)
+    for r in range(n_rows):
+        for c in range(n_cols):
+            local = boxes_level0 - [x0s[c], y0s[r], x0s[c], y0s[r]]
+            inside = (local[:, 2] > 0) & (local[:, 0] < tile) & (local[:, 3] > 0) & (local[:, 1] < tile)
+            owners += owned_by_tile(local, r, c, n_rows, n_cols, tile, overlap, (shift, shift)) & inside
+    assert (owners == 1).all()

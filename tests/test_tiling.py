@@ -18,28 +18,33 @@ def _blank(h, w):
 
 
 @pytest.mark.parametrize("w,h", [(512, 512), (513, 1000), (4100, 3000), (100, 50)])
-def test_grid_covers_slide_on_the_lattice(w, h):
+def test_grid_covers_slide_last_tile_ends_at_the_border(w, h):
     grid = TileGrid(_blank(h, w), tile_size=512, overlap=64)
     tiles = list(grid)
     assert len(tiles) == grid.n_rows * grid.n_cols
     xs = sorted({t.x0_level0 for t in tiles})
     ys = sorted({t.y0_level0 for t in tiles})
-    assert xs == [448 * i for i in range(grid.n_cols)]
-    assert ys == [448 * i for i in range(grid.n_rows)]
-    # The last tile reaches the edge, and one fewer tile would not.
-    assert xs[-1] + 512 >= w and ys[-1] + 512 >= h
+    # On the lattice but the last, which ends at the border (or starts at 0 when the slide is smaller).
+    assert xs[:-1] == [448 * i for i in range(grid.n_cols - 1)]
+    assert ys[:-1] == [448 * i for i in range(grid.n_rows - 1)]
+    assert xs[-1] == max(0, w - 512) and ys[-1] == max(0, h - 512)
     assert len(xs) == 1 or xs[-2] + 512 < w
     assert [t.index for t in tiles] == list(range(len(tiles)))
 
 
-def test_grid_edge_tile_is_padded_with_background():
+def test_grid_edge_tile_holds_image_pixels_only():
     img = smooth_rgb(700, 900)
     grid = TileGrid(ImageSlide.from_array(img), 512, 64)
     last = grid[len(grid) - 1]
-    patch = grid.read(last)
-    assert patch.shape == (512, 512, 3)
-    np.testing.assert_array_equal(patch[: 700 - 448, : 900 - 448], img[448:, 448:])
-    assert (patch[700 - 448 :] == 255).all() and (patch[:, 900 - 448 :] == 255).all()
+    np.testing.assert_array_equal(grid.read(last), img[700 - 512 :, 900 - 512 :])
+
+
+def test_slide_smaller_than_a_tile_is_one_tile_filled_by_reflection():
+    img = smooth_rgb(100, 60)
+    grid = TileGrid(ImageSlide.from_array(img), 512, 64)
+    assert len(grid) == 1
+    patch = grid.read(grid[0])
+    np.testing.assert_array_equal(patch, cv2.copyMakeBorder(img, 0, 412, 0, 452, cv2.BORDER_REFLECT_101))
 
 
 def test_grid_at_level_and_target_mpp(pyramid_tiff):
@@ -96,10 +101,8 @@ def test_tissue_mask_all_and_blank():
     assert tissue_mask(s, thumbnail_size=256).fraction < 0.01
     all_mask = tissue_mask(s, method="all")
     frac = all_mask.tile_fractions(TileGrid(s))
-    # Every tile counts; the edge tiles by the part of them inside the slide.
-    np.testing.assert_allclose(
-        frac, [[1, 1, 104 / 512], [1, 1, 104 / 512], [104 / 512, 104 / 512, (104 / 512) ** 2]], atol=0.01
-    )
+    # Every tile counts, the edge tiles too: they end at the slide's border.
+    np.testing.assert_allclose(frac, np.ones((3, 3)), atol=0.01)
 
 
 def test_user_masks_image_and_geojson(tmp_path):

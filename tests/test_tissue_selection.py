@@ -117,3 +117,24 @@ def test_all_white_image_from_the_cli_warns_in_the_log_and_summary(tmp_path):
     assert "WARNING" in (log := (out / "run.log").read_text()) and "no tile selected" in log
     summary = json.loads((out / "slides" / "white" / "summary.json").read_text())
     assert summary["tiles"]["read"] == 0 and "no tile selected" in summary["tissue_warning"]
+
+
+@pytest.mark.parametrize("side", [100, 16])
+def test_an_image_smaller_than_a_tile_is_one_tile_as_much_tissue_as_the_image(side):
+    frame = np.full((side, side, 3), 128, np.uint8)
+    if side >= 100:
+        yy, xx = np.mgrid[:side, :side]
+        frame[(yy - 50) ** 2 + (xx - 50) ** 2 < 12**2] = 40  # one spot
+    with Pipeline.from_card("defects_industrial", backend="ort") as p:
+        result = p.run(frame)
+    assert result.summary["tiles"]["read"] == 1 and result.summary["tissue_warning"] is None
+    assert len(result.detections) == (1 if side >= 100 else 0)
+
+
+def test_the_advice_names_the_setting_that_excluded_the_tiles():
+    tm = tissue_mask(ImageSlide.from_array(np.full((300, 300, 3), 128, np.uint8)), "all")
+    said = tm.selection_warning(0, 1, 0.5, "all")
+    assert "--min-tissue, now 0.5" in said and "use tissue 'all'" not in said
+    said = tm.selection_warning(0, 1, 0.5, "otsu")
+    assert "--tissue all" in said and "--min-tissue" in said
+    assert "mask file covers" in tm.selection_warning(0, 1, 0.5, "file")

@@ -42,6 +42,7 @@ from .batch_folder import (
     SLIDES_DIR,
     OutputFolderError,
     clean_leftovers,
+    held_names,
     lock_output_folder,
     output_names,
     printable,
@@ -338,7 +339,7 @@ class BatchReport:
         rows = [("slide", "status", "detections", "seconds")]
         for o in self.outcomes:
             counts = ", ".join(f"{k} {v}" for k, v in o.counts.items()) if o.counts else "-"
-            status = "done earlier" if o.status == "skipped" else o.status
+            status = ("done earlier" if o.status == "skipped" else o.status) + o.warned
             rows.append((printable(o.name), status, counts, f"{o.seconds:.1f}"))
         widths = [max(display_width(r[i]) for r in rows) for i in range(4)]
         lines = [
@@ -347,20 +348,28 @@ class BatchReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for o in self.failed:
             lines.append(printable(f"failed: {o.name}: {o.error}"))
+        for o in self.outcomes:
+            lines.extend(printable(f"warning: {o.name}: {w}") for w in o.warnings)
         return "\n".join(lines)
 
 
 def plan(
-    slides: list[Path], out_dir: Path, key: RunKey, force: bool
+    slides: list[Path], out_dir: Path, key: RunKey, force: bool, names: list[str] | None = None
 ) -> tuple[list[tuple[Path, str]], list[SlideOutcome]]:
     """Split slides into (to run, already done) by their folders' run keys and input identities;
-    log why each slide that has outputs is redone."""
+    log why each slide that has outputs is redone. ``names``: the slides' folder names
+    (:func:`output_names` of the slides alone by default)."""
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
-    for path, name in zip(slides, output_names(slides), strict=True):
+    for path, name in zip(slides, output_names(slides) if names is None else names, strict=True):
         summary, reason = (None, "--force") if force else resume_state(slide_dir(out_dir, name), key, path)
         if reason is None:
-            done.append(SlideOutcome(name, str(path), "skipped", counts=(summary or {}).get("counts", {})))
+            summary = summary or {}
+            done.append(
+                SlideOutcome(
+                    name, str(path), "skipped", counts=summary.get("counts", {}), warnings=summary.get("warnings") or []
+                )
+            )
             continue
         if reason != "not run yet":
             log.info("%s: redone: %s", path, reason)
@@ -405,7 +414,9 @@ def run_batch(
             ) from None
         clean_leftovers(out)
         manifest = Manifest(out)
-        todo, done = plan(slides, out, key, force)
+        # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
+        names = output_names(slides, held_names(out, manifest.slides))
+        todo, done = plan(slides, out, key, force, names)
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
             log.info("%s: already done with these settings, skipped", o.path)
@@ -422,10 +433,13 @@ def run_batch(
         manifest.update_records(
             {
                 **{
-                    o.name: dict(**path_record(o.path), status="done", run_key=key.value, counts=o.counts) for o in done
+                    o.name: dict(
+                        **path_record(o.path), status="done", run_key=key.value, counts=o.counts, warnings=o.warnings
+                    )
+                    for o in done
                 },
                 **{
-                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None)
+                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None, warnings=[])
                     for path, name in todo
                 },
             }
@@ -472,7 +486,7 @@ def run_batch(
                 bar.close()
             if runner is not None:
                 runner.close()  # again after the loop's own close: a no-op then
-    order = output_names(slides)
+    order = names
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
 

@@ -23,10 +23,12 @@ import shutil
 import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from .errors import UsageError, WSIPipelineError
+from .summary import read_summary
 
 try:
     import fcntl
@@ -82,21 +84,33 @@ def _path_hash(p: Path, digits: int) -> str:
     return hashlib.sha1(os.fsencode(os.path.realpath(p))).hexdigest()[:digits]
 
 
-def output_names(paths: list[Path]) -> list[str]:
+def output_names(paths: list[Path], held: Mapping[str, str] | None = None) -> list[str]:
     """A folder name per slide: its stem, with a hash of its path where names would meet.
 
     Names are compared case-folded (a case-insensitive file system would merge
-    ``A`` and ``a``). Stems that occur once keep their name; the others get
-    ``-<8 hex>`` of their real path, longer where that still meets another name
-    (a file named like another slide's hashed folder), so no two slides share
-    a folder. The same inputs give the same names on every run.
+    ``A`` and ``a``). ``held``: the names earlier runs gave in this output
+    folder, each to the absolute path of its slide (:func:`held_names`). A
+    slide that holds a name keeps it; a name held by another slide's results
+    is not given again, so no run replaces another slide's results. Stems that
+    occur once and are free keep their name; the others get ``-<8 hex>`` of
+    their real path, longer where that still meets another name (a file named
+    like another slide's hashed folder), so no two slides share a folder. The
+    same inputs give the same names on every run.
     """
+    held = {} if held is None else dict(held)
+    earlier = {n.casefold(): (n, p) for n, p in held.items()}
+    own = {os.path.realpath(p): n for n, p in held.items()}
+    taken = {n.casefold() for n in held}
+    names: list[str | None] = [own.get(os.path.realpath(p)) for p in paths]
     stems = [_safe(_stem(p)) for p in paths]
     counts: dict[str, int] = {}
-    for s in stems:
-        counts[s.casefold()] = counts.get(s.casefold(), 0) + 1
-    names: list[str | None] = [s if counts[s.casefold()] == 1 else None for s in stems]
-    taken = {n.casefold() for n in names if n is not None}
+    for s, n in zip(stems, names, strict=True):
+        if n is None:
+            counts[s.casefold()] = counts.get(s.casefold(), 0) + 1
+    for i, s in enumerate(stems):
+        if names[i] is None and counts[s.casefold()] == 1 and s.casefold() not in taken:
+            names[i] = s
+            taken.add(s.casefold())
     for i, (p, s) in enumerate(zip(paths, stems, strict=True)):
         if names[i] is not None:
             continue
@@ -106,7 +120,37 @@ def output_names(paths: list[Path]) -> list[str]:
                 break
         names[i] = candidate
         taken.add(candidate.casefold())
+        if s.casefold() in earlier:
+            name, other = earlier[s.casefold()]
+            log.warning(
+                "%s: slides/%s holds the results of %s from an earlier run, which are kept; "
+                "this slide's go to slides/%s",
+                p,
+                name,
+                other,
+                candidate,
+            )
     return [n for n in names if n is not None]
+
+
+def held_names(out_dir: str | os.PathLike[str], records: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The slide names earlier runs gave in ``out_dir``, each to its slide's absolute path.
+
+    From the manifest's ``records`` (every slide an earlier run named, done or
+    not), and the ``slide`` of the summaries of folders it does not list (a
+    manifest lost or unreadable).
+    """
+    held = {n: str(r["path"]) for n, r in records.items() if isinstance(r, Mapping) and r.get("path")}
+    folder = slides_dir(out_dir)
+    known = {n.casefold() for n in held}
+    if folder.is_dir():
+        for d in folder.iterdir():
+            if d.name.startswith(".") or d.name.casefold() in known:
+                continue
+            slide = (read_summary(d) or {}).get("slide")
+            if isinstance(slide, str):
+                held[d.name] = slide
+    return held
 
 
 # -- one run at a time ------------------------------------------------------------

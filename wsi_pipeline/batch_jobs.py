@@ -43,6 +43,7 @@ class SlideOutcome:
     error: str | None = None
     worker: str | None = None
     tiles: int | None = None  # tiles read (None when not run)
+    warnings: list[str] = field(default_factory=list)  # its summary's warnings
 
     def as_record(self) -> dict[str, Any]:
         return {
@@ -53,13 +54,20 @@ class SlideOutcome:
             "error": self.error,
             "worker": self.worker,
             "tiles": self.tiles,
+            "warnings": self.warnings,
         }
 
+    @property
+    def warned(self) -> str:
+        """`` (N warnings)`` where its summary has warnings, else empty."""
+        n = len(self.warnings)
+        return f" ({n} warning{'s' if n > 1 else ''})" if n else ""
+
     def describe(self) -> str:
-        """One line for the log: seconds, tiles read, detections per class."""
+        """One line for the log: seconds, tiles read, detections per class, warnings."""
         counts = ", ".join(f"{k} {v}" for k, v in self.counts.items()) or "no classes"
         tiles = f"{self.tiles} tiles read, " if self.tiles is not None else ""
-        return f"{self.path}: done in {self.seconds:.1f} s, {tiles}{counts}"
+        return f"{self.path}: done in {self.seconds:.1f} s, {tiles}{counts}{self.warned}"
 
 
 def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -216,6 +224,7 @@ class StartedSlide:
                 time.perf_counter() - self.t0,
                 dict(summary["counts"]),
                 tiles=(summary.get("tiles") or {}).get("read"),
+                warnings=list(summary.get("warnings") or []),
             )
         except KeyboardInterrupt:
             self.discard("the outputs of an interrupted slide")

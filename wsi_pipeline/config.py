@@ -243,9 +243,14 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
         if extra:
             raise ConfigError(f"{path}: unknown section or key {sorted(extra)[0]!r} beside [run]")
         doc = doc["run"]
+    from .inference.shipped import is_shipped_name
+
     folder = os.path.dirname(os.path.abspath(path))
     for key in PATH_KEYS:
         value = doc.get(key)
         if isinstance(value, str) and value and "\x00" not in value and not os.path.isabs(value):
-            doc[key] = os.path.join(folder, os.path.expanduser(value))
+            beside = os.path.join(folder, os.path.expanduser(value))
+            # A shipped model's name stays a name unless the folder holds a file of that name.
+            if key != "model" or os.path.exists(beside) or not is_shipped_name(value):
+                doc[key] = beside
     return RunConfig.from_mapping(doc, path)

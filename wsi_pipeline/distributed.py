@@ -207,6 +207,7 @@ def run_on_dask(
                 rec["error"],
                 rec.get("worker"),
                 rec.get("tiles"),
+                rec.get("warnings") or [],
             )
     finally:
         client.close()

@@ -11,8 +11,12 @@ Four pixel planes, named by suffix wherever a value is in one of them:
 - ``_heatmap``: the slide heatmap's pixels, ``heatmap_stride`` grid pixels
   each (``heatmap_scale_level0`` level-0 pixels).
 
-The grid pads: the last row and column reach past the slide, so every tile
-origin lies on the lattice (see :mod:`wsi_pipeline.tiling.grid`).
+Edge policy: tile origins lie on the lattice except the last row's and
+column's, which are shifted back to end at the slide's border (rounded up to
+the heatmap stride, so heatmaps still land on whole heatmap pixels): a tile
+holds image pixels only, never padding, wherever the slide is at least a tile
+large. An axis shorter than a tile is one tile, padded by reflection (see
+:mod:`wsi_pipeline.tiling.grid`).
 :class:`TilingGeometry` is built and validated once per run
 (:meth:`TilingGeometry.for_slide`); the grid, the tissue fractions, the
 blender, the ownership policy and the stitcher's level-0 mapping read it.
@@ -21,12 +25,12 @@ blender, the ownership policy and the stitcher's level-0 mapping read it.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from . import slide_warnings
 from .errors import ConfigError
 
 # Relative tolerance under which two resolutions count as equal.
@@ -94,7 +98,7 @@ def read_resolution(
                 f"{slide.path}: a target mpp of {mpp} was asked for, but the slide's "
                 "resolution is unknown; choose a level instead"
             )
-        warnings.warn(
+        slide_warnings.warn(
             f"{slide.path}: resolution unknown; the model expects {want} um/px, reading level 0", stacklevel=3
         )
         return 0, float(slide.level_downsamples[0])
@@ -104,7 +108,7 @@ def read_resolution(
                 f"{slide.path}: target {mpp} um/px is finer than the slide's level 0 "
                 f"({slide.mpp[0]:.4g} um/px); upsampling is not supported"
             )
-        warnings.warn(
+        slide_warnings.warn(
             f"{slide.path}: level 0 is {slide.mpp[0]:.4g} um/px, coarser than the model's "
             f"{want} um/px; reading level 0 as it is",
             stacklevel=3,
@@ -197,13 +201,36 @@ class TilingGeometry:
         """A tile's side in level-0 pixels."""
         return self.tile * self.downsample
 
+    @property
+    def last_shift_grid(self) -> tuple[int, int]:
+        """(x, y) grid pixels by which the last column and row are moved back from the lattice.
+
+        The last tile of an axis ends at the slide's border (its origin
+        rounded up to the heatmap stride) instead of reaching past it; 0 where
+        the lattice tile already ends there or the axis is shorter than a tile.
+        """
+        return (
+            _last_shift(self.n_cols, self.step, self.tile, self.width_grid, self.heatmap_stride or 1),
+            _last_shift(self.n_rows, self.step, self.tile, self.height_grid, self.heatmap_stride or 1),
+        )
+
+    def col_x0_grid(self, col: int | np.ndarray) -> np.ndarray:
+        """Grid x of the left edge of tile column(s) ``col``."""
+        col = np.asarray(col, np.int64)
+        return col * self.step - np.where(col == self.n_cols - 1, self.last_shift_grid[0], 0)
+
+    def row_y0_grid(self, row: int | np.ndarray) -> np.ndarray:
+        """Grid y of the top edge of tile row(s) ``row``."""
+        row = np.asarray(row, np.int64)
+        return row * self.step - np.where(row == self.n_rows - 1, self.last_shift_grid[1], 0)
+
     def col_x0_level0(self, col: int | np.ndarray) -> int | np.ndarray:
         """Level-0 x of the left edge of tile column(s) ``col`` (rounded to whole pixels)."""
-        return _round_level0(np.asarray(col) * self.step * self.downsample)
+        return _round_level0(self.col_x0_grid(col) * self.downsample)
 
     def row_y0_level0(self, row: int | np.ndarray) -> int | np.ndarray:
         """Level-0 y of the top edge of tile row(s) ``row`` (rounded to whole pixels)."""
-        return _round_level0(np.asarray(row) * self.step * self.downsample)
+        return _round_level0(self.row_y0_grid(row) * self.downsample)
 
     def core_tiles_level0(self, x_level0: np.ndarray, y_level0: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Grid rows and columns (int32) of the tiles whose cores hold the level-0 points ``x, y``.
@@ -266,6 +293,14 @@ class TilingGeometry:
         if not mpp:
             return None
         return (mpp[0] * self.heatmap_scale_level0, mpp[1] * self.heatmap_scale_level0)
+
+
+def _last_shift(n: int, step: int, tile: int, extent_grid: int, stride: int) -> int:
+    lattice = (n - 1) * step
+    if extent_grid <= tile:
+        return 0
+    at_border = -(-(extent_grid - tile) // stride) * stride
+    return max(0, lattice - at_border)
 
 
 def _round_level0(v: np.ndarray) -> int | np.ndarray:

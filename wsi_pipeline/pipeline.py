@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from . import slide_warnings
 from .config import RunConfig
 from .errors import ClosedError, ConfigError
 from .geometry import TilingGeometry, check_tiling
@@ -60,6 +61,7 @@ from .summary import (
     mm2_per_level0_px,
     package_versions,
     slide_reader_info,
+    summary_warnings,
     tiles_info,
     tissue_info,
 )
@@ -100,6 +102,7 @@ class SlidePlan:
     tiles: list[Tile]
     seconds: dict[str, float] = field(default_factory=dict)
     made_by: Any = None  # the pipeline that made it: its card and settings decided the tiling
+    warnings: list[str] = field(default_factory=list)  # about the slide, while the plan was made
 
     def close(self) -> None:
         if self.owns:
@@ -284,21 +287,24 @@ class Pipeline:
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
         cfg, card = self.config, self.card
         owns = not isinstance(source, Slide)
-        with timer("open"):
-            slide = as_slide(source)
-        try:
-            slide.on_damaged_tile = cfg.on_damaged_tile
-            with timer("tissue_mask"):
-                geometry = self._geometry(slide)
-                grid = TileGrid(slide, geometry=geometry)
-                method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
-                mask = tissue_mask(slide, method, mask_path=cfg.mask)
-                tiles = grid.select(mask.tile_fractions(grid), cfg.min_tissue)
-        except BaseException:
-            if owns:
-                slide.close()
-            raise
-        return SlidePlan(slide, owns, isinstance(source, np.ndarray), geometry, grid, method, mask, tiles, made_by=self)
+        said: list[str] = []
+        with slide_warnings.recording(said):
+            with timer("open"):
+                slide = as_slide(source)
+            try:
+                slide.on_damaged_tile = cfg.on_damaged_tile
+                with timer("tissue_mask"):
+                    geometry = self._geometry(slide)
+                    grid = TileGrid(slide, geometry=geometry)
+                    method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
+                    mask = tissue_mask(slide, method, mask_path=cfg.mask)
+                    tiles = grid.select(mask.tile_fractions(grid), cfg.min_tissue)
+            except BaseException:
+                if owns:
+                    slide.close()
+                raise
+        is_array = isinstance(source, np.ndarray)
+        return SlidePlan(slide, owns, is_array, geometry, grid, method, mask, tiles, made_by=self, warnings=said)
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
@@ -335,10 +341,10 @@ class Pipeline:
         if keep_heatmap is None:
             keep_heatmap = out is None
         log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
-        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue)
+        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue, method)
         if tissue_warning:
             log.warning("%s: %s", slide.path, tissue_warning)
-        extra_summary = {"tissue_warning": tissue_warning, **extra_summary}
+        extra_summary = {"tissue_warning": tissue_warning, "warnings": list(plan.warnings), **extra_summary}
 
         outputs = SlideOutputs(geometry, card, cfg, slide, mask, out, keep_heatmap)
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
@@ -543,6 +549,7 @@ class Pipeline:
         summary.update(outputs.summary_entries(dets))  # type: ignore[typeddict-item]
         close_files = outputs.write(dets, self.writers)
         summary["damaged_tiles"] = slide.damage_summary()  # the overlay's thumbnail reads tiles too
+        summary["warnings"] = summary_warnings(summary, extra_summary["warnings"])
 
         def finish() -> None:
             result.heatmap = close_files()

@@ -97,6 +97,7 @@ class Summary(TypedDict, total=False):
     detections_total: int
     tissue: TissueInfo
     tissue_warning: str | None
+    warnings: list[str]  # every warning about the slide: recorded while it was opened and tiled, and the run's
     heatmap_scores: dict[str, Any] | None  # per heatmap class, see stitch.sinks.HeatmapStats
     tiles: TilesInfo
     seconds: dict[str, float]  # per stage, "total", and "write" once the files are written
@@ -233,7 +234,25 @@ def build_summary(
     }
     summary.update(run)  # type: ignore[typeddict-item]
     summary.update(extra)  # type: ignore[typeddict-item]
+    summary["warnings"] = summary_warnings(summary, extra.get("warnings", []))
     return summary
+
+
+def summary_warnings(summary: Summary, recorded: Sequence[str]) -> list[str]:
+    """The summary's ``warnings``: those ``recorded`` about the slide (``slide_warnings``), then the
+    run's own: a tissue selection that looks wrong, damaged tiles, boxes left out of the GeoJSON."""
+    out = list(recorded)
+    if summary.get("tissue_warning"):
+        out.append(f"{summary['slide_as_given']}: {summary['tissue_warning']}")
+    damaged = (summary.get("damaged_tiles") or {}).get("count", 0)
+    if damaged:
+        out.append(f"{summary['slide_as_given']}: {damaged} damaged tiles (see damaged_tiles)")
+    if summary.get("geojson_left_out"):
+        out.append(
+            f"{summary['slide_as_given']}: {summary['geojson_left_out']} detections without area left out "
+            "of the GeoJSON"
+        )
+    return out
 
 
 def read_summary(folder: str | os.PathLike[str]) -> Summary | None:

@@ -1,17 +1,19 @@
-"""``wsi-pipeline info SLIDE [--json]``: what a slide file holds."""
+"""``wsi-pipeline info [SLIDE] [--reader R] [--json]``: what a slide file holds; without one, the shipped models."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 
+from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
 from ..slide import BACKENDS, open_slide
 from ..tiling.slide_loader import storage_gpu_decoder
 
 
 def describe(path: str, backend: str = "auto") -> dict:
-    """A JSON-ready description of the slide at ``path``."""
+    """A JSON-ready description of the slide at ``path`` (``backend``: the slide reader)."""
     with open_slide(path, backend) as slide:
         return {
             "path": os.path.abspath(path),
@@ -38,23 +40,51 @@ def _gpu_decode(slide) -> dict:
     return {"decoder": decoder, "why": why}
 
 
+def shipped_models() -> dict:
+    """The shipped models: their folder, names (for ``--model NAME``) and the default."""
+    return {"engines": str(engines_dir()), "models": shipped_names(), "default": DEFAULT_MODEL_NAME}
+
+
+class _DeprecatedBackend(argparse.Action):
+    """``--backend``: the old name of ``--reader`` here (``run --backend`` chooses the inference backend)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print("wsi-pipeline info: --backend is deprecated here, use --reader", file=sys.stderr)
+        namespace.reader = values
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="print a slide's format, size, levels and resolution")
-    p.add_argument("slide", help="slide or image file")
+    p = sub.add_parser(
+        "info",
+        help="print a slide's format, size, levels and resolution; without a slide, the shipped models",
+    )
+    p.add_argument("slide", nargs="?", help="slide or image file (none: list the shipped models)")
     p.add_argument(
-        "--backend",
+        "--reader",
         choices=BACKENDS,
         default="auto",
         help="slide reader: tifffile (tiled TIFF), dicom (DICOM WSI of JPEG frames), openslide (vendor "
         "formats), image (PNG, JPEG ...); "
         "auto: the fastest that reads the file (default auto)",
     )
+    p.add_argument("--backend", choices=BACKENDS, action=_DeprecatedBackend, help="deprecated: --reader")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    info = describe(args.slide, args.backend)
+    if args.slide is None:
+        models = shipped_models()
+        if args.json:
+            print(json.dumps(models, indent=2))
+            return 0
+        print(f"shipped models (--model NAME), in {models['engines']}:")
+        for name in models["models"]:
+            print(f"  {name}" + ("  (default)" if name == models["default"] else ""))
+        if not models["models"]:
+            print("  none found")
+        return 0
+    info = describe(args.slide, args.reader)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

@@ -21,6 +21,7 @@ from ..config import (
     load_config,
 )
 from ..errors import ConfigError, ModelError, UsageError
+from ..inference.shipped import DEFAULT_MODEL_NAME, shipped_names
 from ..io.formats import DEFAULT_FORMATS, FORMATS
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
@@ -71,7 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="slide files, folders (recursive), globs, or .txt/.csv lists of paths",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
-    p.add_argument("--model", metavar="CARD", help="model card (default: the shipped pathology model)")
+    p.add_argument(
+        "--model",
+        metavar="CARD",
+        help="model card, or a shipped model by name: "
+        f"{', '.join(shipped_names()) or 'none found'} (default: {DEFAULT_MODEL_NAME})",
+    )
     p.add_argument(
         "--backend",
         choices=BACKEND_CHOICES,

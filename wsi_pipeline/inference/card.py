@@ -27,6 +27,7 @@ from ..config import MAX_TILE
 from ..errors import ModelError
 from ..validation import is_instance, is_int, is_number
 from .decoders import validate_decoder_params
+from .shipped import resolve_model, shipped_names
 
 CARD_SUFFIX = ".card.json"
 SCHEMA_VERSION = 1
@@ -485,14 +486,19 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verif
     the card (read with ``onnx``, or ``onnxruntime`` without it), and a
     ``.pt2`` must be a ``torch.export`` archive (its signature is checked
     when the torch backend loads it: reading it needs torch).
+    A shipped model may be named alone (``defects_industrial``, :func:`~.shipped.resolve_model`).
     Raises ModelError for a malformed card and for a missing or
     mismatching model file.
     """
-    p = Path(path)
+    p = resolve_model(path)
     if not p.name.endswith(CARD_SUFFIX) and p.suffix != ".json":
         p = card_path_for(p)
     if not p.is_file():
-        raise ModelError(f"{p}: model card not found (expected a JSON card beside the model)")
+        names = ", ".join(shipped_names()) or "none found"
+        raise ModelError(
+            f"{p}: model card not found (expected a JSON card beside the model, or the name of a shipped "
+            f"model: {names})"
+        )
     card = parse_card(read_card_json(p), p)
     if not card.model_path.is_file():
         raise ModelError(f"{p}: model_file {card.model_path} does not exist")

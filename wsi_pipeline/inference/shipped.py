@@ -8,6 +8,10 @@ as ``wsi_pipeline/engines/``. The folder used is the first of:
 2. ``engines/`` of the source checkout this package is imported from (a run
    from the repository or an editable install);
 3. ``wsi_pipeline/engines/`` inside the installed package (``pip install .``).
+
+A shipped model is also named by its ``NAME`` alone wherever a card is asked
+for (``--model defects_industrial``, ``Pipeline.from_card("defects_industrial")``):
+:func:`resolve_model`.
 """
 
 from __future__ import annotations
@@ -45,3 +49,29 @@ def engines_dir() -> Path:
 def shipped_card(name: str = DEFAULT_MODEL_NAME) -> Path:
     """The card of the shipped model ``name`` (``nuclei_pathology``, ``defects_industrial``, ...)."""
     return engines_dir() / f"{name}.card.json"
+
+
+CARD_SUFFIX = ".card.json"
+
+
+def shipped_names() -> list[str]:
+    """The shipped models' names (``NAME`` of each ``NAME.card.json`` in :func:`engines_dir`), sorted."""
+    folder = engines_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.name[: -len(CARD_SUFFIX)] for p in folder.glob(f"*{CARD_SUFFIX}"))
+
+
+def is_shipped_name(model: str | os.PathLike[str]) -> bool:
+    """Whether ``model`` is a bare name (no folder) of a shipped model."""
+    p = Path(model)
+    return len(p.parts) == 1 and p.name in shipped_names()
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """``model``, a card or model path, as a path: itself where that exists or it names a folder;
+    the card of the shipped model of that name otherwise (``defects_industrial``)."""
+    p = Path(model)
+    if not p.exists() and is_shipped_name(p):
+        return shipped_card(p.name)
+    return p

@@ -19,7 +19,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .figures import plot_counts, plot_gallery, plot_overview, plot_region, save_figure
 from .filters import busiest_region, count_by_class, export_geojson, filter_detections, region_mask
 from .results import ReviewRun, load_run
-from .widgets import region_picker, score_slider, widgets_available
+from .widgets import region_picker, score_slider, widgets_available, widgets_wanted
 
 __all__ = [
     "ReviewRun",
@@ -37,4 +37,5 @@ __all__ = [
     "save_figure",
     "score_slider",
     "widgets_available",
+    "widgets_wanted",
 ]

@@ -7,9 +7,27 @@ work non-interactively.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from .results import ReviewRun
+
+# Set in a kernel's environment by a front end that draws widgets: Jupyter Server (JupyterLab,
+# Notebook 7, Voila) names the kernel's session; VS Code runs its kernels with its own variables.
+FRONT_END_VARIABLES = ("JPY_SESSION_NAME", "VSCODE_PID")
+WIDGETS_VARIABLE = "WSI_NB_WIDGETS"
+
+
+def widgets_wanted(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a notebook should show its widgets: ``WSI_NB_WIDGETS=1`` or ``0`` where set, else
+    only under a live front end (a headless run, nbclient or nbconvert, may wait on their output).
+    """
+    env = os.environ if environ is None else environ
+    said = env.get(WIDGETS_VARIABLE, "").strip()
+    if said in ("0", "1"):
+        return said == "1"
+    return any(env.get(v) for v in FRONT_END_VARIABLES)
 
 
 def widgets_available() -> bool:

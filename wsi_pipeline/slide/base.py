@@ -12,13 +12,13 @@ import abc
 import contextlib
 import math
 import os
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import cv2
 import numpy as np
 
+from .. import slide_warnings
 from ..errors import ClosedError, SlideError, TileReadError
 from .damage import DamagedTile, DamageLog
 
@@ -287,11 +287,11 @@ def checked_mpp(path: str, mpp_x: float | None, mpp_y: float | None) -> tuple[fl
     try:
         mx, my = float(mpp_x), float(mpp_y)
     except (TypeError, ValueError):
-        warnings.warn(f"{path}: unreadable mpp ({mpp_x!r}, {mpp_y!r}); treating mpp as unknown", stacklevel=3)
+        slide_warnings.warn(f"{path}: unreadable mpp ({mpp_x!r}, {mpp_y!r}); treating mpp as unknown", stacklevel=3)
         return None
     lo, hi = PLAUSIBLE_MPP_RANGE
     if not (math.isfinite(mx) and math.isfinite(my) and lo <= mx <= hi and lo <= my <= hi):
-        warnings.warn(
+        slide_warnings.warn(
             f"{path}: implausible resolution {mx:.4g} x {my:.4g} um/px (expected {lo}-{hi} um/px, "
             "a placeholder 72-dpi tag gives about 350); treating mpp as unknown",
             stacklevel=3,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-import warnings
+
+from .. import slide_warnings
 
 
 def _pixels_per_unit(value) -> float:
@@ -30,7 +31,7 @@ def tiff_page_mpp(page) -> tuple[float, float] | None:
             return None
         rx, ry = _pixels_per_unit(xr.value), _pixels_per_unit(yr.value)
     except (TypeError, ValueError, OverflowError):
-        warnings.warn(
+        slide_warnings.warn(
             f"{page.parent.filehandle.path}: malformed resolution tags ({unit.value!r}, "
             f"{xr.value!r}, {yr.value!r}); treating mpp as unknown",
             stacklevel=2,

@@ -4,7 +4,9 @@ The output canvas is in heatmap pixels: canvas pixel (i, j) covers the level-0
 square of side ``downsample * stride`` whose top-left corner is
 (j * downsample * stride, i * downsample * stride). Tile (row, col) covers
 canvas rows ``[row * step_out, row * step_out + tile_size_out)`` and the same
-for columns. Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
+for columns, except the last row and column, moved back by ``last_row_shift_out``
+and ``last_col_shift_out`` to end at the slide's border (the grid's edge
+policy). Each output pixel is ``sum(w * p) / sum(w)`` over the tiles that
 cover it, with ``w`` the tile's position weights (:mod:`.weights`); a tile
 the tissue mask skipped counts as p = 0 with its weights.
 
@@ -67,7 +69,9 @@ class BlendGeometry:
         tile_size_out: a tile's heatmap side (tile_size_px / stride).
         step_out: distance between tile origins (step_px / stride).
         out_height, out_width: the slide's heatmap size; the canvas
-            ((n - 1) * step_out + tile_size_out per axis) is cropped to it.
+            (the last tile's origin + tile_size_out per axis) is cropped to it.
+        last_row_shift_out, last_col_shift_out: how far the last row and
+            column are moved back from the lattice (the grid's edge policy).
     """
 
     n_rows: int
@@ -76,6 +80,8 @@ class BlendGeometry:
     step_out: int
     out_height: int
     out_width: int
+    last_row_shift_out: int = 0
+    last_col_shift_out: int = 0
 
     def __post_init__(self) -> None:
         if min(self.n_rows, self.n_cols, self.tile_size_out, self.step_out) <= 0:
@@ -93,16 +99,25 @@ class BlendGeometry:
 
     @property
     def canvas_height(self) -> int:
-        return (self.n_rows - 1) * self.step_out + self.tile_size_out
+        return self.row_y0(self.n_rows - 1) + self.tile_size_out
 
     @property
     def canvas_width(self) -> int:
-        return (self.n_cols - 1) * self.step_out + self.tile_size_out
+        return self.col_x0(self.n_cols - 1) + self.tile_size_out
+
+    def row_y0(self, row: int) -> int:
+        """Canvas row of tile row ``row``'s top edge."""
+        return row * self.step_out - (self.last_row_shift_out if row == self.n_rows - 1 else 0)
+
+    def col_x0(self, col: int) -> int:
+        """Canvas column of tile column ``col``'s left edge."""
+        return col * self.step_out - (self.last_col_shift_out if col == self.n_cols - 1 else 0)
 
     @classmethod
     def from_tiling(cls, geometry: TilingGeometry) -> BlendGeometry:
         """The heatmap plane of a tiling (which must have a heatmap stride)."""
         g = geometry
+        shift_x, shift_y = g.last_shift_grid
         return cls(
             n_rows=g.n_rows,
             n_cols=g.n_cols,
@@ -110,6 +125,8 @@ class BlendGeometry:
             step_out=g.heatmap_step,
             out_height=g.heatmap_height,
             out_width=g.heatmap_width,
+            last_row_shift_out=shift_y // g._stride(),
+            last_col_shift_out=shift_x // g._stride(),
         )
 
 
@@ -275,7 +292,7 @@ class HeatmapBlender:
         # One tile row's weight sum, canvas_width wide: every tile row adds exactly this.
         self._row_weights = np.zeros((g.tile_size_out, g.canvas_width), dtype=np.float32)
         for c in range(g.n_cols):
-            self._row_weights[:, c * g.step_out : c * g.step_out + g.tile_size_out] += weights
+            self._row_weights[:, g.col_x0(c) : g.col_x0(c) + g.tile_size_out] += weights
         self._weight_sums: dict[tuple, Any] = {}  # band layout -> its weight sum (read only, where _num is)
         self._off = 0  # buffer row of band row 0
         self._band_y0 = 0  # canvas row held at band row 0
@@ -323,6 +340,11 @@ class HeatmapBlender:
             raise WSIPipelineError(msg)
         if len(cols) == 0:
             return
+        if g.last_col_shift_out and cols[-1] == g.n_cols - 1 and len(cols) > 1:
+            # The shifted last column is off the even/odd stride: added on its own.
+            self.add_run(row, cols[:-1], heatmaps[:-1])
+            self.add(row, int(cols[-1]), heatmaps[-1])
+            return
         if len(cols) < 4 or 2 * s < t or np.any(np.diff(cols) <= 0):
             for i, c in enumerate(cols):
                 self.add(row, int(c), heatmaps[i])
@@ -336,7 +358,8 @@ class HeatmapBlender:
             for first in range(a, min(a + 2, b)):
                 c = int(cols[first])
                 parity = c % 2
-                n = (g.n_cols - parity + 1) // 2  # the row's columns of this parity
+                # The row's columns of this parity on the lattice (a shifted last one is added alone).
+                n = (g.n_cols - (1 if g.last_col_shift_out else 0) - parity + 1) // 2
                 view = self._xp.every_other_tile(band, parity * s, (self.channels, t, n, t), 2 * s)
                 k = (b - first + 1) // 2  # tiles first, first + 2, ... < b
                 dst = view[:, :, c // 2 : c // 2 + k]
@@ -393,7 +416,7 @@ class HeatmapBlender:
             raise WSIPipelineError(msg)
         self._done[row, col:stop_col] = True
         self._done_per_row[row] += stop_col - col
-        return row * g.step_out - self._band_y0 + self._off, col * g.step_out
+        return g.row_y0(row) - self._band_y0 + self._off, g.col_x0(col)
 
     def _advance(self, row: int) -> None:
         g = self.geometry
@@ -405,7 +428,7 @@ class HeatmapBlender:
         if r == self._first_open_row:
             return
         self._first_open_row = r
-        final_y = g.canvas_height if r == g.n_rows else r * g.step_out
+        final_y = g.canvas_height if r == g.n_rows else g.row_y0(r)
         k = final_y - self._band_y0
         self._emit(k)
         if r < g.n_rows:
@@ -443,10 +466,11 @@ class HeatmapBlender:
         """
         g = self.geometry
         t, s = g.tile_size_out, g.step_out
+        rows = {*range(max(0, (y0 - t) // s), min(g.n_rows, (y1 - 1) // s + 1)), g.n_rows - 1}  # + the shifted last
         parts = tuple(
-            (max(y0, r * s) - y0, max(y0, r * s) - r * s, min(y1, r * s + t) - max(y0, r * s))
-            for r in range(max(0, (y0 - t) // s), min(g.n_rows, (y1 - 1) // s + 1))
-            if max(y0, r * s) < min(y1, r * s + t)
+            (max(y0, top) - y0, max(y0, top) - top, min(y1, top + t) - max(y0, top))
+            for top in (g.row_y0(r) for r in sorted(rows))
+            if max(y0, top) < min(y1, top + t)
         )
         key = (y1 - y0, parts)
         den = self._weight_sums.get(key)

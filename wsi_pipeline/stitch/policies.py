@@ -96,7 +96,9 @@ class TileOwnership(MergePolicy):
         tiles = np.stack([rows, cols], axis=1) if len(boxes_tile) else np.zeros((0, 2), np.int64)
         for row, col in np.unique(tiles, axis=0):
             part = (rows == row) & (cols == col)
-            keep[part] = owned_by_tile(boxes_tile[part], int(row), int(col), g.n_rows, g.n_cols, g.tile, g.overlap)
+            keep[part] = owned_by_tile(
+                boxes_tile[part], int(row), int(col), g.n_rows, g.n_cols, g.tile, g.overlap, g.last_shift_grid
+            )
         return keep
 
     def add(self, boxes_level0, scores, labels):

@@ -36,8 +36,8 @@ Measured on one H200 with 16 cores (docs/gpu.md): nvJPEG about 4,300 and
 the threads about 2,500 patches/s alone; torchvision runs one nvJPEG call
 at a time (a global lock), so more loader threads do not help it.
 
-Pixels past the level's edge take the slide's background colour, as in the
-CPU readers. Only grids that read a level as it is are supported (no
+Pixels past the level's edge are the image reflected, as the CPU path fills
+them (:func:`~.grid.fill_past_edge`). Only grids that read a level as it is are supported (no
 resize: ``tile.read_size == tile.size``), and only 3-sample JPEG levels.
 On a CPU device (``device="cpu"``, for tests) the same code runs without
 CUDA streams or events.
@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, TileReadError
-from .grid import Tile
+from .grid import Tile, reflect_index
 from .jpeg_processes import JpegHelpers, cpu_share_tile
 from .resample import resample_patches
 
@@ -721,6 +721,10 @@ class GpuTileDecoder:
         sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
         if sx0 < sx1 and sy0 < sy1:
             canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
+        if py1 > lh or px1 > lw:  # past the level's edge: the image reflected, as the CPU reader fills it
+            at_y = np.clip(reflect_index(np.arange(py0, py1), lh) - py0, 0, None)
+            at_x = np.clip(reflect_index(np.arange(px0, px1), lw) - px0, 0, None)
+            canvas = canvas[torch.from_numpy(at_y).to(self.device)][:, torch.from_numpy(at_x).to(self.device)]
         offsets_x = [x - px0 for x in xs0]
         offsets_y = [y - py0 for y in ys0]
         if size != out_size:

@@ -1,17 +1,23 @@
 """The tile grid: where each patch of a slide lies, in level-0 pixels.
 
-Edge policy: the grid PADS. Tile origins lie on a regular lattice
-(``origin = index * step * downsample`` in level-0 pixels) and the last
-column and row extend past the slide edge, the outside filled with the
-slide's background colour. Shifting the last tile back inside would put its
-origin off the lattice, so its heatmap would not land on the model's stride
-grid and its overlap with its neighbour would differ from every other
-tile's; padding keeps every overlap identical and every placement exact, at
-the price of some background pixels in the last row and column.
+Edge policy: tile origins lie on a regular lattice (``origin = index * step *
+downsample`` in level-0 pixels), except the last column's and row's, which
+are shifted back so that the tile ends at the slide's border
+(:attr:`TilingGeometry.last_shift_grid`): the detector sees image pixels
+only. Padding a tile past the border with a flat colour drew an edge across
+it that a detector took for an object (thin "scratches" along the bottom of
+a frame 448k + 510 px high); reflecting the image into the padding doubled
+objects cut by the border, which the pathology model then missed (measured
+with ``benchmarks/edge_policy.py``, BENCHMARKS.md). With a heatmap the
+shifted origin is rounded up to the heatmap stride, so a few pixels (fewer
+than the stride) may lie past the border; those, and an axis shorter than one
+tile (which is then one tile), are filled by reflecting the image
+(:func:`fill_past_edge`; the GPU loader gathers the same pixels).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -71,6 +77,8 @@ class TileGrid(Sequence[Tile]):
     (4, 3, 12)
     >>> t = grid[5]; (t.row, t.col, t.x0_level0, t.y0_level0)
     (1, 1, 448, 448)
+    >>> t = grid[11]; (t.row, t.col, t.x0_level0, t.y0_level0)  # the last: ends at the border
+    (2, 3, 988, 488)
     """
 
     def __init__(
@@ -150,17 +158,55 @@ class TileGrid(Sequence[Tile]):
         )
 
 
+def reflect_index(coords: np.ndarray, extent: int) -> np.ndarray:
+    """``coords`` (pixels of an axis ``extent`` long) with those past its end mirrored back inside.
+
+    Reflection without repeating the edge pixel (OpenCV's BORDER_REFLECT_101),
+    repeated as often as needed, so an axis shorter than a tile fills it.
+
+    >>> reflect_index(np.arange(8), 3).tolist()
+    [0, 1, 2, 1, 0, 1, 2, 1]
+    """
+    coords = np.asarray(coords, np.int64)
+    if extent <= 1:
+        return np.where(coords < extent, coords, 0)
+    period = 2 * (extent - 1)
+    folded = coords % period
+    return np.where(coords < extent, coords, np.where(folded < extent, folded, period - folded))
+
+
+def tile_origin_at_level(slide: Slide, tile: Tile) -> tuple[int, int]:
+    """The tile's top-left in pixels of its level, as the readers compute it."""
+    ds = slide.level_downsamples[tile.level]
+    return int(math.floor(tile.x0_level0 / ds)), int(math.floor(tile.y0_level0 / ds))
+
+
+def fill_past_edge(region: np.ndarray, x0: int, y0: int, level_width: int, level_height: int) -> np.ndarray:
+    """Fill the part of ``region`` (read at level pixel ``x0, y0``) past the level's edge by reflection."""
+    h, w = region.shape[:2]
+    if y0 + h > level_height > y0:
+        rows = reflect_index(np.arange(y0, y0 + h), level_height) - y0
+        region[level_height - y0 :] = region[rows[level_height - y0 :]]
+    if x0 + w > level_width > x0:
+        cols = reflect_index(np.arange(x0, x0 + w), level_width) - x0
+        region[:, level_width - x0 :] = region[:, cols[level_width - x0 :]]
+    return region
+
+
 def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.ndarray:
     """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp).
 
     ``out``, if given, is a ``size x size x 3`` uint8 array filled in place
     (written by the slide's ``read_region_into`` when no resize is needed).
+    Pixels past the slide's edge are the image reflected (:func:`fill_past_edge`).
     """
     location = (tile.x0_level0, tile.y0_level0)
     region_size = (tile.read_size, tile.read_size)
+    lw, lh = slide.level_dimensions[tile.level]
+    x0, y0 = tile_origin_at_level(slide, tile)
     if out is not None and tile.read_size == tile.size:
-        return slide.read_region_into(location, tile.level, region_size, out)
-    region = slide.read_region(location, tile.level, region_size)
+        return fill_past_edge(slide.read_region_into(location, tile.level, region_size, out), x0, y0, lw, lh)
+    region = fill_past_edge(slide.read_region(location, tile.level, region_size), x0, y0, lw, lh)
     if tile.read_size != tile.size:
         region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)
     if out is None:

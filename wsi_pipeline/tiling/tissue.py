@@ -49,13 +49,23 @@ class TissueMask:
         """Tissue area in level-0 pixels squared."""
         return float(self.mask.sum()) * self.downsample[0] * self.downsample[1]
 
-    def selection_warning(self, n_selected: int, n_tiles: int, min_tissue: float) -> str | None:
+    def selection_warning(
+        self, n_selected: int, n_tiles: int, min_tissue: float, method: str | None = None
+    ) -> str | None:
         """Why a selection of ``n_selected`` of ``n_tiles`` tiles looks wrong, or None.
 
         Wrong: no tile at all, or far fewer tiles (under a quarter) than the
-        part of the slide that is not blank background would need.
+        part of the slide that is not blank background would need. The advice
+        names the setting that excluded the tiles, given the tissue ``method``
+        in force (``otsu``, ``all`` or ``file``).
         """
-        hint = "if the image is all foreground, use tissue 'all' (--tissue all) or a mask file"
+        lower = f"lower min_tissue (--min-tissue, now {min_tissue:g})"
+        if method == "all":
+            hint = f"tissue 'all' counts every pixel as tissue, so min_tissue excluded them: {lower}"
+        elif method == "file":
+            hint = f"check that the mask file covers the image, or {lower}"
+        else:
+            hint = f"if the image is all foreground, use tissue 'all' (--tissue all) or a mask file, or {lower}"
         if n_tiles and n_selected == 0:
             return (
                 f"no tile selected: none of the {n_tiles} tiles has a tissue fraction >= {min_tissue} "
@@ -77,7 +87,10 @@ class TissueMask:
         """Tissue fraction of each tile of ``grid``: ``n_rows x n_cols`` float32 in [0, 1].
 
         Computed with an integral image, so the cost does not depend on the
-        number of tiles; parts of a tile outside the slide count as empty.
+        number of tiles. A tile's part past the slide's border is the image
+        reflected (:func:`~.grid.fill_past_edge`), so the fraction is that of
+        its part inside the slide: an image smaller than a tile is one tile,
+        as much tissue as the image.
         """
         # (H+1) x (W+1) int32 counts of tissue pixels (exact: a mask has far fewer than 2**31 pixels).
         integral = cv2.integral(np.asarray(self.mask, dtype=bool).view(np.uint8))
@@ -98,7 +111,7 @@ class TissueMask:
             - integral[yi1[:, None], xi0[None, :]]
             + integral[yi0[:, None], xi0[None, :]]
         )
-        full = (y1 - y0)[:, None] * (x1 - x0)[None, :]
+        full = (np.minimum(y1, mh) - y0)[:, None] * (np.minimum(x1, mw) - x0)[None, :]
         return np.clip(s / np.maximum(full, 1e-9), 0, 1).astype(np.float32)
 
 
