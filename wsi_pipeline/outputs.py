@@ -45,7 +45,7 @@ from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, writ
 from .io.writer_pool import WriteJobs, WriterPool
 from .slide import Slide
 from .stitch.blend import Sink
-from .stitch.sinks import ArraySink, BackgroundSink, HeatmapStats, ReducedCopy, fan_out
+from .stitch.sinks import ArraySink, BackgroundSink, FiniteCheck, HeatmapStats, ReducedCopy, fan_out
 from .stitch.weights import tile_weights
 from .summary import SUMMARY_FILE
 from .tiling.tissue import TissueMask
@@ -93,7 +93,7 @@ class SlideOutputs:
             return
         g, c = geometry, len(hm.classes)
         files: list[Sink] = []  # the heatmap files' writers, on one thread; the other sinks on another
-        sinks: list[Sink] = []
+        sinks: list[Sink] = [FiniteCheck(hm.classes, g.heatmap_scale_level0)]
         plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
         if out is not None and "ome-tiff" in config.formats:
             self.writer = OmeTiffHeatmapWriter(

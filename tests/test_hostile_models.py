@@ -1,0 +1,41 @@
+"""Models whose outputs are hostile: NaN or infinite heatmaps, negative labels, millions of boxes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from helpers.toy_models import build_toy_model
+
+from wsi_pipeline import Pipeline
+from wsi_pipeline.errors import ModelError
+from wsi_pipeline.io.atomic import write_json
+
+pytest.importorskip("onnx")
+
+
+def _image(size: int = 96) -> np.ndarray:
+    return np.full((size, size, 3), 200, np.uint8)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_heatmap_with_nan_or_infinity_fails_the_slide_and_writes_no_summary(tmp_path, value):
+    card = build_toy_model(tmp_path, "boxes_scores_labels", heatmap_value=value)
+    out = tmp_path / "out"
+    with (
+        Pipeline.from_card(card.card_path, backend="ort", tissue="all", overlap=8) as p,
+        pytest.raises(ModelError) as info,
+    ):
+        p.run(_image(), out_dir=out)
+    assert "NaN or infinite" in str(info.value) and "'bright'" in str(info.value)
+    assert not (out / "summary.json").exists()
+
+
+def test_summary_json_is_strict_json_even_with_non_finite_numbers(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json(path, {"a": math.nan, "b": [1.5, math.inf, np.float32(-np.inf)], "c": {"d": np.float64(2.0)}})
+    text = path.read_text()
+    doc = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+    assert doc == {"a": None, "b": [1.5, None, None], "c": {"d": 2.0}}
