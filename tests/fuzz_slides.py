@@ -17,6 +17,8 @@ import json
 import os
 import random
 import select
+import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -419,6 +421,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path = folder / f"case{k:04d}_{name}"
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
+    cases += special_files(folder / "special")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -433,17 +436,36 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
     return cases
 
 
+def special_files(folder: Path) -> list[tuple[Path, str]]:
+    """Slide names that are no regular file: a FIFO with no writer, a socket, links to them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = []
+    fifo = folder / "fifo.tiff"
+    os.mkfifo(fifo)
+    cases.append((fifo, "a FIFO no one writes to"))
+    sock = folder / "socket.svs"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))  # the file stays after the socket is closed
+    cases.append((sock, "a Unix socket"))
+    link = folder / "link_to_fifo.ndpi"
+    link.symlink_to(fifo)
+    cases.append((link, "a symbolic link to a FIFO"))
+    return cases
+
+
 # -- one case, in a worker ---------------------------------------------------------
 
 
 def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
     from wsi_pipeline.commands.info import describe
+    from wsi_pipeline.run_key import input_identity
     from wsi_pipeline.slide import open_slide
     from wsi_pipeline.tiling.grid import TileGrid
     from wsi_pipeline.tiling.loader import TileLoader
     from wsi_pipeline.tiling.tissue import tissue_mask
 
+    input_identity(path)  # a batch's resume key, taken before the slide is opened
     describe(path, backend)
     with open_slide(path, backend) as slide:
         mask = tissue_mask(slide, "otsu")
@@ -465,8 +487,10 @@ def run_case(path: str) -> dict:
     """
     from wsi_pipeline.errors import WSIPipelineError
 
-    with open(path, "rb") as f:
-        tiff = f.read(2) in (b"II", b"MM")
+    tiff = False
+    if stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
+        with open(path, "rb") as f:
+            tiff = f.read(2) in (b"II", b"MM")
     outcome: dict = {}
     for backend in ("auto", "tifffile", "openslide", "image") if tiff else ("auto",):
         try:

@@ -437,6 +437,32 @@ def test_a_full_disk_fails_the_slide_and_the_batch_goes_on(tmp_path):
     assert _manifest(tmp_path / "out")["full"]["status"] == "failed"
 
 
+class OpeningFakePipeline(FakePipeline):
+    """:class:`FakePipeline` that opens the slide first, as the pipeline does."""
+
+    def run(self, path, out_dir, **kwargs):
+        from wsi_pipeline.slide import open_slide
+
+        open_slide(path).close()
+        return super().run(path, out_dir, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_among_the_slides_fails_at_once_and_the_batch_goes_on(tmp_path, tiny):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(tiny, folder / "b_good.tiff")
+    os.mkfifo(folder / "a_pipe.tiff")  # no writer: opening it for reading would wait for ever
+    slides = expand_inputs([folder])
+    assert [p.name for p in slides] == ["a_pipe.tiff", "b_good.tiff"]
+    assert expand_inputs([folder / "a_pipe.tiff"]) == [folder / "a_pipe.tiff"]  # named alone: a slide too
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(slides, tmp_path / "out", OpeningFakePipeline, config, _key(config), progress=False)
+    pipe, good = report.outcomes
+    assert pipe.status == "failed" and "a_pipe.tiff: a FIFO (named pipe), not a regular file" in pipe.error
+    assert good.status == "done"
+
+
 def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
     paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)

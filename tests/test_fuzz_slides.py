@@ -7,7 +7,7 @@ project's own. The generator and the harness are in ``fuzz_slides.py``.
 
 from __future__ import annotations
 
-from fuzz_slides import make_cases, run_cases, summarize
+from fuzz_slides import make_cases, run_cases, special_files, summarize
 
 N_CASES = 500
 
@@ -21,3 +21,10 @@ def test_fuzzed_slides_end_in_success_or_a_project_error(tmp_path):
     assert not bad, "\n".join(f"{r['outcome']}: {r['case']}: {r.get('detail', '')}" for r in bad[:20])
     # The mutants reach both ends: files still read, and files refused.
     assert counts["success"] >= 30 and counts["clean"] >= 100
+
+
+def test_files_that_are_not_regular_are_refused_at_once_naming_what_they_are(tmp_path):
+    results = run_cases(special_files(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["clean"] * len(results), results
+    assert all("not a regular file" in r["detail"] for r in results), results
+    assert "FIFO" in results[0]["detail"] and "socket" in results[1]["detail"], results

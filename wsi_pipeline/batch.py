@@ -55,6 +55,7 @@ from .inference.card import ModelCard
 from .io.atomic import write_json
 from .run_key import RunKey, input_identity, why_redo
 from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
+from .special_files import special_kind
 from .summary import read_summary
 
 log = logging.getLogger("wsi_pipeline")
@@ -182,7 +183,7 @@ def expand_inputs(
         elif p.is_file() and p.suffix.lower() in LIST_EXTENSIONS:
             for q in _read_list(p):
                 add(q)
-        elif p.is_file():
+        elif p.is_file() or special_kind(p):  # a FIFO or device fails as a slide, saying what it is
             add(p)
         elif glob.has_magic(s):
             matches = sorted(glob.glob(s, recursive=True))

@@ -21,6 +21,7 @@ from .config import RunConfig
 from .errors import ConfigError, UsageError
 from .inference.card import ModelCard
 from .io.formats import DEFAULT_FORMATS
+from .special_files import kind_of_mode, special_kind
 
 KEY_FORMAT = 2
 HEAD_BYTES = TAIL_BYTES = 64 << 10
@@ -94,9 +95,19 @@ def input_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     or None when it cannot be read (the run then fails it)."""
     if os.path.isdir(path):
         return _folder_identity(path)
+    if special_kind(path):  # never opened: a FIFO waits for a writer, a device may not end
+        return None
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Without waiting: a FIFO opened for reading would wait for a writer (refused when read as a slide).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if kind_of_mode(st.st_mode):
+                return None
+            size = st.st_size
             h = hashlib.sha256()
             h.update(f.read(HEAD_BYTES))
             if size > HEAD_BYTES + TAIL_BYTES:

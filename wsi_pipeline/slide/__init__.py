@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from ..errors import SlideError, SlideOpenError
+from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
 from .tiff_file import is_tiff, open_tifffile
@@ -45,6 +46,8 @@ def _check_file(path: str) -> None:
         raise SlideOpenError(path, "no such file")
     if os.path.isdir(path):
         return  # DICOM series are folders; OpenSlide decides.
+    if kind := special_kind(path):  # a FIFO's open would wait for a writer
+        raise SlideOpenError(path, refusal(kind))
     if not os.access(path, os.R_OK):
         raise SlideOpenError(path, "file is not readable (permission denied)")
     if os.path.getsize(path) == 0:
