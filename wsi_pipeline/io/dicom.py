@@ -52,6 +52,7 @@ from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
+from wsi_pipeline.io.spool import spool_array
 
 MANUFACTURER = "wsi-pipeline"
 # Stored bytes (H x W x 2, uint16) of one class's Parametric Map: highdicom keeps every encoded
@@ -324,16 +325,16 @@ def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: P
         import tifffile
 
         _, h, w = heatmap.level_shapes[level]
-        out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+        out = spool_array(spool / "class.npy", _STORED, (1, h, w))
         with tifffile.TiffFile(heatmap.path) as tif:
             page = tif.series[0].levels[level].pages[k]
-            stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=page.dtype, shape=(h, w))
+            stored = spool_array(spool / "page.npy", page.dtype, (h, w))
             page.asarray(out=stored)
             for y in range(0, h, 256):
                 out[0, y : y + 256] = quantise(stored[y : y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
         return out
     _, h, w = heatmap.shape
-    out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+    out = spool_array(spool / "class.npy", _STORED, (1, h, w))
     for y in range(0, h, 256):
         out[0, y : y + 256] = quantise(heatmap[k, y : y + 256], _STORED, _SCALE)
     return out
