@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .config import RunConfig
-from .errors import ClosedError, ConfigError
+from .errors import ClosedError, ConfigError, SlideError
 from .geometry import TilingGeometry, check_tiling
 from .inference.backend import cuda_may_be_present
 from .inference.card import ModelCard, load_card
@@ -50,6 +50,8 @@ from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import PendingResult, Result
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
+from .stitch import blend
+from .stitch.blend import BlendGeometry, band_bytes
 from .stitch.merge_runner import MergeProcess
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
@@ -302,7 +304,7 @@ class Pipeline:
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
         cfg, card = self.config, self.card
-        return TilingGeometry.for_slide(
+        geometry = TilingGeometry.for_slide(
             slide,
             card.input.size_hw[0],
             cfg.overlap,
@@ -311,6 +313,17 @@ class Pipeline:
             preferred_mpp=card.mpp if cfg.level is None and cfg.mpp is None else None,
             heatmap_stride=card.heatmap.stride if card.heatmap is not None else None,
         )
+        if card.heatmap is not None:
+            need = band_bytes(BlendGeometry.from_tiling(geometry), len(card.heatmap.classes))
+            if need > blend.MAX_BAND_BYTES:
+                w, h = slide.dimensions
+                raise SlideError(
+                    slide.path,
+                    f"{w} x {h} px: the heatmap is blended in bands as wide as the slide, and this slide's "
+                    f"band would need {need / 2**30:.1f} GiB (at most {blend.MAX_BAND_BYTES / 2**30:.1f} GiB): "
+                    "a slide this wide for its height is refused",
+                )
+        return geometry
 
     def _run_slide(
         self,
