@@ -421,7 +421,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path = folder / f"case{k:04d}_{name}"
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
-    cases += special_files(folder / "special")
+    cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -434,6 +434,18 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         _tiff_tile_bomb(folder / "bomb_tile_65535.tiff")
         cases.append((folder / "bomb_tile_65535.tiff", "tile 65535 x 65535 claimed"))
     return cases
+
+
+def extreme_aspect_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Valid slides one pixel high or wide: a PNG 65,536 x 1 px and a tiled TIFF 1 x 65,536 px."""
+    import cv2
+
+    folder.mkdir(parents=True, exist_ok=True)
+    line = _smooth_rgb(2, 65536, seed=4)[:1]
+    wide, tall = folder / "wide_65536x1.png", folder / "tall_1x65536.tiff"
+    cv2.imwrite(str(wide), line[:, :, ::-1])
+    _write_tiff(tall, line.transpose(1, 0, 2).copy(), levels=1, tile=128, compression="zlib")
+    return [(wide, "65,536 x 1 px"), (tall, "1 x 65,536 px, tiled")]
 
 
 def special_files(folder: Path) -> list[tuple[Path, str]]:

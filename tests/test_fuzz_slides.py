@@ -7,7 +7,7 @@ project's own. The generator and the harness are in ``fuzz_slides.py``.
 
 from __future__ import annotations
 
-from fuzz_slides import make_cases, run_cases, special_files, summarize
+from fuzz_slides import extreme_aspect_slides, make_cases, run_cases, special_files, summarize
 
 N_CASES = 500
 
@@ -28,3 +28,8 @@ def test_files_that_are_not_regular_are_refused_at_once_naming_what_they_are(tmp
     assert [r["outcome"] for r in results] == ["clean"] * len(results), results
     assert all("not a regular file" in r["detail"] for r in results), results
     assert "FIFO" in results[0]["detail"] and "socket" in results[1]["detail"], results
+
+
+def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
+    results = run_cases(extreme_aspect_slides(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["success"] * len(results), results
