@@ -310,3 +310,24 @@ def test_batched_boxes_scores_labels_equals_a_per_tile_reference():
         np.testing.assert_array_equal(g.boxes, b)
         np.testing.assert_array_equal(g.scores, s)
         np.testing.assert_array_equal(g.labels, lb)
+
+
+def test_every_decoder_drops_negative_labels_and_non_finite_boxes_by_one_rule():
+    """A row of label -3 (or with a NaN box) is no detection, whichever decoder reads it."""
+    boxes = np.array([[[1, 1, 9, 9], [2, 2, 8, 8], [3, np.nan, 7, 7], [4, 4, 6, 6]]], np.float32)
+    scores = np.array([[0.9, 0.8, 0.7, 0.6]], np.float32)
+    labels = np.array([[0, -3, 1, 1]], np.int64)
+    outputs = {"boxes": boxes, "scores": scores, "labels": labels}
+    centernet = make_card("centernet", CENTERNET_OUTPUTS[:3], score_threshold=0.5)
+    bsl = make_card(
+        "boxes_scores_labels",
+        (OutputSpec("boxes", ("b", 4, 4)), OutputSpec("scores", ("b", 4)), OutputSpec("labels", ("b", 4), "int64")),
+        score_threshold=0.5,
+    )
+    for card in (centernet, bsl):
+        (det,) = decode(outputs, card)
+        assert det.labels.tolist() == [0, 1] and det.scores.tolist() == pytest.approx([0.9, 0.6]), card.decoder
+    yolo = make_card("yolo", (OutputSpec("output0", ("b", 6, 2)),), score_threshold=0.25, iou_threshold=0.5)
+    rows = np.array([[10, 10, 4, 4, 0.9, 0.1], [np.nan, 30, 4, 4, 0.8, 0.1]], np.float32)
+    (det,) = decode({"output0": rows.T[None]}, yolo)
+    assert det.scores.tolist() == pytest.approx([0.9])

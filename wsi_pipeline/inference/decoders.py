@@ -30,6 +30,11 @@ its parameters:
     (a v5-style objectness column after the box, multiplied in: false).
     Class-aware NMS per tile with OpenCV's ``cv2.dnn.NMSBoxesBatched``.
 
+Every decoder keeps a row only where its score reaches ``score_threshold``, its
+label is 0 or more (a negative label is padding or "no class") and its box is
+finite (:func:`detection_rows`); a label past the card's classes is a
+:class:`~wsi_pipeline.errors.ModelError`.
+
 A card's ``heatmap`` output ``[B, C, H/stride, W/stride]`` is returned per
 tile as ``CxHxW float32`` probabilities after the card's activation.
 """
@@ -324,6 +329,14 @@ def _check_labels(card: ModelCard, labels: np.ndarray) -> None:
         )
 
 
+def detection_rows(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, score_threshold: float) -> np.ndarray:
+    """The rows every decoder keeps: score at least ``score_threshold``, label >= 0, a finite box.
+
+    ``boxes`` ``[..., 4]``, ``scores`` and ``labels`` ``[...]``; a bool mask of their shape.
+    """
+    return (scores >= score_threshold) & (labels >= 0) & np.isfinite(boxes).all(axis=-1)
+
+
 def _ranked(
     boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, valid: np.ndarray, limit: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -358,7 +371,7 @@ def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -
     labels = _as_batched(_get(outputs, p["labels"], card), 2)
     _check_rows(card, boxes, scores, labels)
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    valid = scores >= p["score_threshold"]
+    valid = detection_rows(boxes, scores, labels, p["score_threshold"])
     if p["iou_threshold"] is None:
         b, s, lab, counts = _ranked(boxes, scores, labels, valid, p["max_detections"])
     else:  # per-tile NMS between the ranking and the limit
@@ -416,7 +429,7 @@ def decode_boxes_scores_labels_batch(outputs: Mapping[str, np.ndarray], card: Mo
                 f"[{boxes.shape[0]}], found {list(counts.shape)}"
             )
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    valid = (scores >= p["score_threshold"]) & (labels >= 0) & np.isfinite(boxes).all(axis=2)
+    valid = detection_rows(boxes, scores, labels, p["score_threshold"])
     if counts is not None:
         valid &= np.arange(boxes.shape[1])[None, :] < counts[:, None]
     b, s, lab, kept = _ranked(boxes, scores, labels, valid)
@@ -453,7 +466,7 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
             cls_scores = cls_scores * rows[:, 4:5]
         labels = cls_scores.argmax(axis=1)
         scores = cls_scores[np.arange(rows.shape[0]), labels]
-        cand = np.flatnonzero(scores >= p["score_threshold"])
+        cand = np.flatnonzero(detection_rows(rows[:, :4], scores, labels, p["score_threshold"]))
         hm = None if heatmaps is None else heatmaps[i]
         if cand.size == 0:
             results.append(TileDetections.empty(hm))
