@@ -331,3 +331,39 @@ def test_every_decoder_drops_negative_labels_and_non_finite_boxes_by_one_rule():
     rows = np.array([[10, 10, 4, 4, 0.9, 0.1], [np.nan, 30, 4, 4, 0.8, 0.1]], np.float32)
     (det,) = decode({"output0": rows.T[None]}, yolo)
     assert det.scores.tolist() == pytest.approx([0.9])
+
+
+def test_first_by_key_equals_a_stable_sort_cut_short():
+    from wsi_pipeline.inference.decoders import _first_by_key
+
+    rng = np.random.default_rng(3)
+    key = rng.choice([-0.9, -0.5, -0.5, -0.2, np.inf], (5, 400))  # ties everywhere, invalid rows (inf)
+    for k in (0, 1, 7, 30, 49, 400):
+        np.testing.assert_array_equal(_first_by_key(key, k), np.argsort(key, axis=1, kind="stable")[:, :k])
+
+
+@pytest.mark.parametrize("decoder", ["centernet", "boxes_scores_labels", "yolo"])
+def test_a_million_boxes_a_tile_are_cut_to_the_cards_cap_and_counted(decoder):
+    import dataclasses
+
+    from wsi_pipeline.inference.decoders import decode_batch
+
+    n = 1_000_000
+    rng = np.random.default_rng(5)
+    scores = rng.random((1, n), dtype=np.float32)
+    xy = rng.uniform(0, 50, (1, n, 2)).astype(np.float32)
+    boxes = np.concatenate([xy, xy + 4], axis=2)
+    if decoder == "yolo":
+        rows = np.concatenate([xy + 2, np.full((1, n, 2), 4, np.float32), scores[..., None]], axis=2)
+        outs = (OutputSpec("out", ("b", n, 5)),)
+        card = make_card("yolo", outs, n_classes=1, output="out", channels_last=True, score_threshold=0.0)
+        outputs = {"out": rows}
+    else:
+        outs = (OutputSpec("boxes", ("b", n, 4)), OutputSpec("scores", ("b", n)), OutputSpec("labels", ("b", n)))
+        card = make_card(decoder, outs, score_threshold=0.0)
+        outputs = {"boxes": boxes, "scores": scores, "labels": np.zeros((1, n), np.int64)}
+    batch = decode_batch(outputs, dataclasses.replace(card, max_detections_per_tile=500))
+    assert batch.over_cap_total == n - 500
+    assert len(batch.scores) <= 500  # yolo's NMS and its max_detections (300) come after the cap
+    if decoder != "yolo":
+        np.testing.assert_array_equal(batch.scores, np.sort(scores[0])[::-1][:500])

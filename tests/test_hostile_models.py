@@ -39,3 +39,29 @@ def test_summary_json_is_strict_json_even_with_non_finite_numbers(tmp_path):
     text = path.read_text()
     doc = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
     assert doc == {"a": None, "b": [1.5, None, None], "c": {"d": 2.0}}
+
+
+def _capped_card(tmp_path, cap):
+    card = build_toy_model(tmp_path, "boxes_scores_labels")  # 3 boxes a tile, all kept (threshold 0)
+    doc = json.loads(card.card_path.read_text())
+    doc["max_detections_per_tile"] = cap
+    card.card_path.write_text(json.dumps(doc))
+    return card.card_path
+
+
+def test_detections_past_the_cards_cap_a_tile_are_dropped_and_counted_in_the_summary(tmp_path, caplog):
+    card_path = _capped_card(tmp_path, 2)
+    caplog.set_level("WARNING", "wsi_pipeline")
+    with Pipeline.from_card(card_path, backend="ort", tissue="all", overlap=8) as p:
+        result = p.run(_image())
+    n_tiles = result.summary["tiles"]["read"]
+    assert n_tiles > 1 and result.summary["detections_over_cap"] == n_tiles
+    assert f"{n_tiles} detections dropped" in caplog.text and "max_detections_per_tile" in caplog.text
+
+
+@pytest.mark.parametrize("cap", [0, -1, 10**7, 2.5, True, "10"])
+def test_an_impossible_cap_is_refused_naming_the_field(tmp_path, cap):
+    from wsi_pipeline.inference.card import load_card
+
+    with pytest.raises(ModelError, match="max_detections_per_tile"):
+        load_card(_capped_card(tmp_path, cap))

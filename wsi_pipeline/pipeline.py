@@ -409,6 +409,15 @@ class Pipeline:
             try:
                 with timer("stitch"):
                     dets = make_detections(*stitcher.finish())
+                run_info["detections_over_cap"] = stitcher.over_cap
+                if stitcher.over_cap:
+                    log.warning(
+                        "%s: %d detections dropped: tiles gave more than the card's %d a tile "
+                        "(max_detections_per_tile), the lowest scores were dropped",
+                        slide.path,
+                        stitcher.over_cap,
+                        card.detections_cap,
+                    )
                 with timer("write"):
                     heatmap = outputs.close_heatmap() if out is None else None
                     return self._result(

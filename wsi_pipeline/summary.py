@@ -82,6 +82,7 @@ class Summary(TypedDict, total=False):
     classes: list[ClassInfo]
     heatmap: HeatmapInfo | None
     detections_total: int
+    detections_over_cap: int  # dropped: past the card's max_detections_per_tile (the lowest scores of their tile)
     tissue: TissueInfo
     tissue_warning: str | None
     heatmap_scores: dict[str, Any] | None  # per heatmap class, see stitch.sinks.HeatmapStats

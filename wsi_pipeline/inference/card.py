@@ -46,6 +46,10 @@ TORCH_EXPORT_SUFFIX = ".pt2"
 MAX_CARD_BYTES = 1 << 20
 # The largest model input side accepted (pixels): a tile is read, held and batched whole.
 MAX_INPUT_SIDE = MAX_TILE
+# Detections a tile may give (``max_detections_per_tile``; the default where a card sets none). Beyond
+# it the lowest scores are dropped before anything is allocated for them, and counted in summary.json.
+DEFAULT_MAX_DETECTIONS_PER_TILE = 10_000
+MAX_DETECTIONS_PER_TILE = 1_000_000
 
 # ONNX TensorProto element types -> card dtype names.
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
@@ -142,6 +146,12 @@ class ModelCard:
     card_path: Path | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     format: str = "onnx"
+    max_detections_per_tile: int | None = None  # None: DEFAULT_MAX_DETECTIONS_PER_TILE
+
+    @property
+    def detections_cap(self) -> int:
+        """At most this many detections a tile: the rest, the lowest scores, are dropped and counted."""
+        return self.max_detections_per_tile or DEFAULT_MAX_DETECTIONS_PER_TILE
 
     @property
     def class_names(self) -> list[str]:
@@ -189,6 +199,8 @@ class ModelCard:
         }
         if self.format != "onnx":
             doc["format"] = self.format
+        if self.max_detections_per_tile is not None:  # left out when unset: older cards keep their digest
+            doc["max_detections_per_tile"] = self.max_detections_per_tile
         doc.update(dict(self.extra))
         return doc
 
@@ -410,7 +422,12 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if heatmap.output not in names:
             raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
 
+    cap = r.get(doc, "max_detections_per_tile", "", int, "a positive int or null", None, optional=True)
+    if cap is not None and not (is_int(cap) and 1 <= cap <= MAX_DETECTIONS_PER_TILE):
+        raise r.fail("max_detections_per_tile", f"an int from 1 to {MAX_DETECTIONS_PER_TILE} or null", cap)
+
     known = {
+        "max_detections_per_tile",
         "schema_version",
         "name",
         "version",
@@ -441,6 +458,7 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         card_path=path,
         extra=extra,
         format=model_format,
+        max_detections_per_tile=cap,
     )
     validate_decoder_params(card)
     return card
