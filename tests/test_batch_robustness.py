@@ -265,6 +265,17 @@ def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
     assert slide_time_limit(RunConfig(slide_timeout=0), big) is None
 
 
+def test_ctrl_c_during_start_up_is_one_line_not_a_traceback(monkeypatch, capsys):
+    from wsi_pipeline import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)  # Ctrl-C while the commands' modules import
+    assert cli.main(["run", "x"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_ctrl_c_in_process_marks_the_slide_interrupted(tmp_path):
     paths = _slides(tmp_path / "in", "good.tiff", "ctrlc.tiff", "later.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
@@ -275,7 +286,9 @@ def test_ctrl_c_in_process_marks_the_slide_interrupted(tmp_path):
     assert os.listdir(tmp_path / "out" / "slides") == ["good"]
 
 
-def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_path, signum, code):
+    """SIGTERM, what a scheduler sends, is Ctrl-C: the manifest says interrupted, no partial folder stays."""
     paths = _slides(tmp_path / "in", "hang.tiff", "later.tiff")
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
@@ -288,23 +301,28 @@ def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
         from pathlib import Path
         from test_batch_robustness import FakeFactory, _key
         from wsi_pipeline.batch import run_batch
+        from wsi_pipeline.cli import Terminated, sigterm_as_interrupt
         from wsi_pipeline.config import RunConfig
         from wsi_pipeline.pipeline import DEFAULT_MODEL
         config = RunConfig(model=str(DEFAULT_MODEL))
         try:
-            run_batch([Path(p) for p in {[str(p) for p in paths]!r}], {str(out)!r}, FakeFactory(), config,
-                      _key(config), progress=False)
+            with sigterm_as_interrupt():
+                run_batch([Path(p) for p in {[str(p) for p in paths]!r}], {str(out)!r}, FakeFactory(), config,
+                          _key(config), progress=False)
+        except Terminated:
+            sys.exit(143)
         except KeyboardInterrupt:
             sys.exit(130)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
+    # Its own process group, as a scheduler's job: the signal goes to the child too, as it would.
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if list((out / "slides").glob(".hang.partial-*")):  # the child is inside the slide
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    os.killpg(proc.pid, signum)
+    assert proc.wait(timeout=60) == code
     m = _manifest(out)
     assert m["hang"]["status"] == "interrupted" and m["later"]["status"] == "pending"
     assert os.listdir(out / "slides") == []  # the stopped child's folder is removed
