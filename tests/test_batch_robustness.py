@@ -545,6 +545,56 @@ def test_resume_redoes_a_slide_when_the_card_the_slide_or_the_mask_changed(tmp_p
     assert "the mask file changed" in caplog.text
 
 
+def test_resume_sees_an_edit_the_sampled_fingerprint_misses_and_a_replaced_file(tmp_path, caplog):
+    paths = _slides(tmp_path / "in", "a.tiff")
+    big = paths[0]
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    key = _key(config)
+
+    def todo() -> list[str]:
+        run_batch(paths, out, FakePipeline, config, key, progress=False)
+        return [name for _, name in plan(paths, out, key, force=False)[0]]
+
+    assert todo() == []
+    caplog.set_level("INFO", "wsi_pipeline")
+    before = os.stat(big)
+    data[(2 << 20) + 100] ^= 0xFF  # between the sampled blocks: the fingerprint stays
+    with open(big, "r+b") as f:  # edited in place: the same inode
+        f.write(bytes(data))
+    os.utime(big, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert plan(paths, out, key, force=False)[0] != []
+    assert "the slide file changed (modified since its run" in caplog.text
+    assert todo() == []
+    big.rename(tmp_path / "old.tiff")  # replaced by a copy of itself: another inode, the same mtime
+    shutil.copy2(tmp_path / "old.tiff", big)
+    assert plan(paths, out, key, force=False)[0] != []
+    assert "replaced by another file" in caplog.text
+
+
+def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tmp_path):
+    from wsi_pipeline.run_key import input_identity, why_redo
+
+    big = tmp_path / "big.svs"
+    data = bytearray(np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    st = os.stat(big)
+    sampled, full = input_identity(big), input_identity(big, "full")
+    data[(2 << 20) + 100] ^= 0xFF
+    with open(big, "r+b") as f:
+        f.write(bytes(data))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # as an archive restores it
+    key = RunKey({"settings": "s"}, "full")
+    summary = {"run_key": key.value, "run_key_parts": key.parts}
+    assert input_identity(big) == sampled  # sampled: the edit is missed
+    assert why_redo({**summary, "input": full}, key, input_identity(big, "full"), []) == (
+        "the slide file changed (same size, different content)"
+    )
+    assert "fingerprint was taken otherwise" in why_redo({**summary, "input": sampled}, key, full, [])
+
+
 def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
     from wsi_pipeline.run_key import input_identity
 

@@ -256,7 +256,7 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
             n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None
         ]
     missing = [n for n in required if not (folder / n).exists()]  # files, and the folders of ome-zarr and dicom-heatmap
-    return summary, why_redo(summary, key, input_identity(path), missing)
+    return summary, why_redo(summary, key, input_identity(path, key.slide_hash), missing)
 
 
 # -- manifest -------------------------------------------------------------------

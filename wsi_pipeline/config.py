@@ -41,6 +41,8 @@ BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 # What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
 DAMAGED_TILE_CHOICES = ("warn", "fail")
+# How resume fingerprints a slide file (run_key.input_identity): sampled blocks, or its whole content.
+SLIDE_HASH_CHOICES = ("sampled", "full")
 
 # Upper bounds of the sizing settings: far above any useful value, low enough
 # that a typo cannot ask for thousands of threads or a batch of gigabytes.
@@ -84,6 +86,9 @@ class RunConfig:
     slide_timeout: float | None = None
     # Output files (names in io/formats.py): a list, or one string "geojson.gz,parquet".
     formats: tuple[str, ...] = DEFAULT_FORMATS
+    # Resume's fingerprint of a slide file: "sampled" (head, tail, 16 blocks; with its size, mtime and
+    # inode), or "full" (its whole content read: for slides that an archive restores with their mtimes).
+    slide_hash: str = "sampled"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class RunConfig:
             raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
         if self.decode not in DECODE_CHOICES:
             raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
+        if self.slide_hash not in SLIDE_HASH_CHOICES:
+            raise bad("slide_hash", f"one of {', '.join(SLIDE_HASH_CHOICES)}", self.slide_hash)
         if self.on_damaged_tile not in DAMAGED_TILE_CHOICES:
             raise bad("on_damaged_tile", f"one of {', '.join(DAMAGED_TILE_CHOICES)}", self.on_damaged_tile)
         if self.nms_metric not in ("iou", "ios"):
@@ -149,7 +156,7 @@ class RunConfig:
                 raise bad(key, "a path", v)
 
     # Keys that change how a run goes but not what it produces.
-    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "extra")
+    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "slide_hash", "extra")
 
     def result_key(self) -> dict[str, Any]:
         """The settings that determine the outputs (resume compares these)."""
