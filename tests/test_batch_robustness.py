@@ -635,6 +635,11 @@ def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_pa
         ({"slide_timeout": math.nan}, "slide_timeout"),
         ({"model": "a\x00b"}, "model"),
         ({"tile": 30000}, "tile"),
+        ({"mpp": 1e300}, "mpp: expected a positive number of micrometres per pixel, 1e-06 to 1e"),
+        ({"model": "m" * 100_000}, r"model: expected a path of at most 4096 .*100000 characters\)$"),
+        ({"mask": "/" + "n" * 300 + "/mask.png"}, "mask: expected a path"),
+        ({"dask": "local:999999"}, "dask: expected local:N with N from 1 to"),
+        ({"dask": "local:-1"}, "dask: expected local:N"),
     ],
 )
 def test_impossible_settings_are_refused(values, message):
@@ -656,7 +661,17 @@ def test_config_files_that_are_not_text_are_usage_errors(tmp_path, tiny):
     assert r.returncode == 2 and "latin1.toml" in r.stderr and "Traceback" not in r.stderr
     r = _cli("run", tiny, "--out", out, "--mpp", "inf")
     assert r.returncode == 2 and "mpp" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "cluster.toml").write_text('dask = "local:999999"\n')
+    r = _cli("run", tiny, "--out", out, "--config", tmp_path / "cluster.toml")
+    assert r.returncode == 2 and "dask: expected local:N" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_an_overlap_too_large_for_the_model_names_the_setting_not_the_card():
+    from wsi_pipeline import Pipeline
+
+    with pytest.raises(ConfigError, match=r"^config \(model \S+, 512 px tiles\): overlap: expected .* found 600$"):
+        Pipeline.from_card(backend="ort", overlap=600)
 
 
 def test_config_file_paths_are_relative_to_its_folder(tmp_path):

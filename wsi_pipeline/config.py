@@ -51,6 +51,12 @@ MAX_BATCH_SIZE = 1024
 MAX_STREAMS = 32
 MAX_WORKERS = 256
 MAX_OVERLAY_SIZE = 16384
+# Resolutions (micrometres per pixel) from 1 pm to 1 m: beyond, the grid's arithmetic overflows.
+MIN_MPP, MAX_MPP = 1e-6, 1e6
+# A path setting longer than the system's limits cannot name a file (ENAMETOOLONG at open).
+MAX_PATH_CHARS, MAX_NAME_BYTES = 4096, 255
+# local:N workers, each a process holding a pipeline: at most one per CPU.
+LOCAL_DASK = "local:"
 # Settings that name files: a relative path in a config file is relative to that file's folder.
 PATH_KEYS = ("model", "mask")
 
@@ -96,7 +102,9 @@ class RunConfig:
 
     def validate(self, source: str = "config") -> None:
         def bad(key: str, expected: str, found: Any) -> ConfigError:
-            return ConfigError(f"{source}: {key}: expected {expected}, found {found!r}")
+            shown = repr(found)
+            shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(str(found))} characters)"
+            return ConfigError(f"{source}: {key}: expected {expected}, found {shown}")
 
         if self.backend not in BACKEND_CHOICES:
             raise bad("backend", f"one of {', '.join(BACKEND_CHOICES)}", self.backend)
@@ -122,8 +130,8 @@ class RunConfig:
             raise bad("overlap", f"less than the tile size {self.tile}", self.overlap)
         if self.tile is not None and self.tile > MAX_TILE:
             raise bad("tile", f"at most {MAX_TILE} pixels", self.tile)
-        if self.mpp is not None and not (math.isfinite(self.mpp) and self.mpp > 0):
-            raise bad("mpp", "a positive number of micrometres per pixel", self.mpp)
+        if self.mpp is not None and not (math.isfinite(self.mpp) and MIN_MPP <= self.mpp <= MAX_MPP):
+            raise bad("mpp", f"a positive number of micrometres per pixel, {MIN_MPP:g} to {MAX_MPP:g}", self.mpp)
         if self.mpp is not None and self.level is not None:
             raise ConfigError(f"{source}: give mpp or level, not both")
         if self.level is not None and self.level < 0:
@@ -154,6 +162,12 @@ class RunConfig:
             v = getattr(self, key)
             if v is not None and ("\x00" in v or not v.strip()):
                 raise bad(key, "a path", v)
+            if v is not None and key in PATH_KEYS and not _fits_path_limits(v):
+                raise bad(key, f"a path of at most {MAX_PATH_CHARS} characters, names of {MAX_NAME_BYTES} bytes", v)
+        if self.dask is not None and self.dask.startswith(LOCAL_DASK):
+            n, cpus = self.dask[len(LOCAL_DASK) :], os.cpu_count() or 1
+            if not (n.isdigit() and 1 <= int(n) <= cpus):
+                raise bad("dask", f"local:N with N from 1 to {cpus} (this machine's CPUs)", self.dask)
 
     # Keys that change how a run goes but not what it produces.
     _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "slide_hash", "extra")
@@ -193,6 +207,12 @@ class RunConfig:
         values = self.as_dict()
         values.update({k: v for k, v in changes.items() if v is not None})
         return RunConfig.from_mapping(values, "options")
+
+
+def _fits_path_limits(path: str) -> bool:
+    return len(path) <= MAX_PATH_CHARS and all(
+        len(part.encode("utf-8", "surrogateescape")) <= MAX_NAME_BYTES for part in path.split(os.sep)
+    )
 
 
 def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:

@@ -199,7 +199,8 @@ class Pipeline:
         if cfg.tile is not None and cfg.tile != h:
             raise ConfigError(f"tile: the model {self.card.name} takes {h} px tiles, found tile = {cfg.tile}")
         stride = self.card.heatmap.stride if self.card.heatmap is not None else None
-        check_tiling(h, cfg.overlap, stride, where=str(self.card.card_path or self.card.name))
+        # The overlap is the config's, the tile size and stride the card's: the message names the setting.
+        check_tiling(h, cfg.overlap, stride, where=f"config (model {self.card.name}, {h} px tiles)")
 
     # -- running ---------------------------------------------------------------
     def run(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_TILE
+from ..config import MAX_MPP, MAX_TILE, MIN_MPP
 from ..errors import ModelError
 from ..validation import is_instance, is_int, is_number
 from .decoders import validate_decoder_params
@@ -359,8 +359,8 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         )
 
     mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
-    if mpp is not None and not (math.isfinite(mpp) and mpp > 0):
-        raise r.fail("mpp", "a positive number or null", mpp)
+    if mpp is not None and not (math.isfinite(mpp) and MIN_MPP <= mpp <= MAX_MPP):
+        raise r.fail("mpp", f"a positive number from {MIN_MPP:g} to {MAX_MPP:g}, or null", mpp)
 
     outputs_doc = r.get(doc, "outputs", "", list, "a list of {name, shape, dtype}")
     if not outputs_doc:
