@@ -430,6 +430,15 @@ def test_a_read_only_old_result_is_replaced_and_not_left(tmp_path):
     assert sorted(os.listdir(out / "slides")) == ["a"] and not (out / "slides" / "a" / "sub").exists()
 
 
+def test_a_hidden_slide_file_in_a_folder_is_skipped_with_a_word(tmp_path, caplog):
+    _slides(tmp_path / "in", "..tiff", ".hidden.svs", "shown.tiff", ".notes.txt")
+    caplog.set_level("WARNING", "wsi_pipeline")
+    assert [p.name for p in expand_inputs([tmp_path / "in"])] == ["shown.tiff"]
+    assert "..tiff: skipped: a hidden file" in caplog.text and ".hidden.svs: skipped" in caplog.text
+    assert ".notes.txt" not in caplog.text
+    assert expand_inputs([tmp_path / "in" / "..tiff"]) == [tmp_path / "in" / "..tiff"]  # named: run
+
+
 def test_undecodable_file_names_are_logged_and_recorded(tmp_path, tiny):
     src = tmp_path / "in"
     src.mkdir()

@@ -98,9 +98,13 @@ __all__ = [
 # -- inputs ---------------------------------------------------------------------
 
 
-def _is_slide_file(path: Path) -> bool:
+def _has_slide_extension(path: Path) -> bool:
     name = path.name.lower()
-    return name.endswith(SLIDE_EXTENSIONS) and not name.startswith(".") and not name.endswith(".truth.geojson")
+    return name.endswith(SLIDE_EXTENSIONS) and not name.endswith(".truth.geojson")
+
+
+def _is_slide_file(path: Path) -> bool:
+    return _has_slide_extension(path) and not path.name.startswith(".")
 
 
 def _read_list(path: Path) -> list[Path]:
@@ -180,6 +184,8 @@ def expand_inputs(
                     fp = Path(root) / f
                     if _is_slide_file(fp):
                         add(fp)
+                    elif _has_slide_extension(fp):  # a hidden file
+                        log.warning("%s: skipped: a hidden file (its name starts with '.'); name it to run it", fp)
         elif p.is_file() and p.suffix.lower() in LIST_EXTENSIONS:
             for q in _read_list(p):
                 add(q)

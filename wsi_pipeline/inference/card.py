@@ -310,14 +310,18 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     name = r.get(doc, "name", "", str, "a string")
     version = str(r.get(doc, "version", "", (str, int, float), "a string", "0"))
     model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
-    # The model lives in the card's folder or below it: a card cannot point at any file on the machine.
-    inside = os.path.normpath(os.path.join(path.parent, model_file))
-    if (
-        "\x00" in model_file
-        or os.path.isabs(model_file)
-        or os.path.commonpath([inside, str(path.parent)]) != str(path.parent)
-    ):
+    # The model lives in the card's folder or below it: a card cannot point at any file on the machine,
+    # neither by its path nor through a symbolic link (links are resolved before the check).
+    if "\x00" in model_file or os.path.isabs(model_file):
         raise r.fail("model_file", "a path inside the card's folder", model_file)
+    inside = os.path.realpath(os.path.join(path.parent, model_file))
+    if os.path.commonpath([inside, str(path.parent)]) != str(path.parent):
+        shown = (
+            model_file
+            if os.path.normpath(os.path.join(path.parent, model_file)) == inside
+            else f"{model_file} -> {inside}"
+        )
+        raise r.fail("model_file", "a path inside the card's folder (symbolic links resolved)", shown)
     sha = r.get(doc, "sha256", "", str, "64 hex digits")
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
         raise r.fail("sha256", "64 hex digits", sha)
