@@ -236,6 +236,40 @@ def _forge_tag(buf: bytearray, rng: random.Random) -> str:
     return f"forge tag {e.tag} of IFD {i} = {value}"
 
 
+# Tags readers compute with, and what a forged layout makes of them: no value, an undefined byte, another
+# bit depth for the last sample.
+_LAYOUT_TAGS = (256, 257, 258, 259, 262, 277, 284, 322, 323)
+
+
+def forge_tag_layout(buf: bytearray, tag: int, how: str, ifd: int = 0) -> str:
+    """Give ``tag`` of IFD ``ifd`` a value of another shape: ``"empty"`` (count 0), ``"undefined"``
+    (one byte of type UNDEFINED) or ``"mixed"`` (its last value doubled: BitsPerSample (8, 8, 16))."""
+    big, ifds = _parse_tiff(bytes(buf))
+    e = next(e for e in ifds[ifd].entries if e.tag == tag)
+    count_size = 8 if big else 4
+    if how == "empty":
+        _put_uint(buf, e.pos + 4, count_size, 0)
+    elif how == "undefined":
+        _put_uint(buf, e.pos + 2, 2, 7)
+        _put_uint(buf, e.pos + 4, count_size, 1)
+        _put_uint(buf, e.pos + 4 + count_size, 1, 0x80)
+    else:
+        pos = _value_pos(bytes(buf), big, e) + _TIFF_TYPE_SIZE.get(e.type, 2) * (e.count - 1)
+        _put_uint(buf, pos, _TIFF_TYPE_SIZE.get(e.type, 2), 16)
+    return f"tag {tag} of IFD {ifd} made {how}"
+
+
+def _forge_tag_layout(buf: bytearray, rng: random.Random) -> str:
+    _, ifds = _parse_tiff(bytes(buf))
+    i = rng.randrange(len(ifds))
+    tag = rng.choice([e.tag for e in ifds[i].entries if e.tag in _LAYOUT_TAGS] or [259])
+    how = "mixed" if tag == 258 else rng.choice(["empty", "undefined"])
+    try:
+        return forge_tag_layout(buf, tag, how, i)
+    except StopIteration:
+        return "no such tag"
+
+
 def _forge_entry_header(buf: bytearray, rng: random.Random) -> str:
     big, ifds = _parse_tiff(bytes(buf))
     i = rng.randrange(len(ifds))
@@ -391,6 +425,7 @@ def _tiff_tile_bomb(path: Path) -> None:
 _TIFF_MUTATORS = [
     (_ifd_cycle, 2),
     (_forge_tag, 6),
+    (_forge_tag_layout, 2),
     (_forge_entry_header, 2),
     (_truncate, 2),
     (_tile_bytes, 4),

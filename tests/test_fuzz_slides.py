@@ -7,7 +7,17 @@ project's own. The generator and the harness are in ``fuzz_slides.py``.
 
 from __future__ import annotations
 
-from fuzz_slides import extreme_aspect_slides, make_cases, run_cases, special_files, summarize
+import pytest
+from fuzz_slides import (
+    extreme_aspect_slides,
+    forge_tag_layout,
+    make_base_slides,
+    make_cases,
+    run_case,
+    run_cases,
+    special_files,
+    summarize,
+)
 
 N_CASES = 500
 
@@ -33,3 +43,21 @@ def test_files_that_are_not_regular_are_refused_at_once_naming_what_they_are(tmp
 def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
     results = run_cases(extreme_aspect_slides(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
     assert [r["outcome"] for r in results] == ["success"] * len(results), results
+
+
+@pytest.mark.parametrize(
+    ("tag", "how", "message"),
+    [
+        (259, "empty", "tag Compression (259): expected one integer, found ()"),
+        (323, "undefined", "tag TileLength (323): expected one integer, found b'\\x80'"),
+        (258, "mixed", "tag BitsPerSample (258): expected the same integer for every sample, found (8, 8, 16)"),
+    ],
+)
+def test_a_tag_of_a_forged_shape_is_named_not_a_bare_type_error(tmp_path, tag, how, message):
+    base = make_base_slides(tmp_path / "bases")["jpeg.tiff"]
+    buf = bytearray(base.read_bytes())
+    forge_tag_layout(buf, tag, how)
+    path = tmp_path / "forged.tiff"
+    path.write_bytes(bytes(buf))
+    result = run_case(str(path))
+    assert result["outcome"] == "clean" and message in result["detail"], result
