@@ -456,7 +456,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path = folder / f"case{k:04d}_{name}"
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
-    cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect")
+    cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect") + cmyk_slides(folder / "cmyk")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -481,6 +481,21 @@ def extreme_aspect_slides(folder: Path) -> list[tuple[Path, str]]:
     cv2.imwrite(str(wide), line[:, :, ::-1])
     _write_tiff(tall, line.transpose(1, 0, 2).copy(), levels=1, tile=128, compression="zlib")
     return [(wide, "65,536 x 1 px"), (tall, "1 x 65,536 px, tiled")]
+
+
+def cmyk_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Tiled and untiled TIFFs of CMYK inks (photometric SEPARATED): 200 of cyan, no black (RGB 55, 255, 255)."""
+    import numpy as np
+    import tifffile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    inks = np.zeros((300, 400, 4), np.uint8)
+    inks[..., 0] = 200
+    cases = []
+    for name, kw in (("cmyk_tiled.tiff", {"tile": (128, 128), "compression": "zlib"}), ("cmyk_strips.tiff", {})):
+        tifffile.imwrite(folder / name, inks, photometric="separated", **kw)
+        cases.append((folder / name, f"CMYK, {'tiled' if kw else 'strips'}"))
+    return cases
 
 
 def special_files(folder: Path) -> list[tuple[Path, str]]:

@@ -7,8 +7,10 @@ project's own. The generator and the harness are in ``fuzz_slides.py``.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from fuzz_slides import (
+    cmyk_slides,
     extreme_aspect_slides,
     forge_tag_layout,
     make_base_slides,
@@ -61,3 +63,16 @@ def test_a_tag_of_a_forged_shape_is_named_not_a_bare_type_error(tmp_path, tag, h
     path.write_bytes(bytes(buf))
     result = run_case(str(path))
     assert result["outcome"] == "clean" and message in result["detail"], result
+
+
+def test_cmyk_is_read_as_rgb_by_openslide_or_refused_never_shown_as_inks(tmp_path):
+    from wsi_pipeline.errors import SlideOpenError
+    from wsi_pipeline.slide import open_slide
+
+    (tiled, _), (strips, _) = cmyk_slides(tmp_path)
+    with open_slide(tiled) as slide:  # auto: OpenSlide, which converts the inks
+        assert slide.backend == "openslide"
+        np.testing.assert_array_equal(slide.read_region((0, 0), 0, (2, 2))[0, 0], [55, 255, 255])
+    for path, backend in ((tiled, "tifffile"), (strips, "auto"), (strips, "image")):
+        with pytest.raises(SlideOpenError, match=r"CMYK \(photometric SEPARATED\) is not RGB"):
+            open_slide(path, backend)

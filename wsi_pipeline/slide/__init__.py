@@ -18,7 +18,7 @@ from ..errors import SlideError, SlideOpenError
 from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
-from .tiff_file import is_tiff, open_tifffile
+from .tiff_file import is_cmyk, is_tiff, open_tifffile
 
 BACKENDS = ("auto", "tifffile", "openslide", "image")
 
@@ -70,6 +70,8 @@ def detect_backend(path: str) -> str:
     if os.path.isfile(path) and is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
         with open_tifffile(path) as tif:
             tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
+            if tiled and is_cmyk(tif.series[0].keyframe):  # OpenSlide alone turns inks into RGB
+                return "openslide"
         return "tifffile" if tiled else "image"
     if vendor is not None:
         return "openslide"

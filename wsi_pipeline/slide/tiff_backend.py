@@ -40,7 +40,7 @@ from ..errors import SlideError, SlideOpenError, TileReadError
 from ..io.ome_xml import read_ome_pixels
 from .base import Slide, checked_mpp, composite_rgba
 from .resolution import tiff_page_mpp
-from .tiff_file import check_page_data, check_tag_types, open_tifffile
+from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # With the default size the cache holds at most the stored-tile rows of a band
@@ -294,6 +294,7 @@ class TiffSlide(Slide):
             return SlideOpenError(self.path, f"page {page.index}: {reason}")
 
         check_tag_types(self.path, page)
+        refuse_cmyk(self.path, page, "tifffile")
         if not page.is_tiled:
             raise bad("TIFF is not tiled (expected a tiled TIFF for the tile reader)")
         if page.dtype != np.uint8:

@@ -169,6 +169,22 @@ def check_tag_types(path: str, page: tifffile.TiffPage) -> None:
             )
 
 
+def is_cmyk(page: tifffile.TiffPage) -> bool:
+    """Whether the page stores inks (photometric SEPARATED, CMYK), which only OpenSlide turns into RGB."""
+    return page.photometric == tifffile.PHOTOMETRIC.SEPARATED
+
+
+def refuse_cmyk(path: str, page: tifffile.TiffPage, reader: str) -> None:
+    """SlideOpenError for a CMYK page read by a reader that would show its inks as RGB."""
+    if is_cmyk(page):
+        raise SlideOpenError(
+            path,
+            f"page {page.index}: CMYK (photometric SEPARATED) is not RGB: the {reader} reader would show its "
+            "inks as colours; the openslide backend converts a tiled one (--backend auto picks it), "
+            "else convert the image to RGB",
+        )
+
+
 def check_tiff_data(path: str) -> None:
     """:func:`check_page_data` for every page of the TIFF at ``path`` (a file another library will read)."""
     size = os.path.getsize(path)
