@@ -1,4 +1,5 @@
-"""Models whose outputs are hostile: NaN or infinite heatmaps, negative labels, millions of boxes."""
+"""Hostile model outputs (NaN or infinite heatmaps, more boxes a tile than the card allows) and a slide
+file replaced while its run was queued."""
 
 from __future__ import annotations
 
@@ -65,3 +66,18 @@ def test_an_impossible_cap_is_refused_naming_the_field(tmp_path, cap):
 
     with pytest.raises(ModelError, match="max_detections_per_tile"):
         load_card(_capped_card(tmp_path, cap))
+
+
+def test_a_slide_replaced_after_it_was_planned_is_opened_again(tmp_path, caplog):
+    import cv2
+
+    card = build_toy_model(tmp_path, "boxes_scores_labels")
+    path = tmp_path / "queued.png"
+    cv2.imwrite(str(path), _image(96))
+    caplog.set_level("INFO", "wsi_pipeline")
+    with Pipeline.from_card(card.card_path, backend="ort", tissue="all", overlap=8) as p:
+        plan = p.plan(path)  # opened ahead, as a batch does for the slides queued after the running one
+        cv2.imwrite(str(path), np.full((128, 160, 3), 90, np.uint8))  # replaced in place meanwhile
+        result = p.run(plan)
+    assert result.summary["dimensions_level0"] == [160, 128]
+    assert "changed since it was opened ahead: opened again" in caplog.text

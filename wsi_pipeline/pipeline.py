@@ -101,10 +101,20 @@ class SlidePlan:
     tiles: list[Tile]
     seconds: dict[str, float] = field(default_factory=dict)
     made_by: Any = None  # the pipeline that made it: its card and settings decided the tiling
+    file_stamp: tuple[int, ...] | None = None  # the slide file's (size, mtime, inode) before it was opened
 
     def close(self) -> None:
         if self.owns:
             self.slide.close()
+
+
+def _file_stamp(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """(size, mtime, inode) of a slide file, or None where there is none to stat."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 class Pipeline:
@@ -246,9 +256,15 @@ class Pipeline:
                 plan.close()
                 msg = f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)"
                 raise ConfigError(msg)
-            for stage, seconds in plan.seconds.items():  # done before this call: counted in the total once
-                timer.seconds[stage] += seconds
-            t_start -= sum(plan.seconds.values())
+            if plan.file_stamp is not None and _file_stamp(plan.slide.path) != plan.file_stamp:
+                # Replaced or rewritten while queued: the structure parsed at its opening is stale.
+                log.info("%s: changed since it was opened ahead: opened again", plan.slide.path)
+                plan.close()
+                plan = self._plan(plan.slide.path, timer)
+            else:
+                for stage, seconds in plan.seconds.items():  # done before this call: counted in the total once
+                    timer.seconds[stage] += seconds
+                t_start -= sum(plan.seconds.values())
         else:
             plan = self._plan(source, timer)
         handed_over = False
@@ -286,6 +302,7 @@ class Pipeline:
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
         cfg, card = self.config, self.card
         owns = not isinstance(source, Slide)
+        stamp = _file_stamp(source) if isinstance(source, str | os.PathLike) else None
         with timer("open"):
             slide = as_slide(source)
         try:
@@ -300,7 +317,18 @@ class Pipeline:
             if owns:
                 slide.close()
             raise
-        return SlidePlan(slide, owns, isinstance(source, np.ndarray), geometry, grid, method, mask, tiles, made_by=self)
+        return SlidePlan(
+            slide,
+            owns,
+            isinstance(source, np.ndarray),
+            geometry,
+            grid,
+            method,
+            mask,
+            tiles,
+            made_by=self,
+            file_stamp=stamp,
+        )
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
