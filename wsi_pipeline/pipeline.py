@@ -594,6 +594,7 @@ class Pipeline:
 
         def finish() -> None:
             result.heatmap = close_files()
+            summary["peak_writer_memory_mb"] = outputs.writer_peak_memory_mb()
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
             outputs.write_summary(summary)

@@ -89,7 +89,8 @@ class Summary(TypedDict, total=False):
     tiles: TilesInfo
     seconds: dict[str, float]  # per stage, "total", and "write" once the files are written
     damaged_tiles: dict[str, Any] | None
-    peak_host_memory_mb: float
+    peak_host_memory_mb: float  # this process's
+    peak_writer_memory_mb: float | None  # the writer processes' peaks during this slide's files, added up
     peak_gpu_memory_mb: float | None
     model: ModelInfo
     backend: str

@@ -277,27 +277,22 @@ def write_dicom_annotations(
     groups = []
     for number, label in enumerate(np.unique(dets["label"]).tolist() if len(dets) else [], start=1):
         d = dets[dets["label"] == label]
-        x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
-        corners = np.stack(
-            [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1
-        )  # N x 4 x (column, row)
         name, category, prop_type = _class_codes(label, classes)
         color = detection_class(classes, label).get("color")
-        groups.append(
-            hd.ann.AnnotationGroup(
-                number=number,
-                uid=hd.UID(),
-                label=name[:64],
-                annotated_property_category=category,
-                annotated_property_type=prop_type,
-                graphic_type=hd.ann.GraphicTypeValues.POLYGON,
-                graphic_data=list(corners),
-                algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
-                algorithm_identification=algorithm,
-                measurements=[hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)],
-                display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
-            )
+        group = hd.ann.AnnotationGroup(
+            number=number,
+            uid=hd.UID(),
+            label=name[:64],
+            annotated_property_category=category,
+            annotated_property_type=prop_type,
+            graphic_type=hd.ann.GraphicTypeValues.POLYGON,
+            graphic_data=[_box_corners(d[:1])[0]],  # the group's form; its data are set whole below
+            algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
+            algorithm_identification=algorithm,
+            display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
         )
+        _set_boxes(group, d)
+        groups.append(group)
     ann = hd.ann.MicroscopyBulkSimpleAnnotations(
         source_images=[src],
         annotation_coordinate_type=hd.ann.AnnotationCoordinateTypeValues.SCOORD,
@@ -311,6 +306,36 @@ def write_dicom_annotations(
         **_equipment(),
     )
     return _save(path, ann)
+
+
+def _box_corners(d: np.ndarray) -> np.ndarray:
+    """N x 4 x (column, row) float32 corners of detection boxes, clockwise from the top-left."""
+    x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
+    return np.stack([x0, y0, x1, y0, x1, y1, x0, y1], axis=1).reshape(-1, 4, 2)
+
+
+def _set_boxes(group: Any, d: np.ndarray) -> None:
+    """Give an annotation group the polygons and scores of ``d`` as the arrays DICOM stores them.
+
+    What highdicom's ``AnnotationGroup`` makes from a list of one array per annotation, made from
+    whole arrays instead: memory of a few copies of the coordinates, not of a Python object per box.
+    """
+    corners = _box_corners(d)
+    if not np.isfinite(corners).all():
+        raise ValueError("detection boxes for a DICOM annotation group: expected finite coordinates")
+    closed = np.flatnonzero((corners[:, 0] == corners[:, 3]).all(axis=1))
+    if closed.size:  # a polygon whose first and last points are one: DICOM forbids it, as highdicom does
+        raise ValueError(
+            f"annotation #{int(closed[0]) + 1}: a box of no height gives a POLYGON whose first and last "
+            "coordinates are identical"
+        )
+    n = len(d)
+    group.NumberOfAnnotations = n
+    group.PointCoordinatesData = corners.tobytes()
+    # 1-based index of each polygon's first value: 4 points of 2 values each.
+    group.LongPrimitivePointIndexList = (np.arange(n, dtype=np.int32) * 8 + 1).tobytes()
+    group._graphic_data = {}  # read back from the data above, as for a group read from a file
+    group.MeasurementsSequence = [hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)]
 
 
 def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: Path) -> np.ndarray:
