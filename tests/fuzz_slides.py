@@ -17,6 +17,8 @@ import json
 import os
 import random
 import select
+import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -234,6 +236,40 @@ def _forge_tag(buf: bytearray, rng: random.Random) -> str:
     return f"forge tag {e.tag} of IFD {i} = {value}"
 
 
+# Tags readers compute with, and what a forged layout makes of them: no value, an undefined byte, another
+# bit depth for the last sample.
+_LAYOUT_TAGS = (256, 257, 258, 259, 262, 277, 284, 322, 323)
+
+
+def forge_tag_layout(buf: bytearray, tag: int, how: str, ifd: int = 0) -> str:
+    """Give ``tag`` of IFD ``ifd`` a value of another shape: ``"empty"`` (count 0), ``"undefined"``
+    (one byte of type UNDEFINED) or ``"mixed"`` (its last value doubled: BitsPerSample (8, 8, 16))."""
+    big, ifds = _parse_tiff(bytes(buf))
+    e = next(e for e in ifds[ifd].entries if e.tag == tag)
+    count_size = 8 if big else 4
+    if how == "empty":
+        _put_uint(buf, e.pos + 4, count_size, 0)
+    elif how == "undefined":
+        _put_uint(buf, e.pos + 2, 2, 7)
+        _put_uint(buf, e.pos + 4, count_size, 1)
+        _put_uint(buf, e.pos + 4 + count_size, 1, 0x80)
+    else:
+        pos = _value_pos(bytes(buf), big, e) + _TIFF_TYPE_SIZE.get(e.type, 2) * (e.count - 1)
+        _put_uint(buf, pos, _TIFF_TYPE_SIZE.get(e.type, 2), 16)
+    return f"tag {tag} of IFD {ifd} made {how}"
+
+
+def _forge_tag_layout(buf: bytearray, rng: random.Random) -> str:
+    _, ifds = _parse_tiff(bytes(buf))
+    i = rng.randrange(len(ifds))
+    tag = rng.choice([e.tag for e in ifds[i].entries if e.tag in _LAYOUT_TAGS] or [259])
+    how = "mixed" if tag == 258 else rng.choice(["empty", "undefined"])
+    try:
+        return forge_tag_layout(buf, tag, how, i)
+    except StopIteration:
+        return "no such tag"
+
+
 def _forge_entry_header(buf: bytearray, rng: random.Random) -> str:
     big, ifds = _parse_tiff(bytes(buf))
     i = rng.randrange(len(ifds))
@@ -389,6 +425,7 @@ def _tiff_tile_bomb(path: Path) -> None:
 _TIFF_MUTATORS = [
     (_ifd_cycle, 2),
     (_forge_tag, 6),
+    (_forge_tag_layout, 2),
     (_forge_entry_header, 2),
     (_truncate, 2),
     (_tile_bytes, 4),
@@ -419,6 +456,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path = folder / f"case{k:04d}_{name}"
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
+    cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect") + cmyk_slides(folder / "cmyk")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -433,17 +471,63 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
     return cases
 
 
+def extreme_aspect_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Valid slides one pixel high or wide: a PNG 65,536 x 1 px and a tiled TIFF 1 x 65,536 px."""
+    import cv2
+
+    folder.mkdir(parents=True, exist_ok=True)
+    line = _smooth_rgb(2, 65536, seed=4)[:1]
+    wide, tall = folder / "wide_65536x1.png", folder / "tall_1x65536.tiff"
+    cv2.imwrite(str(wide), line[:, :, ::-1])
+    _write_tiff(tall, line.transpose(1, 0, 2).copy(), levels=1, tile=128, compression="zlib")
+    return [(wide, "65,536 x 1 px"), (tall, "1 x 65,536 px, tiled")]
+
+
+def cmyk_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Tiled and untiled TIFFs of CMYK inks (photometric SEPARATED): 200 of cyan, no black (RGB 55, 255, 255)."""
+    import numpy as np
+    import tifffile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    inks = np.zeros((300, 400, 4), np.uint8)
+    inks[..., 0] = 200
+    cases = []
+    for name, kw in (("cmyk_tiled.tiff", {"tile": (128, 128), "compression": "zlib"}), ("cmyk_strips.tiff", {})):
+        tifffile.imwrite(folder / name, inks, photometric="separated", **kw)
+        cases.append((folder / name, f"CMYK, {'tiled' if kw else 'strips'}"))
+    return cases
+
+
+def special_files(folder: Path) -> list[tuple[Path, str]]:
+    """Slide names that are no regular file: a FIFO with no writer, a socket, links to them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = []
+    fifo = folder / "fifo.tiff"
+    os.mkfifo(fifo)
+    cases.append((fifo, "a FIFO no one writes to"))
+    sock = folder / "socket.svs"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))  # the file stays after the socket is closed
+    cases.append((sock, "a Unix socket"))
+    link = folder / "link_to_fifo.ndpi"
+    link.symlink_to(fifo)
+    cases.append((link, "a symbolic link to a FIFO"))
+    return cases
+
+
 # -- one case, in a worker ---------------------------------------------------------
 
 
 def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
     from wsi_pipeline.commands.info import describe
+    from wsi_pipeline.run_key import input_identity
     from wsi_pipeline.slide import open_slide
     from wsi_pipeline.tiling.grid import TileGrid
     from wsi_pipeline.tiling.loader import TileLoader
     from wsi_pipeline.tiling.tissue import tissue_mask
 
+    input_identity(path)  # a batch's resume key, taken before the slide is opened
     describe(path, backend)
     with open_slide(path, backend) as slide:
         mask = tissue_mask(slide, "otsu")
@@ -465,8 +549,10 @@ def run_case(path: str) -> dict:
     """
     from wsi_pipeline.errors import WSIPipelineError
 
-    with open(path, "rb") as f:
-        tiff = f.read(2) in (b"II", b"MM")
+    tiff = False
+    if stat.S_ISREG(os.stat(path).st_mode):  # a FIFO's open would wait for a writer
+        with open(path, "rb") as f:
+            tiff = f.read(2) in (b"II", b"MM")
     outcome: dict = {}
     for backend in ("auto", "tifffile", "openslide", "image") if tiff else ("auto",):
         try:

@@ -265,6 +265,17 @@ def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
     assert slide_time_limit(RunConfig(slide_timeout=0), big) is None
 
 
+def test_ctrl_c_during_start_up_is_one_line_not_a_traceback(monkeypatch, capsys):
+    from wsi_pipeline import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)  # Ctrl-C while the commands' modules import
+    assert cli.main(["run", "x"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_ctrl_c_in_process_marks_the_slide_interrupted(tmp_path):
     paths = _slides(tmp_path / "in", "good.tiff", "ctrlc.tiff", "later.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
@@ -275,7 +286,9 @@ def test_ctrl_c_in_process_marks_the_slide_interrupted(tmp_path):
     assert os.listdir(tmp_path / "out" / "slides") == ["good"]
 
 
-def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_path, signum, code):
+    """SIGTERM, what a scheduler sends, is Ctrl-C: the manifest says interrupted, no partial folder stays."""
     paths = _slides(tmp_path / "in", "hang.tiff", "later.tiff")
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
@@ -288,23 +301,28 @@ def test_ctrl_c_stops_the_child_and_marks_the_slide_interrupted(tmp_path):
         from pathlib import Path
         from test_batch_robustness import FakeFactory, _key
         from wsi_pipeline.batch import run_batch
+        from wsi_pipeline.cli import Terminated, sigterm_as_interrupt
         from wsi_pipeline.config import RunConfig
         from wsi_pipeline.pipeline import DEFAULT_MODEL
         config = RunConfig(model=str(DEFAULT_MODEL))
         try:
-            run_batch([Path(p) for p in {[str(p) for p in paths]!r}], {str(out)!r}, FakeFactory(), config,
-                      _key(config), progress=False)
+            with sigterm_as_interrupt():
+                run_batch([Path(p) for p in {[str(p) for p in paths]!r}], {str(out)!r}, FakeFactory(), config,
+                          _key(config), progress=False)
+        except Terminated:
+            sys.exit(143)
         except KeyboardInterrupt:
             sys.exit(130)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script])
+    # Its own process group, as a scheduler's job: the signal goes to the child too, as it would.
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if list((out / "slides").glob(".hang.partial-*")):  # the child is inside the slide
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+    os.killpg(proc.pid, signum)
+    assert proc.wait(timeout=60) == code
     m = _manifest(out)
     assert m["hang"]["status"] == "interrupted" and m["later"]["status"] == "pending"
     assert os.listdir(out / "slides") == []  # the stopped child's folder is removed
@@ -458,6 +476,15 @@ def test_a_read_only_old_result_is_replaced_and_not_left(tmp_path):
     assert sorted(os.listdir(out / "slides")) == ["a"] and not (out / "slides" / "a" / "sub").exists()
 
 
+def test_a_hidden_slide_file_in_a_folder_is_skipped_with_a_word(tmp_path, caplog):
+    _slides(tmp_path / "in", "..tiff", ".hidden.svs", "shown.tiff", ".notes.txt")
+    caplog.set_level("WARNING", "wsi_pipeline")
+    assert [p.name for p in expand_inputs([tmp_path / "in"])] == ["shown.tiff"]
+    assert "..tiff: skipped: a hidden file" in caplog.text and ".hidden.svs: skipped" in caplog.text
+    assert ".notes.txt" not in caplog.text
+    assert expand_inputs([tmp_path / "in" / "..tiff"]) == [tmp_path / "in" / "..tiff"]  # named: run
+
+
 def test_undecodable_file_names_are_logged_and_recorded(tmp_path, tiny):
     src = tmp_path / "in"
     src.mkdir()
@@ -481,6 +508,32 @@ def test_a_full_disk_fails_the_slide_and_the_batch_goes_on(tmp_path):
     assert full.status == "failed" and "out of disk space" in full.error and "full.tiff" in full.error
     assert good.status == "done"
     assert _manifest(tmp_path / "out")["full"]["status"] == "failed"
+
+
+class OpeningFakePipeline(FakePipeline):
+    """:class:`FakePipeline` that opens the slide first, as the pipeline does."""
+
+    def run(self, path, out_dir, **kwargs):
+        from wsi_pipeline.slide import open_slide
+
+        open_slide(path).close()
+        return super().run(path, out_dir, **kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_among_the_slides_fails_at_once_and_the_batch_goes_on(tmp_path, tiny):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(tiny, folder / "b_good.tiff")
+    os.mkfifo(folder / "a_pipe.tiff")  # no writer: opening it for reading would wait for ever
+    slides = expand_inputs([folder])
+    assert [p.name for p in slides] == ["a_pipe.tiff", "b_good.tiff"]
+    assert expand_inputs([folder / "a_pipe.tiff"]) == [folder / "a_pipe.tiff"]  # named alone: a slide too
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    report = run_batch(slides, tmp_path / "out", OpeningFakePipeline, config, _key(config), progress=False)
+    pipe, good = report.outcomes
+    assert pipe.status == "failed" and "a_pipe.tiff: a FIFO (named pipe), not a regular file" in pipe.error
+    assert good.status == "done"
 
 
 def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
@@ -547,6 +600,56 @@ def test_resume_redoes_a_slide_when_the_card_the_slide_or_the_mask_changed(tmp_p
     assert "the mask file changed" in caplog.text
 
 
+def test_resume_sees_an_edit_the_sampled_fingerprint_misses_and_a_replaced_file(tmp_path, caplog):
+    paths = _slides(tmp_path / "in", "a.tiff")
+    big = paths[0]
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
+    key = _key(config)
+
+    def todo() -> list[str]:
+        run_batch(paths, out, FakePipeline, config, key, progress=False)
+        return [name for _, name in plan(paths, out, key, force=False)[0]]
+
+    assert todo() == []
+    caplog.set_level("INFO", "wsi_pipeline")
+    before = os.stat(big)
+    data[(2 << 20) + 100] ^= 0xFF  # between the sampled blocks: the fingerprint stays
+    with open(big, "r+b") as f:  # edited in place: the same inode
+        f.write(bytes(data))
+    os.utime(big, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    assert plan(paths, out, key, force=False)[0] != []
+    assert "the slide file changed (modified since its run" in caplog.text
+    assert todo() == []
+    big.rename(tmp_path / "old.tiff")  # replaced by a copy of itself: another inode, the same mtime
+    shutil.copy2(tmp_path / "old.tiff", big)
+    assert plan(paths, out, key, force=False)[0] != []
+    assert "replaced by another file" in caplog.text
+
+
+def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tmp_path):
+    from wsi_pipeline.run_key import input_identity, why_redo
+
+    big = tmp_path / "big.svs"
+    data = bytearray(np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
+    big.write_bytes(bytes(data))
+    st = os.stat(big)
+    sampled, full = input_identity(big), input_identity(big, "full")
+    data[(2 << 20) + 100] ^= 0xFF
+    with open(big, "r+b") as f:
+        f.write(bytes(data))
+    os.utime(big, ns=(st.st_atime_ns, st.st_mtime_ns))  # as an archive restores it
+    key = RunKey({"settings": "s"}, "full")
+    summary = {"run_key": key.value, "run_key_parts": key.parts}
+    assert input_identity(big) == sampled  # sampled: the edit is missed
+    assert why_redo({**summary, "input": full}, key, input_identity(big, "full"), []) == (
+        "the slide file changed (same size, different content)"
+    )
+    assert "fingerprint was taken otherwise" in why_redo({**summary, "input": sampled}, key, full, [])
+
+
 def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
     from wsi_pipeline.run_key import input_identity
 
@@ -587,6 +690,11 @@ def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_pa
         ({"slide_timeout": math.nan}, "slide_timeout"),
         ({"model": "a\x00b"}, "model"),
         ({"tile": 30000}, "tile"),
+        ({"mpp": 1e300}, "mpp: expected a positive number of micrometres per pixel, 1e-06 to 1e"),
+        ({"model": "m" * 100_000}, r"model: expected a path of at most 4096 .*100000 characters\)$"),
+        ({"mask": "/" + "n" * 300 + "/mask.png"}, "mask: expected a path"),
+        ({"dask": "local:999999"}, "dask: expected local:N with N from 1 to"),
+        ({"dask": "local:-1"}, "dask: expected local:N"),
     ],
 )
 def test_impossible_settings_are_refused(values, message):
@@ -608,7 +716,17 @@ def test_config_files_that_are_not_text_are_usage_errors(tmp_path, tiny):
     assert r.returncode == 2 and "latin1.toml" in r.stderr and "Traceback" not in r.stderr
     r = _cli("run", tiny, "--out", out, "--mpp", "inf")
     assert r.returncode == 2 and "mpp" in r.stderr and "Traceback" not in r.stderr
+    (tmp_path / "cluster.toml").write_text('dask = "local:999999"\n')
+    r = _cli("run", tiny, "--out", out, "--config", tmp_path / "cluster.toml")
+    assert r.returncode == 2 and "dask: expected local:N" in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_an_overlap_too_large_for_the_model_names_the_setting_not_the_card():
+    from wsi_pipeline import Pipeline
+
+    with pytest.raises(ConfigError, match=r"^config \(model \S+, 512 px tiles\): overlap: expected .* found 600$"):
+        Pipeline.from_card(backend="ort", overlap=600)
 
 
 def test_config_file_paths_are_relative_to_its_folder(tmp_path):

@@ -149,3 +149,19 @@ def test_corrupt_onnx_file_is_a_model_error(toy):
     doc["sha256"] = file_sha256(card.model_path)
     with pytest.raises(ModelError, match="cannot be read as ONNX"):
         load_card(rewrite(card, doc))
+
+
+def test_a_model_file_that_leaves_the_cards_folder_through_a_link_is_refused(tmp_path, toy):
+    card, doc = toy
+    outside = tmp_path.parent / f"{tmp_path.name}_outside.onnx"
+    outside.write_bytes(card.model_path.read_bytes())
+    (card.card_path.parent / "linked.onnx").symlink_to(outside)
+    doc["model_file"] = "linked.onnx"
+    with pytest.raises(
+        ModelError, match=r"inside the card's folder \(symbolic links resolved\), found 'linked.onnx ->"
+    ):
+        load_card(rewrite(card, doc))
+    (card.card_path.parent / "sub").mkdir()
+    (card.card_path.parent / "sub" / "inside.onnx").symlink_to(card.model_path)  # a link that stays inside
+    doc["model_file"] = "sub/inside.onnx"
+    assert load_card(rewrite(card, doc)).model_path == card.model_path

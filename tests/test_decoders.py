@@ -310,3 +310,60 @@ def test_batched_boxes_scores_labels_equals_a_per_tile_reference():
         np.testing.assert_array_equal(g.boxes, b)
         np.testing.assert_array_equal(g.scores, s)
         np.testing.assert_array_equal(g.labels, lb)
+
+
+def test_every_decoder_drops_negative_labels_and_non_finite_boxes_by_one_rule():
+    """A row of label -3 (or with a NaN box) is no detection, whichever decoder reads it."""
+    boxes = np.array([[[1, 1, 9, 9], [2, 2, 8, 8], [3, np.nan, 7, 7], [4, 4, 6, 6]]], np.float32)
+    scores = np.array([[0.9, 0.8, 0.7, 0.6]], np.float32)
+    labels = np.array([[0, -3, 1, 1]], np.int64)
+    outputs = {"boxes": boxes, "scores": scores, "labels": labels}
+    centernet = make_card("centernet", CENTERNET_OUTPUTS[:3], score_threshold=0.5)
+    bsl = make_card(
+        "boxes_scores_labels",
+        (OutputSpec("boxes", ("b", 4, 4)), OutputSpec("scores", ("b", 4)), OutputSpec("labels", ("b", 4), "int64")),
+        score_threshold=0.5,
+    )
+    for card in (centernet, bsl):
+        (det,) = decode(outputs, card)
+        assert det.labels.tolist() == [0, 1] and det.scores.tolist() == pytest.approx([0.9, 0.6]), card.decoder
+    yolo = make_card("yolo", (OutputSpec("output0", ("b", 6, 2)),), score_threshold=0.25, iou_threshold=0.5)
+    rows = np.array([[10, 10, 4, 4, 0.9, 0.1], [np.nan, 30, 4, 4, 0.8, 0.1]], np.float32)
+    (det,) = decode({"output0": rows.T[None]}, yolo)
+    assert det.scores.tolist() == pytest.approx([0.9])
+
+
+def test_first_by_key_equals_a_stable_sort_cut_short():
+    from wsi_pipeline.inference.decoders import _first_by_key
+
+    rng = np.random.default_rng(3)
+    key = rng.choice([-0.9, -0.5, -0.5, -0.2, np.inf], (5, 400))  # ties everywhere, invalid rows (inf)
+    for k in (0, 1, 7, 30, 49, 400):
+        np.testing.assert_array_equal(_first_by_key(key, k), np.argsort(key, axis=1, kind="stable")[:, :k])
+
+
+@pytest.mark.parametrize("decoder", ["centernet", "boxes_scores_labels", "yolo"])
+def test_a_million_boxes_a_tile_are_cut_to_the_cards_cap_and_counted(decoder):
+    import dataclasses
+
+    from wsi_pipeline.inference.decoders import decode_batch
+
+    n = 1_000_000
+    rng = np.random.default_rng(5)
+    scores = rng.random((1, n), dtype=np.float32)
+    xy = rng.uniform(0, 50, (1, n, 2)).astype(np.float32)
+    boxes = np.concatenate([xy, xy + 4], axis=2)
+    if decoder == "yolo":
+        rows = np.concatenate([xy + 2, np.full((1, n, 2), 4, np.float32), scores[..., None]], axis=2)
+        outs = (OutputSpec("out", ("b", n, 5)),)
+        card = make_card("yolo", outs, n_classes=1, output="out", channels_last=True, score_threshold=0.0)
+        outputs = {"out": rows}
+    else:
+        outs = (OutputSpec("boxes", ("b", n, 4)), OutputSpec("scores", ("b", n)), OutputSpec("labels", ("b", n)))
+        card = make_card(decoder, outs, score_threshold=0.0)
+        outputs = {"boxes": boxes, "scores": scores, "labels": np.zeros((1, n), np.int64)}
+    batch = decode_batch(outputs, dataclasses.replace(card, max_detections_per_tile=500))
+    assert batch.over_cap_total == n - 500
+    assert len(batch.scores) <= 500  # yolo's NMS and its max_detections (300) come after the cap
+    if decoder != "yolo":
+        np.testing.assert_array_equal(batch.scores, np.sort(scores[0])[::-1][:500])

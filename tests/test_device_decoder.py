@@ -164,3 +164,27 @@ def test_the_reduced_heatmap_does_not_share_the_model_outputs_memory(device, act
     before = hm.clone()
     outs[card.heatmap.output].fill_(7.0)
     assert torch.equal(hm, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["nuclei", "industrial_nms", "boxes_scores_labels"])
+def test_negative_labels_non_finite_boxes_and_the_cap_are_the_decoders_on_the_device_path(name, device):
+    """The device's compaction keeps the rows the decoder keeps, and past the card's cap a tile it
+    counts the dropped rows as the decoder does."""
+    card = dataclasses.replace(CARDS[name], max_detections_per_tile=3)
+    rng = np.random.default_rng(5)
+    raw = _raw_outputs(card, 8, rng)
+    p = card.decoder.params
+    labels, boxes = raw[p.get("labels", "labels")], raw[p.get("boxes", "boxes")]
+    labels[:, 1::5] = -2  # negative whatever the card's label_offset
+    boxes[1, :4, 2] = np.nan
+    if card.decoder.type == "boxes_scores_labels":
+        raw["num"] = rng.integers(0, raw["scores"].shape[1] + 1, 8).astype(np.int64)
+    want = decode({k: v.copy() for k, v in raw.items()}, card)
+    got = _device_path(card, raw, device)
+    assert sum(w.over_cap for w in want) > 0
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.boxes, w.boxes)
+        np.testing.assert_array_equal(g.scores, w.scores)
+        np.testing.assert_array_equal(g.labels, w.labels)
+        assert g.over_cap == w.over_cap

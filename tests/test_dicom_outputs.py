@@ -364,3 +364,31 @@ def test_a_heatmap_file_is_spooled_without_reading_a_level_whole(tmp_path):
     large = _spool_peak(tmp_path, 2, 4096, 1536)
     assert large < 1.25 * small + 1e6, f"peak {small / 1e6:.1f} MB at 1024 rows, {large / 1e6:.1f} MB at 4096"
     assert large < 2 * 4096 * 1536 * 2 / 2  # half the uint16 level it spools
+
+
+def test_annotation_groups_made_from_whole_arrays_equal_highdicoms_own():
+    """The group's coordinates, polygon starts and scores, set as arrays, are what highdicom makes from a
+    list of one array per box (the list costs a Python object per box: gigabytes at millions)."""
+    d = _detections(40)
+    kw = dict(
+        number=1,
+        uid=hd.UID(),
+        label="x",
+        annotated_property_category=dicom.codes.SCT.MorphologicallyAbnormalStructure,
+        annotated_property_type=dicom.codes.SCT.MorphologicallyAbnormalStructure,
+        graphic_type=hd.ann.GraphicTypeValues.POLYGON,
+        algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.MANUAL,
+    )
+    scores = hd.ann.Measurements(name=dicom.SCORE, values=d["score"].astype(np.float32), unit=dicom.NO_UNITS)
+    theirs = hd.ann.AnnotationGroup(graphic_data=list(dicom._box_corners(d)), measurements=[scores], **kw)
+    ours = hd.ann.AnnotationGroup(graphic_data=[dicom._box_corners(d[:1])[0]], **kw)
+    dicom._set_boxes(ours, d)
+    for keyword in ("NumberOfAnnotations", "PointCoordinatesData", "LongPrimitivePointIndexList"):
+        assert getattr(ours, keyword) == getattr(theirs, keyword), keyword
+    assert ours.MeasurementsSequence == theirs.MeasurementsSequence
+    got = ours.get_graphic_data(hd.ann.AnnotationCoordinateTypeValues.SCOORD)
+    np.testing.assert_array_equal(np.stack(got), dicom._box_corners(d))
+    flat = d.copy()
+    flat["y1"][7] = flat["y0"][7]
+    with pytest.raises(ValueError, match="annotation #8: a box of no height"):
+        dicom._set_boxes(ours, flat)

@@ -7,7 +7,19 @@ project's own. The generator and the harness are in ``fuzz_slides.py``.
 
 from __future__ import annotations
 
-from fuzz_slides import make_cases, run_cases, summarize
+import numpy as np
+import pytest
+from fuzz_slides import (
+    cmyk_slides,
+    extreme_aspect_slides,
+    forge_tag_layout,
+    make_base_slides,
+    make_cases,
+    run_case,
+    run_cases,
+    special_files,
+    summarize,
+)
 
 N_CASES = 500
 
@@ -21,3 +33,46 @@ def test_fuzzed_slides_end_in_success_or_a_project_error(tmp_path):
     assert not bad, "\n".join(f"{r['outcome']}: {r['case']}: {r.get('detail', '')}" for r in bad[:20])
     # The mutants reach both ends: files still read, and files refused.
     assert counts["success"] >= 30 and counts["clean"] >= 100
+
+
+def test_files_that_are_not_regular_are_refused_at_once_naming_what_they_are(tmp_path):
+    results = run_cases(special_files(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["clean"] * len(results), results
+    assert all("not a regular file" in r["detail"] for r in results), results
+    assert "FIFO" in results[0]["detail"] and "socket" in results[1]["detail"], results
+
+
+def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
+    results = run_cases(extreme_aspect_slides(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["success"] * len(results), results
+
+
+@pytest.mark.parametrize(
+    ("tag", "how", "message"),
+    [
+        (259, "empty", "tag Compression (259): expected one integer, found ()"),
+        (323, "undefined", "tag TileLength (323): expected one integer, found b'\\x80'"),
+        (258, "mixed", "tag BitsPerSample (258): expected the same integer for every sample, found (8, 8, 16)"),
+    ],
+)
+def test_a_tag_of_a_forged_shape_is_named_not_a_bare_type_error(tmp_path, tag, how, message):
+    base = make_base_slides(tmp_path / "bases")["jpeg.tiff"]
+    buf = bytearray(base.read_bytes())
+    forge_tag_layout(buf, tag, how)
+    path = tmp_path / "forged.tiff"
+    path.write_bytes(bytes(buf))
+    result = run_case(str(path))
+    assert result["outcome"] == "clean" and message in result["detail"], result
+
+
+def test_cmyk_is_read_as_rgb_by_openslide_or_refused_never_shown_as_inks(tmp_path):
+    from wsi_pipeline.errors import SlideOpenError
+    from wsi_pipeline.slide import open_slide
+
+    (tiled, _), (strips, _) = cmyk_slides(tmp_path)
+    with open_slide(tiled) as slide:  # auto: OpenSlide, which converts the inks
+        assert slide.backend == "openslide"
+        np.testing.assert_array_equal(slide.read_region((0, 0), 0, (2, 2))[0, 0], [55, 255, 255])
+    for path, backend in ((tiled, "tifffile"), (strips, "auto"), (strips, "image")):
+        with pytest.raises(SlideOpenError, match=r"CMYK \(photometric SEPARATED\) is not RGB"):
+            open_slide(path, backend)

@@ -189,3 +189,54 @@ def test_spooled_heatmap_that_fails_leaves_neither_file_nor_spool(tmp_path):
     with pytest.raises(WSIPipelineError, match=r"h\.ome\.tif: the heatmap spool holds uint8 \(1, 32, 64\), expected"):
         spooled.write()
     assert list(tmp_path.iterdir()) == []
+
+
+_FILL_HEATMAP = """
+import sys
+import numpy as np
+from wsi_pipeline.io.ome_tiff import OmeTiffHeatmapWriter
+try:
+    writer = OmeTiffHeatmapWriter(sys.argv[1], 1024, 1024, 1)
+    for y in range(0, 1024, 64):
+        writer.write_rows(y, np.full((1, 64, 1024), 0.5, np.float32))
+    writer.close()
+except OSError as exc:
+    print(f"OSError {exc.errno}: {exc}")
+    sys.exit(3)
+"""
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A mount point for a tmpfs of a given size (root, where mounts are allowed; skipped elsewhere)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str):
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode(errors='replace').strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+@pytest.mark.parametrize("size", ["512k", "1100k"])  # no room for level 0's spool; level 0 fits, the pyramid not
+def test_a_full_disk_is_an_oserror_naming_the_folder_not_a_sigbus(small_tmpfs, size):
+    import errno
+    import subprocess
+    import sys
+
+    folder = small_tmpfs(size)
+    r = subprocess.run(
+        [sys.executable, "-c", _FILL_HEATMAP, str(folder / "heatmap.ome.tif")], capture_output=True, text=True
+    )
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)  # SIGBUS: -7
+    assert f"OSError {errno.ENOSPC}" in r.stdout and str(folder) in r.stdout, r.stdout
+    assert [p.name for p in folder.iterdir()] == []  # neither file nor spool left

@@ -125,3 +125,42 @@ def test_the_legend_strip_names_the_classes_in_the_colours_drawn_and_shows_the_h
     np.testing.assert_array_equal(
         render_overlay(img, 1.0, heat, 4.0, boxes, labels, [(123, 44, 191)])[:, :5], out[:120, :5]
     )
+
+
+def _many_boxes(n: int, seed: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(-50, 4000, (n, 2))
+    return np.concatenate([xy, xy + rng.uniform(1, 120, (n, 2))], axis=1), rng.integers(-1, 3, n)
+
+
+def test_boxes_drawn_a_chunk_at_a_time_equal_all_at_once(monkeypatch):
+    from wsi_pipeline.io import overlay
+
+    boxes, labels = _many_boxes(3000)
+    thumb = np.zeros((500, 500, 3), np.uint8)
+    whole = overlay.render_overlay(thumb, 8.0, boxes=boxes, labels=labels, class_colors=[(255, 0, 0), (0, 255, 0)])
+    monkeypatch.setattr(overlay, "BOX_CHUNK", 7)  # later chunks over earlier ones, as later boxes over earlier
+    chunked = overlay.render_overlay(thumb, 8.0, boxes=boxes, labels=labels, class_colors=[(255, 0, 0), (0, 255, 0)])
+    np.testing.assert_array_equal(chunked, whole)
+
+
+def _drawing_peak(n: int) -> int:
+    import tracemalloc
+
+    from wsi_pipeline.io.overlay import render_overlay
+
+    boxes, labels = _many_boxes(n)
+    thumb = np.zeros((500, 500, 3), np.uint8)
+    tracemalloc.start()
+    try:
+        render_overlay(thumb, 8.0, boxes=boxes, labels=labels)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_memory_of_drawing_boxes_does_not_grow_with_their_number():
+    from wsi_pipeline.io.overlay import BOX_CHUNK
+
+    few, many = _drawing_peak(2 * BOX_CHUNK), _drawing_peak(8 * BOX_CHUNK)
+    assert many < 1.3 * few, f"{few / 1e6:.0f} MB for {2 * BOX_CHUNK} boxes, {many / 1e6:.0f} MB for 4x as many"

@@ -157,6 +157,8 @@ def test_summary_holds_what_a_report_needs(run_out):
         assert seconds[stage] > 0, stage
     assert seconds["total"] >= seconds["tissue_mask"] + seconds["read_and_infer"] + seconds["stitch"]
     assert s["peak_host_memory_mb"] > 0
+    assert s["peak_writer_memory_mb"] > 10  # the writer processes, each a Python with numpy at least
+    assert s["detections_over_cap"] == 0
     assert len(s["model"]["sha256"]) == 64
     assert s["parameters"]["overlap"] == 64
     assert "numpy" in s["versions"] and "onnxruntime" in s["versions"]

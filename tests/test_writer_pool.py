@@ -211,3 +211,27 @@ def test_jobs_run_in_the_caller_where_processes_cannot_be_handed_pipes(monkeypat
         assert pool.parts(10**6) == 1
     finally:
         pool.close()
+
+
+def _hold(mb: int) -> int:
+    block = np.ones(mb << 20, np.uint8)  # resident: every page written
+    return int(block[::4096].sum())
+
+
+def test_each_writer_processs_peak_memory_during_a_slides_jobs_is_reported():
+    from wsi_pipeline.io.writer_pool import writer_peak_memory_mb
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("the peak resident memory cannot be reset on this system")
+    pool = WriterPool(1)
+    try:
+        big, small = WriteJobs(), WriteJobs()
+        pool.submit(big, "big", _hold, 300)
+        big.wait()
+        pool.submit(small, "small", _hold, 1)  # the same process, its peak counted afresh
+        small.wait()
+    finally:
+        pool.close()
+    assert writer_peak_memory_mb([big]) >= 300
+    assert writer_peak_memory_mb([small]) < 200
+    assert writer_peak_memory_mb([WriteJobs()]) is None

@@ -56,6 +56,7 @@ from .inference.card import ModelCard
 from .io.atomic import write_json
 from .run_key import RunKey, input_identity, why_redo
 from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
+from .special_files import special_kind
 from .summary import read_summary
 
 log = logging.getLogger("wsi_pipeline")
@@ -98,9 +99,13 @@ __all__ = [
 # -- inputs ---------------------------------------------------------------------
 
 
-def _is_slide_file(path: Path) -> bool:
+def _has_slide_extension(path: Path) -> bool:
     name = path.name.lower()
-    return name.endswith(SLIDE_EXTENSIONS) and not name.startswith(".") and not name.endswith(".truth.geojson")
+    return name.endswith(SLIDE_EXTENSIONS) and not name.endswith(".truth.geojson")
+
+
+def _is_slide_file(path: Path) -> bool:
+    return _has_slide_extension(path) and not path.name.startswith(".")
 
 
 def _read_list(path: Path) -> list[Path]:
@@ -180,10 +185,12 @@ def expand_inputs(
                     fp = Path(root) / f
                     if _is_slide_file(fp):
                         add(fp)
+                    elif _has_slide_extension(fp):  # a hidden file
+                        log.warning("%s: skipped: a hidden file (its name starts with '.'); name it to run it", fp)
         elif p.is_file() and p.suffix.lower() in LIST_EXTENSIONS:
             for q in _read_list(p):
                 add(q)
-        elif p.is_file():
+        elif p.is_file() or special_kind(p):  # a FIFO or device fails as a slide, saying what it is
             add(p)
         elif glob.has_magic(s):
             matches = sorted(glob.glob(s, recursive=True))
@@ -256,7 +263,7 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
             n for n in OUTPUT_FILES if n != "heatmap.ome.tif" or (summary or {}).get("heatmap_scores") is not None
         ]
     missing = [n for n in required if not (folder / n).exists()]  # files, and the folders of ome-zarr and dicom-heatmap
-    return summary, why_redo(summary, key, input_identity(path), missing)
+    return summary, why_redo(summary, key, input_identity(path, key.slide_hash), missing)
 
 
 # -- manifest -------------------------------------------------------------------

@@ -150,7 +150,12 @@ def start_slide(
     )
     run_started = False
     try:
-        extra = {"run_key": key.value, "run_key_parts": key.parts, "input": input_identity(path), "name": name}
+        extra = {
+            "run_key": key.value,
+            "run_key_parts": key.parts,
+            "input": input_identity(path, key.slide_hash),
+            "name": name,
+        }
         folder.mkdir(parents=True, exist_ok=True)
         kwargs = {} if wait_written else {"wait_written": False}
         run_started = True  # the run closes the plan, whatever happens

@@ -8,10 +8,14 @@ own errors into one line on stderr and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 
 from .errors import UsageError, WSIPipelineError
 
@@ -21,6 +25,30 @@ COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine", "card"]
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what a scheduler sends to stop a job), handled as Ctrl-C is: the slide under way is
+    marked interrupted, its partial folder removed, the child processes ended."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere: nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,19 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     # The readers report a bad file as one error of their own; the TIFF
     # library's log lines about the same damage would only repeat it.
     logging.getLogger("tifffile").setLevel(logging.CRITICAL)
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or EXIT_OK)
+        with sigterm_as_interrupt():
+            # Building the parser imports every command's module: Ctrl-C there is an interruption too.
+            args = build_parser().parse_args(argv)
+            return int(args.func(args) or EXIT_OK)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except WSIPipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except (OSError, MemoryError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -41,6 +41,8 @@ BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 # What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
 DAMAGED_TILE_CHOICES = ("warn", "fail")
+# How resume fingerprints a slide file (run_key.input_identity): sampled blocks, or its whole content.
+SLIDE_HASH_CHOICES = ("sampled", "full")
 
 # Upper bounds of the sizing settings: far above any useful value, low enough
 # that a typo cannot ask for thousands of threads or a batch of gigabytes.
@@ -49,6 +51,12 @@ MAX_BATCH_SIZE = 1024
 MAX_STREAMS = 32
 MAX_WORKERS = 256
 MAX_OVERLAY_SIZE = 16384
+# Resolutions (micrometres per pixel) from 1 pm to 1 m: beyond, the grid's arithmetic overflows.
+MIN_MPP, MAX_MPP = 1e-6, 1e6
+# A path setting longer than the system's limits cannot name a file (ENAMETOOLONG at open).
+MAX_PATH_CHARS, MAX_NAME_BYTES = 4096, 255
+# local:N workers, each a process holding a pipeline: at most one per CPU.
+LOCAL_DASK = "local:"
 # Settings that name files: a relative path in a config file is relative to that file's folder.
 PATH_KEYS = ("model", "mask")
 
@@ -84,6 +92,9 @@ class RunConfig:
     slide_timeout: float | None = None
     # Output files (names in io/formats.py): a list, or one string "geojson.gz,parquet".
     formats: tuple[str, ...] = DEFAULT_FORMATS
+    # Resume's fingerprint of a slide file: "sampled" (head, tail, 16 blocks; with its size, mtime and
+    # inode), or "full" (its whole content read: for slides that an archive restores with their mtimes).
+    slide_hash: str = "sampled"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,7 +102,9 @@ class RunConfig:
 
     def validate(self, source: str = "config") -> None:
         def bad(key: str, expected: str, found: Any) -> ConfigError:
-            return ConfigError(f"{source}: {key}: expected {expected}, found {found!r}")
+            shown = repr(found)
+            shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(str(found))} characters)"
+            return ConfigError(f"{source}: {key}: expected {expected}, found {shown}")
 
         if self.backend not in BACKEND_CHOICES:
             raise bad("backend", f"one of {', '.join(BACKEND_CHOICES)}", self.backend)
@@ -103,6 +116,8 @@ class RunConfig:
             raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
         if self.decode not in DECODE_CHOICES:
             raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
+        if self.slide_hash not in SLIDE_HASH_CHOICES:
+            raise bad("slide_hash", f"one of {', '.join(SLIDE_HASH_CHOICES)}", self.slide_hash)
         if self.on_damaged_tile not in DAMAGED_TILE_CHOICES:
             raise bad("on_damaged_tile", f"one of {', '.join(DAMAGED_TILE_CHOICES)}", self.on_damaged_tile)
         if self.nms_metric not in ("iou", "ios"):
@@ -115,8 +130,8 @@ class RunConfig:
             raise bad("overlap", f"less than the tile size {self.tile}", self.overlap)
         if self.tile is not None and self.tile > MAX_TILE:
             raise bad("tile", f"at most {MAX_TILE} pixels", self.tile)
-        if self.mpp is not None and not (math.isfinite(self.mpp) and self.mpp > 0):
-            raise bad("mpp", "a positive number of micrometres per pixel", self.mpp)
+        if self.mpp is not None and not (math.isfinite(self.mpp) and MIN_MPP <= self.mpp <= MAX_MPP):
+            raise bad("mpp", f"a positive number of micrometres per pixel, {MIN_MPP:g} to {MAX_MPP:g}", self.mpp)
         if self.mpp is not None and self.level is not None:
             raise ConfigError(f"{source}: give mpp or level, not both")
         if self.level is not None and self.level < 0:
@@ -147,9 +162,15 @@ class RunConfig:
             v = getattr(self, key)
             if v is not None and ("\x00" in v or not v.strip()):
                 raise bad(key, "a path", v)
+            if v is not None and key in PATH_KEYS and not _fits_path_limits(v):
+                raise bad(key, f"a path of at most {MAX_PATH_CHARS} characters, names of {MAX_NAME_BYTES} bytes", v)
+        if self.dask is not None and self.dask.startswith(LOCAL_DASK):
+            n, cpus = self.dask[len(LOCAL_DASK) :], os.cpu_count() or 1
+            if not (n.isdigit() and 1 <= int(n) <= cpus):
+                raise bad("dask", f"local:N with N from 1 to {cpus} (this machine's CPUs)", self.dask)
 
     # Keys that change how a run goes but not what it produces.
-    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "extra")
+    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "slide_hash", "extra")
 
     def result_key(self) -> dict[str, Any]:
         """The settings that determine the outputs (resume compares these)."""
@@ -186,6 +207,12 @@ class RunConfig:
         values = self.as_dict()
         values.update({k: v for k, v in changes.items() if v is not None})
         return RunConfig.from_mapping(values, "options")
+
+
+def _fits_path_limits(path: str) -> bool:
+    return len(path) <= MAX_PATH_CHARS and all(
+        len(part.encode("utf-8", "surrogateescape")) <= MAX_NAME_BYTES for part in path.split(os.sep)
+    )
 
 
 def _check_type(source: str, key: str, value: Any, hint: Any) -> Any:

@@ -43,10 +43,10 @@ from .io.formats import (
     output_files,
 )
 from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, write_spooled_heatmap
-from .io.writer_pool import WriteJobs, WriterPool
+from .io.writer_pool import WriteJobs, WriterPool, writer_peak_memory_mb
 from .slide import Slide
 from .stitch.blend import Sink
-from .stitch.sinks import ArraySink, BackgroundSink, HeatmapStats, ReducedCopy, fan_out
+from .stitch.sinks import ArraySink, BackgroundSink, FiniteCheck, HeatmapStats, ReducedCopy, fan_out
 from .stitch.weights import tile_weights
 from .summary import SUMMARY_FILE
 from .tiling.tissue import TissueMask
@@ -89,12 +89,13 @@ class SlideOutputs:
         self.heatmap_sink: Sink | None = None
         self._background: BackgroundSink | None = None
         self.heatmap_weights: np.ndarray | None = None
+        self.write_jobs: list[WriteJobs] = []
         hm = card.heatmap
         if hm is None:
             return
         g, c = geometry, len(hm.classes)
         files: list[Sink] = []  # the heatmap files' writers, on one thread; the other sinks on another
-        sinks: list[Sink] = []
+        sinks: list[Sink] = [FiniteCheck(hm.classes, g.heatmap_scale_level0)]
         plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
         if out is not None and "ome-tiff" in config.formats:
             self.writer = OmeTiffHeatmapWriter(
@@ -207,6 +208,7 @@ class SlideOutputs:
         }
         heatmap = self.close_heatmap(finish_file=False)
         heatmap_jobs, jobs = WriteJobs(), WriteJobs()
+        self.write_jobs = [heatmap_jobs, jobs]  # and each file's parts: their writer processes' memory
         # Files written in parts: each file's part jobs apart, joined once they are written.
         joins: list[tuple[PartsWriter, Path, list[Path], WriteJobs]] = []
         spooled: SpooledHeatmap | None = None
@@ -235,6 +237,7 @@ class SlideOutputs:
                 bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
                 paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
                 part_jobs = WriteJobs()
+                self.write_jobs.append(part_jobs)
                 joins.append((split, out / fmt.filename, paths, part_jobs))
                 for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
                     writers.submit(part_jobs, fmt.filename, split.write_part, path, rows[a:b], classes, prefix, a)
@@ -286,6 +289,11 @@ class SlideOutputs:
             return heatmap
 
         return finish
+
+    def writer_peak_memory_mb(self) -> float | None:
+        """The peak memory of the writer processes while they wrote this slide's files (after :meth:`write`'s
+        step has finished; :func:`~.io.writer_pool.writer_peak_memory_mb`)."""
+        return writer_peak_memory_mb(self.write_jobs)
 
     def summary_entries(self, dets: np.ndarray) -> dict[str, Any]:
         """What ``summary.json`` says of the files: ``files`` (written, itself last), with a

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import slide_warnings
 from .config import RunConfig
-from .errors import ClosedError, ConfigError
+from .errors import ClosedError, ConfigError, SlideError
 from .geometry import TilingGeometry, check_tiling
 from .inference.backend import cuda_may_be_present
 from .inference.card import ModelCard, load_card
@@ -51,6 +51,8 @@ from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import PendingResult, Result
 from .slide import Slide, as_slide
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
+from .stitch import blend
+from .stitch.blend import BlendGeometry, band_bytes
 from .stitch.merge_runner import MergeProcess
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
@@ -103,10 +105,20 @@ class SlidePlan:
     seconds: dict[str, float] = field(default_factory=dict)
     made_by: Any = None  # the pipeline that made it: its card and settings decided the tiling
     warnings: list[str] = field(default_factory=list)  # about the slide, while the plan was made
+    file_stamp: tuple[int, ...] | None = None  # the slide file's (size, mtime, inode) before it was opened
 
     def close(self) -> None:
         if self.owns:
             self.slide.close()
+
+
+def _file_stamp(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
+    """(size, mtime, inode) of a slide file, or None where there is none to stat."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 class Pipeline:
@@ -201,7 +213,8 @@ class Pipeline:
         if cfg.tile is not None and cfg.tile != h:
             raise ConfigError(f"tile: the model {self.card.name} takes {h} px tiles, found tile = {cfg.tile}")
         stride = self.card.heatmap.stride if self.card.heatmap is not None else None
-        check_tiling(h, cfg.overlap, stride, where=str(self.card.card_path or self.card.name))
+        # The overlap is the config's, the tile size and stride the card's: the message names the setting.
+        check_tiling(h, cfg.overlap, stride, where=f"config (model {self.card.name}, {h} px tiles)")
 
     # -- running ---------------------------------------------------------------
     def run(
@@ -247,9 +260,15 @@ class Pipeline:
                 plan.close()
                 msg = f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)"
                 raise ConfigError(msg)
-            for stage, seconds in plan.seconds.items():  # done before this call: counted in the total once
-                timer.seconds[stage] += seconds
-            t_start -= sum(plan.seconds.values())
+            if plan.file_stamp is not None and _file_stamp(plan.slide.path) != plan.file_stamp:
+                # Replaced or rewritten while queued: the structure parsed at its opening is stale.
+                log.info("%s: changed since it was opened ahead: opened again", plan.slide.path)
+                plan.close()
+                plan = self._plan(plan.slide.path, timer)
+            else:
+                for stage, seconds in plan.seconds.items():  # done before this call: counted in the total once
+                    timer.seconds[stage] += seconds
+                t_start -= sum(plan.seconds.values())
         else:
             plan = self._plan(source, timer)
         handed_over = False
@@ -287,6 +306,7 @@ class Pipeline:
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
         cfg, card = self.config, self.card
         owns = not isinstance(source, Slide)
+        stamp = _file_stamp(source) if isinstance(source, str | os.PathLike) else None
         said: list[str] = []
         with slide_warnings.recording(said):
             with timer("open"):
@@ -303,13 +323,24 @@ class Pipeline:
                 if owns:
                     slide.close()
                 raise
-        is_array = isinstance(source, np.ndarray)
-        return SlidePlan(slide, owns, is_array, geometry, grid, method, mask, tiles, made_by=self, warnings=said)
+        return SlidePlan(
+            slide,
+            owns,
+            isinstance(source, np.ndarray),
+            geometry,
+            grid,
+            method,
+            mask,
+            tiles,
+            made_by=self,
+            warnings=said,
+            file_stamp=stamp,
+        )
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
         """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
         cfg, card = self.config, self.card
-        return TilingGeometry.for_slide(
+        geometry = TilingGeometry.for_slide(
             slide,
             card.input.size_hw[0],
             cfg.overlap,
@@ -318,6 +349,17 @@ class Pipeline:
             preferred_mpp=card.mpp if cfg.level is None and cfg.mpp is None else None,
             heatmap_stride=card.heatmap.stride if card.heatmap is not None else None,
         )
+        if card.heatmap is not None:
+            need = band_bytes(BlendGeometry.from_tiling(geometry), len(card.heatmap.classes))
+            if need > blend.MAX_BAND_BYTES:
+                w, h = slide.dimensions
+                raise SlideError(
+                    slide.path,
+                    f"{w} x {h} px: the heatmap is blended in bands as wide as the slide, and this slide's "
+                    f"band would need {need / 2**30:.1f} GiB (at most {blend.MAX_BAND_BYTES / 2**30:.1f} GiB): "
+                    "a slide this wide for its height is refused",
+                )
+        return geometry
 
     def _run_slide(
         self,
@@ -404,6 +446,15 @@ class Pipeline:
             try:
                 with timer("stitch"):
                     dets = make_detections(*stitcher.finish())
+                run_info["detections_over_cap"] = stitcher.over_cap
+                if stitcher.over_cap:
+                    log.warning(
+                        "%s: %d detections dropped: tiles gave more than the card's %d a tile "
+                        "(max_detections_per_tile), the lowest scores were dropped",
+                        slide.path,
+                        stitcher.over_cap,
+                        card.detections_cap,
+                    )
                 with timer("write"):
                     heatmap = outputs.close_heatmap() if out is None else None
                     return self._result(
@@ -553,6 +604,7 @@ class Pipeline:
 
         def finish() -> None:
             result.heatmap = close_files()
+            summary["peak_writer_memory_mb"] = outputs.writer_peak_memory_mb()
             summary["seconds"]["write"] = round(time.perf_counter() - t_write, 4)
             summary["seconds"]["total"] = round(time.perf_counter() - t_start, 4)
             outputs.write_summary(summary)

@@ -2,11 +2,15 @@
 
 A slide's ``summary.json`` records its :class:`RunKey` (a hash of the
 result-deciding settings, of the whole model card with its model's SHA-256,
-and of the mask file's content) and its input's identity (size and a
-fingerprint of the file's first and last 64 KiB and 16 blocks of 4 KiB
-spread between them; for a slide that is a folder, its files' names and
-sizes). A rerun keeps the slide only when both still match, and otherwise
-says why it is redone.
+and of the mask file's content) and its input's identity (size, modification
+time and inode, and a fingerprint of the file's first and last 64 KiB and 16
+blocks of 4 KiB spread between them, or of its whole content with
+``slide_hash = "full"``; for a slide that is a folder, its files' names and
+sizes and their latest modification time). A rerun keeps the slide only when
+both still match, and otherwise says why it is redone. An edit the sampled
+fingerprint misses changes the modification time; a file replaced by another
+changes the inode. Identities recorded before the time and inode were (or
+without them) are compared on what they hold.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from .config import RunConfig
 from .errors import ConfigError, UsageError
 from .inference.card import ModelCard
 from .io.formats import DEFAULT_FORMATS
+from .special_files import kind_of_mode, special_kind
 
 KEY_FORMAT = 2
 HEAD_BYTES = TAIL_BYTES = 64 << 10
@@ -60,6 +65,8 @@ class RunKey:
     """The result-deciding inputs shared by every slide of a batch, as named hashes."""
 
     parts: dict[str, str]
+    # How the slide files are fingerprinted (config.slide_hash): not a part, it decides no result.
+    slide_hash: str = "sampled"
 
     @classmethod
     def of(cls, config: RunConfig, card: ModelCard) -> RunKey:
@@ -75,7 +82,7 @@ class RunKey:
         parts = {"settings": _digest(settings), "card": _digest(card_doc), "model": card.sha256[:16]}
         if config.mask:
             parts["mask"] = mask_sha256(config.mask)[:16]
-        return cls(parts)
+        return cls(parts, config.slide_hash)
 
     @property
     def value(self) -> str:
@@ -89,15 +96,32 @@ class RunKey:
         return [PART_NAMES.get(n, n) for n in names if self.parts.get(n) != recorded.get(n)]
 
 
-def input_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``{"size", "fingerprint"}`` of a slide file (or of a folder slide: its files' names and sizes),
-    or None when it cannot be read (the run then fails it)."""
+def input_identity(path: str | os.PathLike[str], slide_hash: str = "sampled") -> dict[str, Any] | None:
+    """``{"size", "fingerprint", "mtime_ns", "inode"}`` of a slide file (``slide_hash`` "full": the
+    fingerprint of its whole content, and ``"hash": "full"``), of a folder slide its files' names and
+    sizes and their latest mtime; None when it cannot be read (the run then fails it)."""
     if os.path.isdir(path):
         return _folder_identity(path)
+    if special_kind(path):  # never opened: a FIFO waits for a writer, a device may not end
+        return None
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # Without waiting: a FIFO opened for reading would wait for a writer (refused when read as a slide).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if kind_of_mode(st.st_mode):
+                return None
+            size = st.st_size
+            stamp = {"mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
             h = hashlib.sha256()
+            if slide_hash == "full":
+                stamp["hash"] = "full"
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+                return {"size": size, "fingerprint": h.hexdigest()[:32], **stamp}
             h.update(f.read(HEAD_BYTES))
             if size > HEAD_BYTES + TAIL_BYTES:
                 step = (size - HEAD_BYTES - TAIL_BYTES) // (SAMPLES + 1)
@@ -109,21 +133,28 @@ def input_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:
                 h.update(f.read(TAIL_BYTES))
     except (OSError, ValueError):
         return None
-    return {"size": size, "fingerprint": h.hexdigest()[:32]}
+    return {"size": size, "fingerprint": h.hexdigest()[:32], **stamp}
 
 
 def _folder_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
     entries = []
+    mtime_ns = 0
     for root, _, files in os.walk(path):
         for name in files:
             full = os.path.join(root, name)
             try:
-                entries.append((os.path.relpath(full, path), os.path.getsize(full)))
+                st = os.stat(full)
             except OSError:
                 continue
+            entries.append((os.path.relpath(full, path), st.st_size))
+            mtime_ns = max(mtime_ns, st.st_mtime_ns)
     entries.sort()
     listing = json.dumps(entries).encode("utf-8", "surrogateescape")
-    return {"size": sum(n for _, n in entries), "fingerprint": hashlib.sha256(listing).hexdigest()[:32]}
+    return {
+        "size": sum(n for _, n in entries),
+        "fingerprint": hashlib.sha256(listing).hexdigest()[:32],
+        "mtime_ns": mtime_ns,
+    }
 
 
 def why_redo(
@@ -142,6 +173,13 @@ def why_redo(
         return "the slide file's identity is unknown"
     if recorded.get("size") != identity["size"]:
         return f"the slide file changed (size {recorded.get('size')} -> {identity['size']} bytes)"
+    if recorded.get("hash", "sampled") != identity.get("hash", "sampled"):
+        return f"the slide file's fingerprint was taken otherwise (slide_hash {identity.get('hash', 'sampled')})"
     if recorded.get("fingerprint") != identity["fingerprint"]:
         return "the slide file changed (same size, different content)"
+    # Compared where recorded: folders written before they were keep their results.
+    if "inode" in recorded and recorded["inode"] != identity.get("inode"):
+        return "the slide file changed (replaced by another file of the same size and sampled content)"
+    if "mtime_ns" in recorded and recorded["mtime_ns"] != identity.get("mtime_ns"):
+        return "the slide file changed (modified since its run: same size and sampled content)"
     return None

@@ -297,7 +297,9 @@ class _PipeHandler(logging.Handler):
 def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     from .batch_jobs import start_slide
 
+    # Ctrl-C and SIGTERM reach the whole process group: the parent handles them, and ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _, path_list, levels, factory_bytes, progress = recv_conn.recv()
     sys.path[:] = path_list
     handler = _PipeHandler(send_conn)

@@ -95,6 +95,7 @@ class Summary(TypedDict, total=False):
     classes: list[ClassInfo]
     heatmap: HeatmapInfo | None
     detections_total: int
+    detections_over_cap: int  # dropped: past the card's max_detections_per_tile (the lowest scores of their tile)
     tissue: TissueInfo
     tissue_warning: str | None
     warnings: list[str]  # every warning about the slide: recorded while it was opened and tiled, and the run's
@@ -102,7 +103,8 @@ class Summary(TypedDict, total=False):
     tiles: TilesInfo
     seconds: dict[str, float]  # per stage, "total", and "write" once the files are written
     damaged_tiles: dict[str, Any] | None
-    peak_host_memory_mb: float
+    peak_host_memory_mb: float  # this process's
+    peak_writer_memory_mb: float | None  # the writer processes' peaks during this slide's files, added up
     peak_gpu_memory_mb: float | None
     model: ModelInfo
     backend: str

@@ -55,8 +55,11 @@ def _brightness(helper, TensorProto, nodes: list) -> str:
     return "bright"
 
 
-def build_toy_onnx(path: str | os.PathLike[str], decoder: str, tile_px: int = 32) -> Path:
-    """Write a toy model for ``decoder`` ("boxes_scores_labels" or "yolo") to ``path``."""
+def build_toy_onnx(path: str | os.PathLike[str], decoder: str, tile_px: int = 32, heatmap_value: float = 1.0) -> Path:
+    """Write a toy model for ``decoder`` ("boxes_scores_labels" or "yolo") to ``path``.
+
+    Its heatmap is ``heatmap_value`` times the brightness (NaN or infinity for a hostile model).
+    """
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -110,7 +113,7 @@ def build_toy_onnx(path: str | os.PathLike[str], decoder: str, tile_px: int = 32
         raise ValueError(f"no toy model for decoder {decoder!r}")
     # A region heatmap [N, 1, H/8, W/8] equal to the brightness everywhere.
     s = tile_px // 8
-    inits.append(numpy_helper.from_array(np.ones((1, 1, s, s), np.float32), "ones_hm"))
+    inits.append(numpy_helper.from_array(np.full((1, 1, s, s), heatmap_value, np.float32), "ones_hm"))
     nodes += [
         helper.make_node("Unsqueeze", [bright, "axis3"], ["bright4"]),
         helper.make_node("Mul", ["ones_hm", "bright4"], ["heatmap"]),
@@ -131,10 +134,12 @@ def build_toy_onnx(path: str | os.PathLike[str], decoder: str, tile_px: int = 32
     return path
 
 
-def build_toy_model(folder: str | os.PathLike[str], decoder: str, tile_px: int = 32, **decoder_params) -> ModelCard:
+def build_toy_model(
+    folder: str | os.PathLike[str], decoder: str, tile_px: int = 32, heatmap_value: float = 1.0, **decoder_params
+) -> ModelCard:
     """Write ``toy_DECODER.onnx`` and its card into ``folder``; return the loaded card."""
     folder = Path(folder)
-    model_path = build_toy_onnx(folder / f"toy_{decoder}.onnx", decoder, tile_px)
+    model_path = build_toy_onnx(folder / f"toy_{decoder}.onnx", decoder, tile_px, heatmap_value)
     s = tile_px // 8
     if decoder == "boxes_scores_labels":
         outputs = (

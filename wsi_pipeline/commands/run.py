@@ -16,6 +16,7 @@ from ..config import (
     DAMAGED_TILE_CHOICES,
     DECODE_CHOICES,
     MERGE_CHOICES,
+    SLIDE_HASH_CHOICES,
     TISSUE_CHOICES,
     RunConfig,
     load_config,
@@ -55,6 +56,7 @@ CONFIG_FLAGS = (
     "dask",
     "slide_timeout",
     "formats",
+    "slide_hash",
 )
 
 
@@ -145,6 +147,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help="stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
         "of slide file; 0: no limit, slides run in this process)",
+    )
+    p.add_argument(
+        "--slide-hash",
+        choices=SLIDE_HASH_CHOICES,
+        help="how a rerun recognises an unchanged slide file: sampled (default: its size, modification "
+        "time, inode and 16 sampled blocks) or full (its whole content read, slower: for slides "
+        "restored from an archive with their modification times)",
     )
     p.add_argument("--force", action="store_true", help="redo slides already done")
     p.add_argument(

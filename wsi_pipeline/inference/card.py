@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_TILE
+from ..config import MAX_MPP, MAX_TILE, MIN_MPP
 from ..errors import ModelError
 from ..validation import is_instance, is_int, is_number
 from .decoders import validate_decoder_params
@@ -47,6 +47,10 @@ TORCH_EXPORT_SUFFIX = ".pt2"
 MAX_CARD_BYTES = 1 << 20
 # The largest model input side accepted (pixels): a tile is read, held and batched whole.
 MAX_INPUT_SIDE = MAX_TILE
+# Detections a tile may give (``max_detections_per_tile``; the default where a card sets none). Beyond
+# it the lowest scores are dropped before anything is allocated for them, and counted in summary.json.
+DEFAULT_MAX_DETECTIONS_PER_TILE = 10_000
+MAX_DETECTIONS_PER_TILE = 1_000_000
 
 # ONNX TensorProto element types -> card dtype names.
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
@@ -143,6 +147,12 @@ class ModelCard:
     card_path: Path | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
     format: str = "onnx"
+    max_detections_per_tile: int | None = None  # None: DEFAULT_MAX_DETECTIONS_PER_TILE
+
+    @property
+    def detections_cap(self) -> int:
+        """At most this many detections a tile: the rest, the lowest scores, are dropped and counted."""
+        return self.max_detections_per_tile or DEFAULT_MAX_DETECTIONS_PER_TILE
 
     @property
     def class_names(self) -> list[str]:
@@ -190,6 +200,8 @@ class ModelCard:
         }
         if self.format != "onnx":
             doc["format"] = self.format
+        if self.max_detections_per_tile is not None:  # left out when unset: older cards keep their digest
+            doc["max_detections_per_tile"] = self.max_detections_per_tile
         doc.update(dict(self.extra))
         return doc
 
@@ -299,14 +311,18 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
     name = r.get(doc, "name", "", str, "a string")
     version = str(r.get(doc, "version", "", (str, int, float), "a string", "0"))
     model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
-    # The model lives in the card's folder or below it: a card cannot point at any file on the machine.
-    inside = os.path.normpath(os.path.join(path.parent, model_file))
-    if (
-        "\x00" in model_file
-        or os.path.isabs(model_file)
-        or os.path.commonpath([inside, str(path.parent)]) != str(path.parent)
-    ):
+    # The model lives in the card's folder or below it: a card cannot point at any file on the machine,
+    # neither by its path nor through a symbolic link (links are resolved before the check).
+    if "\x00" in model_file or os.path.isabs(model_file):
         raise r.fail("model_file", "a path inside the card's folder", model_file)
+    inside = os.path.realpath(os.path.join(path.parent, model_file))
+    if os.path.commonpath([inside, str(path.parent)]) != str(path.parent):
+        shown = (
+            model_file
+            if os.path.normpath(os.path.join(path.parent, model_file)) == inside
+            else f"{model_file} -> {inside}"
+        )
+        raise r.fail("model_file", "a path inside the card's folder (symbolic links resolved)", shown)
     sha = r.get(doc, "sha256", "", str, "64 hex digits")
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
         raise r.fail("sha256", "64 hex digits", sha)
@@ -348,8 +364,8 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         )
 
     mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
-    if mpp is not None and not (math.isfinite(mpp) and mpp > 0):
-        raise r.fail("mpp", "a positive number or null", mpp)
+    if mpp is not None and not (math.isfinite(mpp) and MIN_MPP <= mpp <= MAX_MPP):
+        raise r.fail("mpp", f"a positive number from {MIN_MPP:g} to {MAX_MPP:g}, or null", mpp)
 
     outputs_doc = r.get(doc, "outputs", "", list, "a list of {name, shape, dtype}")
     if not outputs_doc:
@@ -411,7 +427,12 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if heatmap.output not in names:
             raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
 
+    cap = r.get(doc, "max_detections_per_tile", "", int, "a positive int or null", None, optional=True)
+    if cap is not None and not (is_int(cap) and 1 <= cap <= MAX_DETECTIONS_PER_TILE):
+        raise r.fail("max_detections_per_tile", f"an int from 1 to {MAX_DETECTIONS_PER_TILE} or null", cap)
+
     known = {
+        "max_detections_per_tile",
         "schema_version",
         "name",
         "version",
@@ -442,6 +463,7 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         card_path=path,
         extra=extra,
         format=model_format,
+        max_detections_per_tile=cap,
     )
     validate_decoder_params(card)
     return card

@@ -30,6 +30,11 @@ its parameters:
     (a v5-style objectness column after the box, multiplied in: false).
     Class-aware NMS per tile with OpenCV's ``cv2.dnn.NMSBoxesBatched``.
 
+Every decoder keeps a row only where its score reaches ``score_threshold``, its
+label is 0 or more (a negative label is padding or "no class") and its box is
+finite (:func:`detection_rows`); a label past the card's classes is a
+:class:`~wsi_pipeline.errors.ModelError`.
+
 A card's ``heatmap`` output ``[B, C, H/stride, W/stride]`` is returned per
 tile as ``CxHxW float32`` probabilities after the card's activation.
 """
@@ -64,6 +69,7 @@ class TileDetections:
     scores: np.ndarray
     labels: np.ndarray
     heatmap: np.ndarray | None = None
+    over_cap: int = 0  # rows past the card's max_detections_per_tile, dropped (the lowest scores)
 
     def __len__(self) -> int:
         return int(self.boxes.shape[0])
@@ -90,6 +96,12 @@ class BatchDetections:
     labels: np.ndarray
     counts: np.ndarray
     heatmaps: Any = None
+    over_cap: np.ndarray | None = None  # n int64: each tile's rows past the card's cap, dropped; None: none
+
+    @property
+    def over_cap_total(self) -> int:
+        """Rows the batch's tiles gave past the card's max_detections_per_tile (dropped)."""
+        return 0 if self.over_cap is None else int(self.over_cap.sum())
 
     def __len__(self) -> int:
         return int(self.counts.shape[0])
@@ -108,6 +120,7 @@ class BatchDetections:
                 self.scores[off[i] : off[i + 1]],
                 self.labels[off[i] : off[i + 1]],
                 None if hm is None else hm[i],
+                0 if self.over_cap is None else int(self.over_cap[i]),
             )
             for i in range(len(self))
         ]
@@ -128,6 +141,7 @@ class BatchDetections:
             ),
             np.array([len(d) for d in dets], np.int64),
             np.stack(hms).astype(np.float32, copy=False) if hms and all(h is not None for h in hms) else None,
+            _over_cap([d.over_cap for d in dets]),
         )
 
     @classmethod
@@ -146,7 +160,16 @@ class BatchDetections:
             np.concatenate([p.labels for p in parts]),
             np.concatenate([p.counts for p in parts]),
             _concat_heatmaps(hms) if all(h is not None for h in hms) else None,
+            None
+            if all(p.over_cap is None for p in parts)
+            else np.concatenate([np.zeros(len(p), np.int64) if p.over_cap is None else p.over_cap for p in parts]),
         )
+
+
+def _over_cap(per_tile: Sequence[int] | np.ndarray) -> np.ndarray | None:
+    """Each tile's rows past the cap as an array, or None where no tile had any."""
+    a = np.asarray(per_tile, np.int64).reshape(-1)
+    return a if a.any() else None
 
 
 def _concat_heatmaps(hms: list[Any]) -> Any:
@@ -324,6 +347,37 @@ def _check_labels(card: ModelCard, labels: np.ndarray) -> None:
         )
 
 
+def detection_rows(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, score_threshold: float) -> np.ndarray:
+    """The rows every decoder keeps: score at least ``score_threshold``, label >= 0, a finite box.
+
+    ``boxes`` ``[..., 4]``, ``scores`` and ``labels`` ``[...]``; a bool mask of their shape.
+    """
+    return (scores >= score_threshold) & (labels >= 0) & np.isfinite(boxes).all(axis=-1)
+
+
+def _first_by_key(key: np.ndarray, k: int) -> np.ndarray:
+    """Each row's columns of its ``k`` smallest keys, in key order, ties in column order: the first ``k``
+    of a stable argsort, without sorting a row of a million rows where ``k`` is small."""
+    b, n = key.shape
+    if k == 0:
+        return np.zeros((b, 0), np.int64)
+    if 8 * k >= n:
+        return np.argsort(key, axis=1, kind="stable")[:, :k]
+    out = np.empty((b, k), np.int64)
+    for i, row in enumerate(key):
+        last = row[np.argpartition(row, k - 1)[:k]].max()
+        less = np.flatnonzero(row < last)
+        sel = np.concatenate([less, np.flatnonzero(row == last)[: k - len(less)]])
+        sel.sort()
+        out[i] = sel[np.argsort(row[sel], kind="stable")]
+    return out
+
+
+def over_cap(valid: np.ndarray, card: ModelCard) -> np.ndarray | None:
+    """How many of each tile's ``valid`` rows (``[B,N]``) are past the card's cap of detections a tile."""
+    return _over_cap(np.maximum(valid.sum(axis=1, dtype=np.int64) - card.detections_cap, 0))
+
+
 def _ranked(
     boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, valid: np.ndarray, limit: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -334,12 +388,11 @@ def _ranked(
     float32, labels int64), and each tile's count: one sort for the batch.
     """
     key = np.where(valid, -scores.astype(np.float64), np.inf)
-    order = np.argsort(key, axis=1, kind="stable")
     counts = valid.sum(axis=1, dtype=np.int64)
     if limit is not None:
         counts = np.minimum(counts, limit)
     k = int(counts.max(initial=0))
-    order = order[:, :k]
+    order = _first_by_key(key, k)
     rows = np.arange(len(order))[:, None]
     take = np.arange(k)[None, :] < counts[:, None]
     return (
@@ -358,11 +411,13 @@ def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -
     labels = _as_batched(_get(outputs, p["labels"], card), 2)
     _check_rows(card, boxes, scores, labels)
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    valid = scores >= p["score_threshold"]
+    valid = detection_rows(boxes, scores, labels, p["score_threshold"])
+    cap = card.detections_cap
     if p["iou_threshold"] is None:
-        b, s, lab, counts = _ranked(boxes, scores, labels, valid, p["max_detections"])
+        limit = cap if p["max_detections"] is None else min(cap, p["max_detections"])
+        b, s, lab, counts = _ranked(boxes, scores, labels, valid, limit)
     else:  # per-tile NMS between the ranking and the limit
-        b, s, lab, counts = _ranked(boxes, scores, labels, valid)
+        b, s, lab, counts = _ranked(boxes, scores, labels, valid, cap)
         off = _offsets(counts)
         keep = []
         for i in range(len(counts)):
@@ -374,7 +429,7 @@ def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -
         keep_all = np.concatenate(keep) if keep else np.zeros(0, np.int64)
         b, s, lab = b[keep_all], s[keep_all], lab[keep_all]
     _check_labels(card, lab)
-    return BatchDetections(b, s, lab, counts, heatmaps)
+    return BatchDetections(b, s, lab, counts, heatmaps, over_cap(valid, card))
 
 
 def decode_centernet(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
@@ -416,12 +471,12 @@ def decode_boxes_scores_labels_batch(outputs: Mapping[str, np.ndarray], card: Mo
                 f"[{boxes.shape[0]}], found {list(counts.shape)}"
             )
     heatmaps = _heatmaps(outputs, card, boxes.shape[0])
-    valid = (scores >= p["score_threshold"]) & (labels >= 0) & np.isfinite(boxes).all(axis=2)
+    valid = detection_rows(boxes, scores, labels, p["score_threshold"])
     if counts is not None:
         valid &= np.arange(boxes.shape[1])[None, :] < counts[:, None]
-    b, s, lab, kept = _ranked(boxes, scores, labels, valid)
+    b, s, lab, kept = _ranked(boxes, scores, labels, valid, card.detections_cap)
     _check_labels(card, lab)
-    return BatchDetections(b, s, lab, kept, heatmaps)
+    return BatchDetections(b, s, lab, kept, heatmaps, over_cap(valid, card))
 
 
 def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
@@ -431,6 +486,15 @@ def decode_boxes_scores_labels(outputs: Mapping[str, np.ndarray], card: ModelCar
 
 def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
     """Raw YOLO head -> thresholded, class-aware NMS'd detections per tile."""
+    return _decode_yolo(outputs, card)
+
+
+def decode_yolo_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
+    """:func:`decode_yolo` as a batch."""
+    return BatchDetections.from_tiles(decode_yolo(outputs, card))
+
+
+def _decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
     p = decoder_params(card)
     raw = _as_batched(_get(outputs, p["output"], card), 3).astype(np.float32)
     if not p["channels_last"]:
@@ -446,6 +510,7 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
         )
     heatmaps = _heatmaps(outputs, card, raw.shape[0])
     results = []
+    cap = card.detections_cap
     for i in range(raw.shape[0]):
         rows = raw[i]
         cls_scores = rows[:, width - n_cls :]
@@ -453,7 +518,10 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
             cls_scores = cls_scores * rows[:, 4:5]
         labels = cls_scores.argmax(axis=1)
         scores = cls_scores[np.arange(rows.shape[0]), labels]
-        cand = np.flatnonzero(scores >= p["score_threshold"])
+        cand = np.flatnonzero(detection_rows(rows[:, :4], scores, labels, p["score_threshold"]))
+        dropped = max(0, cand.size - cap)
+        if dropped:  # the highest scores, in row order
+            cand = np.sort(cand[_first_by_key(-scores[cand][None].astype(np.float64), cap)[0]])
         hm = None if heatmaps is None else heatmaps[i]
         if cand.size == 0:
             results.append(TileDetections.empty(hm))
@@ -466,6 +534,7 @@ def decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Tile
                 scores[cand][keep].astype(np.float32),
                 labels[cand][keep].astype(np.int64),
                 hm,
+                dropped,
             )
         )
     return results
@@ -481,7 +550,7 @@ DECODERS: dict[str, Decoder] = {
 BATCH_DECODERS: dict[str, BatchDecoder] = {
     "centernet": decode_centernet_batch,
     "boxes_scores_labels": decode_boxes_scores_labels_batch,
-    "yolo": lambda outputs, card: BatchDetections.from_tiles(decode_yolo(outputs, card)),
+    "yolo": decode_yolo_batch,
 }
 
 

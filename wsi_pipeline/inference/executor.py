@@ -132,7 +132,13 @@ class _DeviceDecoder:
             boxes, scores, labels = outs[p["boxes"]][:n], outs[p["scores"]][:n].float(), outs[p["labels"]][:n]
             if boxes.dim() == 2:
                 boxes, scores, labels = boxes[None], scores[None], labels[None]
-            keep = scores >= float(p["score_threshold"])
+            # The rows the decoder keeps (decoders.detection_rows), so that the counts are its own.
+            offset = int(p.get("label_offset", 0))
+            keep = (
+                (scores >= float(p["score_threshold"]))
+                & (labels.long() + offset >= 0)
+                & torch.isfinite(boxes.float()).all(dim=2)
+            )
             if self.kind == "boxes_scores_labels" and p["num_detections"] is not None:
                 counts = outs[p["num_detections"]][:n].reshape(-1).long()
                 cols = torch.arange(scores.shape[1], device=scores.device)
@@ -165,16 +171,23 @@ class _DeviceDecoder:
         not among ``host``): the detections carry that tensor as they are.
         """
         outputs = dict(host)
+        dropped = None
         if self.compacts:
-            k = max(1, int(outputs.pop(_COUNT)[:n].max(initial=0)))
+            counts = outputs.pop(_COUNT)[:n].astype(np.int64)
+            # Past the card's cap only the count is taken: the rows are sorted, the first ones are kept.
+            cap = self.card.detections_cap
+            dropped = np.maximum(counts - cap, 0) if counts.max(initial=0) > cap else None
+            k = max(1, min(int(counts.max(initial=0)), cap))
             for name in (self.p["boxes"], self.p["scores"], self.p["labels"]):
                 outputs[name] = outputs[name][:, :k]
             if self.kind == "boxes_scores_labels" and self.p["num_detections"] is not None:
                 outputs[self.p["num_detections"]] = np.full(n, k, np.int64)
         if heatmaps is None:
-            return decode_batch(outputs, self.host_card)
-        check_heatmap_shape(heatmaps.shape, self.card, n)
-        return dataclasses.replace(decode_batch(outputs, self.boxes_card), heatmaps=heatmaps)
+            batch = decode_batch(outputs, self.host_card)
+        else:
+            check_heatmap_shape(heatmaps.shape, self.card, n)
+            batch = dataclasses.replace(decode_batch(outputs, self.boxes_card), heatmaps=heatmaps)
+        return batch if dropped is None else dataclasses.replace(batch, over_cap=dropped)
 
 
 def _card_without_activation(card: ModelCard) -> ModelCard:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -121,10 +122,28 @@ def replace_tree(tmp: Path, final: Path) -> None:
 
 
 def write_json(path: str | os.PathLike[str], obj: Any, indent: int | None = 2) -> None:
-    """Write ``obj`` as JSON atomically."""
+    """Write ``obj`` as JSON atomically; a NaN or infinite float is written as ``null`` (strict JSON)."""
+    try:
+        text = json.dumps(obj, indent=indent, default=_json_default, allow_nan=False)
+    except ValueError:  # rare: the walk below only where a non-finite float is present
+        text = json.dumps(_finite_or_null(obj), indent=indent, default=_json_default, allow_nan=False)
     with atomic_write(path) as f:
-        json.dump(obj, f, indent=indent, default=_json_default)
+        f.write(text)
         f.write("\n")
+
+
+def _finite_or_null(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, float | np.floating):
+        return float(o) if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite_or_null(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite_or_null(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return _finite_or_null(o.tolist())
+    return o
 
 
 def _json_default(o: Any) -> Any:

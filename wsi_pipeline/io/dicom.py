@@ -63,6 +63,7 @@ from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
 from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
+from wsi_pipeline.io.spool import spool_array
 
 MANUFACTURER = "wsi-pipeline"
 # Stored bytes (H x W x 2, uint16) of one class's Parametric Map: highdicom keeps every encoded
@@ -331,28 +332,23 @@ def write_dicom_annotations(
     groups, schemes = [], set()
     for number, label in enumerate(np.unique(dets["label"]).tolist(), start=1):
         d = dets[dets["label"] == label]
-        x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
-        corners = np.stack(
-            [np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1), np.stack([x0, y1], 1)], axis=1
-        )  # N x 4 x (column, row)
         name, category, prop_type = _class_codes(label, classes)
         schemes.add(prop_type.scheme_designator)
         color = detection_class(classes, label).get("color")
-        groups.append(
-            hd.ann.AnnotationGroup(
-                number=number,
-                uid=hd.UID(),
-                label=name[:64],
-                annotated_property_category=category,
-                annotated_property_type=prop_type,
-                graphic_type=hd.ann.GraphicTypeValues.POLYGON,
-                graphic_data=list(corners),
-                algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
-                algorithm_identification=algorithm,
-                measurements=[hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)],
-                display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
-            )
+        group = hd.ann.AnnotationGroup(
+            number=number,
+            uid=hd.UID(),
+            label=name[:64],
+            annotated_property_category=category,
+            annotated_property_type=prop_type,
+            graphic_type=hd.ann.GraphicTypeValues.POLYGON,
+            graphic_data=[_box_corners(d[:1])[0]],  # the group's form; its data are set whole below
+            algorithm_type=hd.ann.AnnotationGroupGenerationTypeValues.AUTOMATIC,
+            algorithm_identification=algorithm,
+            display_color=hd.color.CIELabColor.from_rgb(*parse_color(color)) if color is not None else None,
         )
+        _set_boxes(group, d)
+        groups.append(group)
     ann = hd.ann.MicroscopyBulkSimpleAnnotations(
         source_images=[src],
         annotation_coordinate_type=hd.ann.AnnotationCoordinateTypeValues.SCOORD,
@@ -369,6 +365,36 @@ def write_dicom_annotations(
     return _save(path, ann)
 
 
+def _box_corners(d: np.ndarray) -> np.ndarray:
+    """N x 4 x (column, row) float32 corners of detection boxes, clockwise from the top-left."""
+    x0, y0, x1, y1 = (d[k].astype(np.float32) for k in ("x0", "y0", "x1", "y1"))
+    return np.stack([x0, y0, x1, y0, x1, y1, x0, y1], axis=1).reshape(-1, 4, 2)
+
+
+def _set_boxes(group: Any, d: np.ndarray) -> None:
+    """Give an annotation group the polygons and scores of ``d`` as the arrays DICOM stores them.
+
+    What highdicom's ``AnnotationGroup`` makes from a list of one array per annotation, made from
+    whole arrays instead: memory of a few copies of the coordinates, not of a Python object per box.
+    """
+    corners = _box_corners(d)
+    if not np.isfinite(corners).all():
+        raise ValueError("detection boxes for a DICOM annotation group: expected finite coordinates")
+    closed = np.flatnonzero((corners[:, 0] == corners[:, 3]).all(axis=1))
+    if closed.size:  # a polygon whose first and last points are one: DICOM forbids it, as highdicom does
+        raise ValueError(
+            f"annotation #{int(closed[0]) + 1}: a box of no height gives a POLYGON whose first and last "
+            "coordinates are identical"
+        )
+    n = len(d)
+    group.NumberOfAnnotations = n
+    group.PointCoordinatesData = corners.tobytes()
+    # 1-based index of each polygon's first value: 4 points of 2 values each.
+    group.LongPrimitivePointIndexList = (np.arange(n, dtype=np.int32) * 8 + 1).tobytes()
+    group._graphic_data = {}  # read back from the data above, as for a group read from a file
+    group.MeasurementsSequence = [hd.ann.Measurements(name=SCORE, values=d["score"].astype(np.float32), unit=NO_UNITS)]
+
+
 def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: Path) -> np.ndarray:
     """Class ``k`` of the heatmap's level ``level`` as a 1 x H x W uint16 memmap (``round(value * 65535)``).
 
@@ -381,16 +407,16 @@ def _spool_class(heatmap: np.ndarray | HeatmapFile, level: int, k: int, spool: P
         import tifffile
 
         _, h, w = heatmap.level_shapes[level]
-        out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+        out = spool_array(spool / "class.npy", _STORED, (1, h, w))
         with tifffile.TiffFile(heatmap.path) as tif:
             page = tif.series[0].levels[level].pages[k]
-            stored = np.lib.format.open_memmap(spool / "page.npy", mode="w+", dtype=page.dtype, shape=(h, w))
+            stored = spool_array(spool / "page.npy", page.dtype, (h, w))
             page.asarray(out=stored)
             for y in range(0, h, 256):
                 out[0, y : y + 256] = quantise(stored[y : y + 256] * np.float32(heatmap.value_scale), _STORED, _SCALE)
         return out
     _, h, w = heatmap.shape
-    out = np.lib.format.open_memmap(spool / "class.npy", mode="w+", dtype=_STORED, shape=(1, h, w))
+    out = spool_array(spool / "class.npy", _STORED, (1, h, w))
     for y in range(0, h, 256):
         out[0, y : y + 256] = quantise(heatmap[k, y : y + 256], _STORED, _SCALE)
     return out

@@ -23,8 +23,9 @@ uint8 channel), the reduced levels are computed band by band into further
 memmaps (1/3 of level 0 together), and on ``close()`` the pages are written
 from tile generators over those memmaps. RAM stays at a few tiles and bands;
 the spool needs about 1.4x the raw heatmap on disk, beside the output unless
-``spool_dir`` says otherwise. The file is written under a temporary name and
-moved into place with ``os.replace``, so a reader never sees half a file.
+``spool_dir`` says otherwise, reserved when each spool file is made (a full disk is an
+``OSError`` then, not a SIGBUS at a store into the mapping: :mod:`.spool`). The file is written
+under a temporary name and moved into place with ``os.replace``, so a reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import partial_name
 from wsi_pipeline.io.detections import parse_color
 from wsi_pipeline.io.ome_xml import OmePixels, read_ome_pixels
+from wsi_pipeline.io.spool import spool_array
 
 _DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "float32": np.float32}
 # Heatmap channels' display colours (RRGGBB) where none are given: a reader shows each class in its own.
@@ -309,9 +311,11 @@ class OmeTiffHeatmapWriter(HeatmapRowWriter):
         self.shapes = pyramid_shapes(self.height, self.width, self.tile, levels)
         spool_parent = Path(spool_dir) if spool_dir is not None else (self.path.parent or Path("."))
         self._spool = Path(tempfile.mkdtemp(prefix=".heatmap-spool-", dir=spool_parent))
-        self._level0 = np.lib.format.open_memmap(
-            self._spool / "level0.npy", mode="w+", dtype=self.dtype, shape=(self.channels, self.height, self.width)
-        )
+        try:
+            self._level0 = spool_array(self._spool / "level0.npy", self.dtype, (self.channels, self.height, self.width))
+        except BaseException:
+            shutil.rmtree(self._spool, ignore_errors=True)
+            raise
         self._next_row = 0
         self._unflushed = 0
         self._finished = False
@@ -422,7 +426,7 @@ class SpooledHeatmap:
     def _reduce(self, src: np.ndarray, shape: tuple[int, int], path: Path) -> np.ndarray:
         """2x2 mean of ``src`` (C x H x W) into a new memmap of ``shape``, band by band."""
         h, w = shape
-        dst = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=(self.channels, h, w))
+        dst = spool_array(path, self.dtype, (self.channels, h, w))
         src_h = src.shape[1]
         for y in range(0, h, _BAND_ROWS):
             y1 = min(y + _BAND_ROWS, h)

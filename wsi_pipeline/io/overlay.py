@@ -135,6 +135,12 @@ def _class_color(class_colors: Mapping[int, Color] | Sequence[Color] | None, lab
     return _DEFAULT_COLOR
 
 
+# Boxes drawn at a time: memory of the outlines of this many, whatever the slide's count.
+BOX_CHUNK = 1 << 16
+# Box centres sampled to choose the classes' drawing colours.
+CONTRAST_SAMPLE = 200_000
+
+
 def render_overlay(
     thumbnail: np.ndarray,
     thumb_downsample: float,
@@ -216,21 +222,29 @@ def render_overlay(
         np.copyto(out, blended, where=shown[:, :, None])
 
     if boxes is not None and len(boxes):
-        boxes = np.asarray(boxes, dtype=np.float64)
+        boxes = np.asarray(boxes)
         if boxes.ndim != 2 or boxes.shape[1] != 4:
             msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
             raise ValueError(msg)
-        corners = np.rint(boxes / thumb_downsample).astype(np.int64)
         label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
         drawn = [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
         if contrast:
-            centres = (corners[:, :2] + corners[:, 2:]) / 2
-            drawn = contrasting_colors(out, centres, label_ids, drawn, tissue_color(thumbnail))
+            # What the classes are drawn on, from at most CONTRAST_SAMPLE boxes' centres (memory
+            # bounded whatever the number of boxes).
+            step = max(1, -(-len(boxes) // CONTRAST_SAMPLE))
+            sample = boxes[::step].astype(np.float64)
+            centres = (sample[:, :2] + sample[:, 2:]) / 2 / thumb_downsample
+            drawn = contrasting_colors(out, centres, label_ids[::step], drawn, tissue_color(thumbnail))
         colors = np.array(drawn + [_DEFAULT_COLOR], np.uint8)
-        box_colors = colors[np.where(label_ids >= 0, label_ids, len(colors) - 1)]
-        if line_thickness == 1:
-            draw_box_outlines(out, corners, box_colors)
-        else:
+        # A chunk of boxes at a time, in order (later boxes still drawn over earlier ones): the outline
+        # arrays of millions of boxes at once took gigabytes.
+        for a in range(0, len(boxes), BOX_CHUNK):
+            corners = np.rint(boxes[a : a + BOX_CHUNK].astype(np.float64) / thumb_downsample).astype(np.int64)
+            part_labels = label_ids[a : a + BOX_CHUNK]
+            box_colors = colors[np.where(part_labels >= 0, part_labels, len(colors) - 1)]
+            if line_thickness == 1:
+                draw_box_outlines(out, corners, box_colors)
+                continue
             for (x0, y0, x1, y1), color in zip(corners.tolist(), box_colors.tolist(), strict=True):
                 # cv2 draws the closing corner inclusive: stop one pixel short.
                 cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)), tuple(color), line_thickness)

@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,25 @@ class WriteJobs:
     def done(self) -> bool:
         return all(f.done() for _, f in self._futures)
 
+    def writer_peaks(self) -> dict[int, float]:
+        """Each writer process's (pid) largest peak resident memory (MB) over these jobs, where measured."""
+        peaks: dict[int, float] = {}
+        for _, fut in self._futures:
+            pid, peak = getattr(fut, "writer_peak", (None, None))
+            if pid is not None and peak is not None:
+                peaks[pid] = max(peak, peaks.get(pid, 0.0))
+        return peaks
+
+
+def writer_peak_memory_mb(jobs: Sequence[WriteJobs]) -> float | None:
+    """The writer processes' peak resident memory over ``jobs``, added up (MB): each process's largest
+    peak during one of the jobs; their sum bounds what they held at once. None: none measured."""
+    peaks: dict[int, float] = {}
+    for j in jobs:
+        for pid, peak in j.writer_peaks().items():
+            peaks[pid] = max(peak, peaks.get(pid, 0.0))
+    return round(sum(peaks.values()), 1) if peaks else None
+
 
 class WriterPool:
     """A pool of ``processes`` writer processes, started on first use; thread-safe."""
@@ -311,13 +330,14 @@ class _Worker:
 
     def __init__(self) -> None:
         self.proc, self.send, self.recv = start_child("wsi_pipeline.io.writer_process")
+        self.last_peak_mb: float | None = None  # the process's peak resident memory during its last job
 
     def run(self, payload: bytes) -> Any:
         """Send a job, wait for its reply; the job's result, or raise its failure (:class:`WriterDied`
         when the process ends first)."""
         try:
             self.send.send(("job", payload))
-            kind, value = self.recv.recv()
+            kind, value, self.last_peak_mb = self.recv.recv()
         except (EOFError, OSError):
             raise WriterDied(f"the writer process died (exit code {self.stop(kill=True)})") from None
         if kind == "ok":
@@ -402,7 +422,9 @@ class _WriterProcesses:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    fut.set_result(worker.run(payload))
+                    result = worker.run(payload)
+                    fut.writer_peak = (worker.proc.pid, worker.last_peak_mb)  # type: ignore[attr-defined]
+                    fut.set_result(result)
                 except WriterDied as exc:
                     fut.set_exception(exc)
                     worker = self._start()

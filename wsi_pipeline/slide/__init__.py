@@ -18,9 +18,10 @@ import os
 import numpy as np
 
 from ..errors import SlideError, SlideOpenError
+from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
-from .tiff_file import is_tiff, open_tifffile
+from .tiff_file import is_cmyk, is_tiff, open_tifffile
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def _check_file(path: str) -> None:
         raise SlideOpenError(path, "no such file")
     if os.path.isdir(path):
         return  # DICOM series are folders; their reader decides.
+    if kind := special_kind(path):  # a FIFO's open would wait for a writer
+        raise SlideOpenError(path, refusal(kind))
     if not os.access(path, os.R_OK):
         raise SlideOpenError(path, "file is not readable (permission denied)")
     if os.path.getsize(path) == 0:
@@ -96,6 +99,8 @@ def detect_backend(path: str) -> str:
     if os.path.isfile(path) and is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
         with open_tifffile(path) as tif:
             tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
+            if tiled and is_cmyk(tif.series[0].keyframe):  # OpenSlide alone turns inks into RGB
+                return "openslide"
         return "tifffile" if tiled else "image"
     if vendor is not None:
         return "openslide"

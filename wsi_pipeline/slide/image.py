@@ -114,11 +114,12 @@ class ImageSlide(Slide):
         self._is_tiff = ext in (".tif", ".tiff")
         file_mpp = None
         if self._is_tiff:
-            from .tiff_file import check_page_data, open_tifffile
+            from .tiff_file import check_page_data, open_tifffile, refuse_cmyk
 
             with open_tifffile(self.path) as tif:
                 page = tif.pages[0]
                 check_page_data(self.path, page, os.path.getsize(self.path))
+                refuse_cmyk(self.path, page, "image")
                 shape = tuple(int(v) for v in page.shape)
                 if len(shape) < 2 or shape[0] < 1 or shape[1] < 1:
                     raise SlideOpenError(self.path, f"TIFF image has shape {shape}; expected a 2-D image")

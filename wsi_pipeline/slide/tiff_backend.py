@@ -34,7 +34,7 @@ from .base import checked_mpp, composite_rgba
 from .jpeg_kind import JpegKind
 from .resolution import tiff_page_mpp
 from .stored_tiles import StoredTileSlide, _fill, _with_tables
-from .tiff_file import check_page_data, open_tifffile
+from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
 
 # TIFF compression 33003: Aperio's JPEG 2000 of YCbCr samples (33005 holds RGB).
 APERIO_JP2000_YCBCR = 33003
@@ -141,6 +141,8 @@ class TiffSlide(StoredTileSlide):
         def bad(reason: str) -> SlideOpenError:
             return SlideOpenError(self.path, f"page {page.index}: {reason}")
 
+        check_tag_types(self.path, page)
+        refuse_cmyk(self.path, page, "tifffile")
         if not page.is_tiled:
             raise bad("TIFF is not tiled (expected a tiled TIFF for the tile reader)")
         if page.dtype != np.uint8:

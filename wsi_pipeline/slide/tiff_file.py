@@ -23,6 +23,20 @@ MAX_TIFF_PAGES = 16384
 # geometry (real slides use 240 to 2048 px tiles: at most 12 MiB as RGB).
 MAX_TILE_BYTES = 64 * 1024 * 1024
 MAX_TILE_SIDE = 16384
+# Tags a reader does arithmetic with, each one integer (BitsPerSample: one per sample): a forged type or
+# count would reach the reader as a tuple or bytes and fail there with a bare TypeError.
+_ONE_INTEGER_TAGS = {
+    256: "ImageWidth",
+    257: "ImageLength",
+    259: "Compression",
+    262: "PhotometricInterpretation",
+    277: "SamplesPerPixel",
+    278: "RowsPerStrip",
+    284: "PlanarConfiguration",
+    322: "TileWidth",
+    323: "TileLength",
+}
+_BITS_PER_SAMPLE = 258
 
 
 def is_tiff(path: str) -> bool:
@@ -97,6 +111,7 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     def bad(reason: str) -> SlideOpenError:
         return SlideOpenError(path, f"page {page.index}: {reason}")
 
+    check_tag_types(path, page)
     width, height, spp = page.imagewidth, page.imagelength, max(1, page.samplesperpixel)
     if width < 1 or height < 1:
         raise bad(f"image claims {width}x{height} pixels")
@@ -126,6 +141,47 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
         raise bad(
             f"file is truncated or claims an impossible size: image data reaches byte {end} but the "
             f"file has {file_size} bytes ({width}x{height} claimed)"
+        )
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_tag_types(path: str, page: tifffile.TiffPage) -> None:
+    """Refuse a page whose size, layout or coding tags are not single integers (a forged type or count)."""
+    for code, value in ((t.code, t.value) for t in page.tags.values()):
+        name = _ONE_INTEGER_TAGS.get(code)
+        if name is not None:
+            ok, expected = _is_integer(value), "one integer"
+        elif code == _BITS_PER_SAMPLE:  # tifffile gives one integer where every sample has the same
+            ok = _is_integer(value) or (
+                isinstance(value, tuple) and len(value) > 0 and all(_is_integer(v) and v == value[0] for v in value)
+            )
+            name, expected = "BitsPerSample", "the same integer for every sample"
+        else:
+            continue
+        if not ok:
+            shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
+            raise SlideOpenError(
+                path,
+                f"page {page.index}: tag {name} ({code}): expected {expected}, found {shown} (a forged or damaged tag)",
+            )
+
+
+def is_cmyk(page: tifffile.TiffPage) -> bool:
+    """Whether the page stores inks (photometric SEPARATED, CMYK), which only OpenSlide turns into RGB."""
+    return page.photometric == tifffile.PHOTOMETRIC.SEPARATED
+
+
+def refuse_cmyk(path: str, page: tifffile.TiffPage, reader: str) -> None:
+    """SlideOpenError for a CMYK page read by a reader that would show its inks as RGB."""
+    if is_cmyk(page):
+        raise SlideOpenError(
+            path,
+            f"page {page.index}: CMYK (photometric SEPARATED) is not RGB: the {reader} reader would show its "
+            "inks as colours; the openslide backend converts a tiled one (--backend auto picks it), "
+            "else convert the image to RGB",
         )
 
 

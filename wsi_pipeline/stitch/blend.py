@@ -224,6 +224,21 @@ class _TorchArrays:
         return sub.as_strided(shape, (st[0], st[1], step * st[2], st[2]), sub.storage_offset())
 
 
+# The blender's accumulator and weight sum together may take at most this: they span the slide's width,
+# so a slide of extreme aspect ratio (1 x 10,000,000 px) is refused rather than allocated (see band_bytes).
+MAX_BAND_BYTES = 512 << 20
+
+
+def band_bytes(geometry: BlendGeometry, channels: int, window_rows: int = 3) -> int:
+    """Bytes of a :class:`HeatmapBlender`'s accumulator and one tile row's weight sum for ``geometry``.
+
+    The rows handed to the sinks are a band of the same width: a run's heatmap memory is a few times this.
+    """
+    g = geometry
+    band_height = (min(window_rows, g.n_rows) - 1) * g.step_out + g.tile_size_out
+    return 4 * g.canvas_width * (channels * 2 * band_height + g.tile_size_out)
+
+
 class HeatmapBlender:
     """Blend tile heatmaps into a slide heatmap, streaming finished rows to a sink.
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import cv2
 import numpy as np
 
+from wsi_pipeline.errors import ModelError
 from wsi_pipeline.stitch.background import BackgroundCalls
 from wsi_pipeline.stitch.blend import HostCopy, Sink
 
@@ -24,6 +25,30 @@ class ArraySink:
 
     def __call__(self, y0: int, rows: np.ndarray) -> None:
         self.array[:, y0 : y0 + rows.shape[1]] = rows
+
+
+class FiniteCheck:
+    """Fails the run on the first band with a NaN or infinite value (a model's heatmap must be finite).
+
+    Without it such a heatmap is stored as all-0 or all-255 bytes and its statistics are NaN.
+    ``class_names``: the heatmap's channels; ``scale_level0``: level-0 pixels per heatmap pixel.
+    """
+
+    def __init__(self, class_names: Sequence[str], scale_level0: float):
+        self.class_names = list(class_names)
+        self.scale = scale_level0
+
+    def __call__(self, y0: int, rows: np.ndarray) -> None:
+        # A float64 sum of finite float32 values cannot overflow: it is finite exactly when they all are.
+        if np.isfinite(rows.sum(dtype=np.float64)):
+            return
+        bad = [n for n, ch in zip(self.class_names, rows, strict=False) if not np.isfinite(ch).all()]
+        y1 = y0 + rows.shape[1]
+        msg = (
+            f"the model's heatmap has NaN or infinite values (class {', '.join(map(repr, bad))}, "
+            f"level-0 y {int(y0 * self.scale)}-{int(y1 * self.scale)}); a heatmap must be finite"
+        )
+        raise ModelError(msg)
 
 
 class HeatmapStats:

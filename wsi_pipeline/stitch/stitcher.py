@@ -72,6 +72,7 @@ class Stitcher:
         # The merge policy sees the mapped boxes elsewhere (a thread, a process), in order.
         self._merge = merge if merge is not None else ThreadedMerge(policy, MERGE_QUEUE)
         self._next = 0  # next grid index expected
+        self.over_cap = 0  # detections the decoder dropped past the card's cap a tile
         self._row = -1  # grid row of the last tile added
         self.blender: HeatmapBlender | None = None
         if heatmap_sink is not None:
@@ -114,6 +115,7 @@ class Stitcher:
             raise WSIPipelineError(f"{len(batch)} results for {len(tiles)} tiles")
         if self.blender is not None and batch.heatmaps is None and len(tiles):
             raise WSIPipelineError(f"{self.source}: the card names a heatmap, the model gave none")
+        self.over_cap += batch.over_cap_total
         off = batch.offsets
         start = 0
         while start < len(tiles):
