@@ -59,6 +59,11 @@ class _Level:
     jpeg_kind: JpegKind | None = None
 
 
+def _tag_name(value: Any) -> str:
+    """A TIFF tag's value by its name where tifffile knows it (an enum), else as a number."""
+    return str(getattr(value, "name", value))
+
+
 def _aperio_fields(description: str) -> dict[str, Any]:
     """The ``key = value`` fields of an Aperio ImageDescription (empty where it has none)."""
     try:
@@ -97,7 +102,7 @@ class TiffSlide(StoredTileSlide):
             for i, lv in enumerate(self._levels):
                 lv.decoder = self._direct_decoder(lv)
                 if lv.page.compression == tifffile.COMPRESSION.JPEG:
-                    lv.jpeg_kind = self._stored_jpeg_kind(i, lv.page.photometric.name)
+                    lv.jpeg_kind = self._stored_jpeg_kind(i, _tag_name(lv.page.photometric))
         except BaseException:
             os.close(self._fd)
             self._tif.close()
@@ -189,8 +194,8 @@ class TiffSlide(StoredTileSlide):
         """How ``level``'s tiles are stored: compression, photometric, samples per pixel, planar config."""
         page = self._levels[level].page
         return {
-            "compression": page.compression.name,
-            "photometric": page.photometric.name,
+            "compression": _tag_name(page.compression),
+            "photometric": _tag_name(page.photometric),
             "samples_per_pixel": int(page.samplesperpixel),
             "planar": int(page.planarconfig),
             "extra_samples": len(page.extrasamples or ()),
@@ -205,7 +210,7 @@ class TiffSlide(StoredTileSlide):
         """``level``'s record, or SlideError where its tiles are not JPEG."""
         lv = self._levels[level]
         if lv.page.compression != tifffile.COMPRESSION.JPEG:
-            raise SlideError(self.path, f"level {level} is {lv.page.compression.name}, not JPEG")
+            raise SlideError(self.path, f"level {level} is {_tag_name(lv.page.compression)}, not JPEG")
         return lv
 
     def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
