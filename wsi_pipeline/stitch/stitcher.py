@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wsi_pipeline.boxes.nms import reading_order
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
 from wsi_pipeline.stitch.merge_runner import PolicyRun, ThreadedMerge
-from wsi_pipeline.stitch.nms import reading_order
 from wsi_pipeline.stitch.policies import MergePolicy
 
 if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
