@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index,
 
 
 # Calls (a row's run of mapped boxes, a row's start) that may wait for the box merge before the
-# stitching thread blocks (benchmarks/sweep_merge_queue.py).
+# stitching thread blocks (benchmarks/probes/sweep_merge_queue.py).
 MERGE_QUEUE = 8
 
 
