@@ -1,0 +1,43 @@
+"""The maintained benchmark tools still run: each one's ``--smoke`` mode (a tiny slide, one round).
+
+Their figures are not checked (a smoke run's mean nothing), only that the tool runs to its end and
+writes the JSON record it promises. GPU-only tools (bench_gpu, bench_product_gpu) are not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+# tool, extra arguments, keys its JSON record must hold
+SMOKE = [
+    ("bench_reader.py", [], {"median_patches_per_s", "stored_tiles_per_patch", "date", "cpus"}),
+    ("bench_cpu_pipeline.py", [], {"pipeline_tiles_per_s", "model_alone_tiles_per_s", "ratio_of_medians"}),
+    ("bench_storage_kinds.py", ["--backend", "ort"], {"rows", "model_alone_tiles_per_s_mpp_card"}),
+]
+
+
+@pytest.mark.parametrize("tool, extra, keys", SMOKE, ids=[s[0] for s in SMOKE])
+def test_a_maintained_benchmark_runs_in_its_smoke_mode(tool, extra, keys, tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the tools' slides go with the test's folder
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / tool), "--smoke", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["smoke"] is True
+    assert keys <= set(record), sorted(keys - set(record))
+    assert all("error" not in row for row in record.get("rows", [])), record.get("rows")
