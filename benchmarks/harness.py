@@ -25,6 +25,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the checkout's package, whether or not it is installed
     sys.path.insert(0, str(ROOT))
+# ... and in the processes a tool starts (``python -m wsi_pipeline run``, children of its own).
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 # A smoke run's slide: a few 512 px tiles of tissue at the shipped models' resolution.
 SMOKE_SLIDE_PX = 1024

@@ -21,6 +21,11 @@ SMOKE = [
     ("bench_reader.py", [], {"median_patches_per_s", "stored_tiles_per_patch", "date", "cpus"}),
     ("bench_cpu_pipeline.py", [], {"pipeline_tiles_per_s", "model_alone_tiles_per_s", "ratio_of_medians"}),
     ("bench_storage_kinds.py", ["--backend", "ort"], {"rows", "model_alone_tiles_per_s_mpp_card"}),
+    ("bench_batch.py", ["--backend", "ort"], {"rows", "slides"}),
+    ("bench_memory.py", [], {"rows"}),
+    ("bench_heatmap_pyramid.py", [], {"close_s"}),
+    ("bench_latency.py", [], {"rows", "backend"}),
+    ("bench_stitch_quality.py", [], {"pathology", "industrial"}),
 ]
 
 
