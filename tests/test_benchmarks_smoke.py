@@ -26,6 +26,12 @@ SMOKE = [
     ("bench_heatmap_pyramid.py", [], {"close_s"}),
     ("bench_latency.py", [], {"rows", "backend"}),
     ("bench_stitch_quality.py", [], {"pathology", "industrial"}),
+    ("bench_stitch.py", [], {"global_nms", "blending"}),
+    ("bench_stitcher.py", [], {"rounds", "tiles"}),
+    ("bench_writers.py", [], {"seconds", "detections"}),
+    ("bench_model.py", [], {"rows", "threads"}),
+    ("bench_outputs.py", [], {"results"}),
+    ("bench_object_size.py", [], {"rows", "kind"}),
 ]
 
 
@@ -45,4 +51,6 @@ def test_a_maintained_benchmark_runs_in_its_smoke_mode(tool, extra, keys, tmp_pa
     record = json.loads(out.read_text())
     assert record["smoke"] is True
     assert keys <= set(record), sorted(keys - set(record))
-    assert all("error" not in row for row in record.get("rows", [])), record.get("rows")
+    rows = record.get("rows", [])
+    assert all("error" not in row for row in (rows.values() if isinstance(rows, dict) else rows)), rows
+    assert all("error" not in r for r in record.get("results", {}).values()), record["results"]
