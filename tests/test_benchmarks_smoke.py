@@ -1,7 +1,8 @@
 """The maintained benchmark tools still run: each one's ``--smoke`` mode (a tiny slide, one round).
 
 Their figures are not checked (a smoke run's mean nothing), only that the tool runs to its end and
-writes the JSON record it promises. GPU-only tools (bench_gpu, bench_product_gpu) are not run here.
+writes the JSON record it promises. Every tool in benchmarks/ but the GPU machine's (bench_gpu,
+bench_product_gpu) is here; the one-off probes in benchmarks/probes/ are not.
 """
 
 from __future__ import annotations
@@ -32,11 +33,18 @@ SMOKE = [
     ("bench_model.py", [], {"rows", "threads"}),
     ("bench_outputs.py", [], {"results"}),
     ("bench_object_size.py", [], {"rows", "kind"}),
+    ("bench_plan.py", [], {"plan_seconds", "tiles"}),
+    ("bench_merge_replay.py", [], {"replay_seconds", "boxes_added"}),
+    ("bench_zarr_dicom.py", [], {"results"}),
+    ("bench_first_write.py", [], {"runs"}),  # imports torch at its top, as the scripts it stands for do
 ]
+NEEDS_TORCH = {"bench_first_write.py"}
 
 
 @pytest.mark.parametrize("tool, extra, keys", SMOKE, ids=[s[0] for s in SMOKE])
 def test_a_maintained_benchmark_runs_in_its_smoke_mode(tool, extra, keys, tmp_path):
+    if tool in NEEDS_TORCH:
+        pytest.importorskip("torch")
     out = tmp_path / "out.json"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the tools' slides go with the test's folder
     run = subprocess.run(
@@ -54,3 +62,9 @@ def test_a_maintained_benchmark_runs_in_its_smoke_mode(tool, extra, keys, tmp_pa
     rows = record.get("rows", [])
     assert all("error" not in row for row in (rows.values() if isinstance(rows, dict) else rows)), rows
     assert all("error" not in r for r in record.get("results", {}).values()), record["results"]
+
+
+def test_every_maintained_tool_but_the_gpu_machines_has_a_smoke_run_here():
+    """A new tool in benchmarks/ is added to SMOKE (or is a probe, in benchmarks/probes/)."""
+    tools = {p.name for p in BENCHMARKS.glob("bench_*.py")} - {"bench_gpu.py", "bench_product_gpu.py"}
+    assert tools == {tool for tool, _, _ in SMOKE}
