@@ -11,6 +11,7 @@ Slides/hour and the ratio to the 1-worker Dask run are printed; all modes
 run in one process, one after the other, on the same slides.
 
     python benchmarks/bench_batch.py [--slides 4] [--size 16384] [--dask 1,2] [--json out.json]
+    python benchmarks/bench_batch.py --smoke      # seconds: two tiny slides, the local run only
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, work_folder, write_json
 
 from wsi_pipeline.batch import PipelineFactory, run_batch, run_key
 from wsi_pipeline.batch_folder import slide_dir
@@ -45,11 +47,13 @@ def main() -> None:
     ap.add_argument("--dask", default="1", help="comma-separated Dask worker counts to measure (0: skip)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--no-local", action="store_true", help="skip the plain local run")
-    ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.slides, args.size, args.dask = 2, SMOKE_SLIDE_PX, "0"
 
-    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_batch_"))
+    work = work_folder("bench_batch_", args.dir)
     src = work / "slides"
     src.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -102,9 +106,7 @@ def main() -> None:
             r["steady_slides_per_hour"] / base["steady_slides_per_hour"], 3
         )
     print(json.dumps(rows, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"slides": len(slides), "size": args.size, "rows": rows}, f, indent=1)
+    write_json(args.json, {**machine(), "smoke": args.smoke, "slides": len(slides), "size": args.size, "rows": rows})
 
 
 if __name__ == "__main__":

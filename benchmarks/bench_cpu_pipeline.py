@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu_pipeline.py [--size 8192] [--rounds 3] [--json out.json]
     python benchmarks/bench_cpu_pipeline.py --storage svs --mpp 0.5     # Aperio-style SVS, 20x model
+    python benchmarks/bench_cpu_pipeline.py --smoke                     # seconds: the tool still runs
 
 On a synthetic pathology slide (seed 7; with ``--storage KIND`` its pixels stored as that kind of
 :mod:`wsi_pipeline.synthetic.storage`, e.g. an Aperio-style SVS) and the shipped pathology model
@@ -22,25 +23,20 @@ the medians compared, so a busy neighbour on the machine weighs on both.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import SMOKE_ROUNDS, SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from wsi_pipeline import Pipeline  # noqa: E402
-from wsi_pipeline.slide import open_slide  # noqa: E402
-from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
-from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage  # noqa: E402
-from wsi_pipeline.tiling.grid import TileGrid, read_tile  # noqa: E402
-from wsi_pipeline.tiling.tissue import tissue_mask  # noqa: E402
+from wsi_pipeline import Pipeline
+from wsi_pipeline.slide import open_slide
+from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage
+from wsi_pipeline.tiling.grid import TileGrid, read_tile
+from wsi_pipeline.tiling.tissue import tissue_mask
 
 
 def model_alone(pipe: Pipeline, tiles: np.ndarray, batch: int) -> float:
@@ -68,10 +64,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--storage", default="synth", choices=["synth", *STORAGE_KINDS])
     ap.add_argument("--mpp", type=float, help="the grid's resolution (default: the model card's)")
-    ap.add_argument("--json")
+    add_common_args(ap)
     args = ap.parse_args()
-    path = Path(tempfile.mkdtemp(prefix="bench_cpu_")) / "s.tiff"
-    write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
+    if args.smoke:
+        args.size, args.rounds = SMOKE_SLIDE_PX, SMOKE_ROUNDS
+    path = synthetic_slide(work_folder("bench_cpu_") / "s.tiff", args.size)
     if args.storage != "synth":
         with open_slide(path) as src:
             ext = "svs" if args.storage.startswith("svs") else "tiff"
@@ -91,6 +88,8 @@ def main() -> int:
             alone.append(model_alone(pipe, tiles, pipe.batch_size))
             print(f"round: pipeline {runs[-1]:.1f} tiles/s, model alone {alone[-1]:.1f} tiles/s", flush=True)
         out = {
+            **machine(),
+            "smoke": args.smoke,
             "slide_px": args.size,
             "storage": args.storage,
             "mpp": args.mpp,
@@ -103,8 +102,7 @@ def main() -> int:
             "ratio_of_medians": round(statistics.median(runs) / statistics.median(alone), 3),
         }
     print(f"Pipeline.run / model alone (medians): {out['ratio_of_medians']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 

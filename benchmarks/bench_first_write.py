@@ -2,7 +2,8 @@
 
 Run::
 
-    python benchmarks/bench_first_write.py SLIDE OUT_PREFIX [--backend ort]
+    python benchmarks/bench_first_write.py SLIDE OUT_PREFIX [--backend ort] [--json out.json]
+    python benchmarks/bench_first_write.py --smoke      # seconds: a tiny synthetic slide
 
 Prints each run's seconds and its ``write`` stage (``summary.json``), and the resident memory of
 the script's child processes (the writer processes, and the box-merging process where a slide
@@ -18,6 +19,7 @@ import os
 import time
 
 import torch  # noqa: F401  (as many scripts do, at their top)
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
 from wsi_pipeline import Pipeline
 
@@ -39,10 +41,17 @@ def children_rss_mb() -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("slide")
-    ap.add_argument("out_prefix")
+    ap.add_argument("slide", nargs="?", help="the slide (with --smoke: a tiny synthetic one when left out)")
+    ap.add_argument("out_prefix", nargs="?", help="the runs' output folders: OUT_PREFIX_1, OUT_PREFIX_2")
     ap.add_argument("--backend", default="ort")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke and args.slide is None:
+        work = work_folder("bench_first_write_")
+        args.slide, args.out_prefix = str(synthetic_slide(work / "s.tiff", SMOKE_SLIDE_PX)), str(work / "out")
+    if args.slide is None or args.out_prefix is None:
+        ap.error("SLIDE and OUT_PREFIX are needed (or --smoke)")
+    runs = []
     with Pipeline.from_card(backend=args.backend) as pipe:
         for i in (1, 2):
             out = f"{args.out_prefix}_{i}"
@@ -53,6 +62,8 @@ def main() -> None:
                 write = json.load(f)["seconds"]["write"]
             extra = f"; child processes' memory {children_rss_mb()} MB" if i == 1 else ""
             print(f"run {i}: {wall:.2f} s, write {write:.2f} s{extra}")
+            runs.append({"seconds": wall, "write_s": write})
+    write_json(args.json, {**machine(), "smoke": args.smoke, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
     import threading as _threading
 
     from wsi_pipeline.slide.tiff_backend import TiffSlide
-    from wsi_pipeline.tiling import gpu_loader as gpu_decode
+    from wsi_pipeline.tiling import gpu_decode
     from wsi_pipeline.tiling.grid import TileGrid
 
     out: dict = {}

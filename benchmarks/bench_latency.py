@@ -10,22 +10,22 @@ then times ``Pipeline.run(image)`` per image:
 Latency is the wall time of one ``run`` call as its caller sees it.
 
     python benchmarks/bench_latency.py [--images 100] [--size 4096] [--backend ort] [--json out.json]
+    python benchmarks/bench_latency.py --smoke      # seconds: four small images, two callers
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import threading
 import time
 
 import numpy as np
+from harness import ROOT, SMOKE_SLIDE_PX, add_common_args, machine, write_json
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.synthetic import SyntheticScene
 
-MODEL = os.path.join(os.path.dirname(__file__), "..", "engines", "defects_industrial.card.json")
+MODEL = str(ROOT / "engines" / "defects_industrial.card.json")
 
 
 def _stats(lat: list[float]) -> dict[str, float]:
@@ -45,8 +45,10 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--backend", default="ort")
     ap.add_argument("--callers", type=int, default=4)
-    ap.add_argument("--json")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.images, args.size, args.callers = 4, SMOKE_SLIDE_PX, 2
 
     distinct = min(args.images, 8)  # rendering is slow; cycle through a few different images
     images = [
@@ -98,9 +100,9 @@ def main() -> None:
     print(f"{'':<12}{'p50 s':>8}{'p99 s':>8}{'max s':>8}{'images/s':>10}")
     for k, r in rows.items():
         print(f"{k:<12}{r['p50_s']:>8.3f}{r['p99_s']:>8.3f}{r['max_s']:>8.3f}{r['images_per_s']:>10.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"images": args.images, "size": args.size, **info, "rows": rows}, f, indent=1)
+    write_json(
+        args.json, {**machine(), "smoke": args.smoke, "images": args.images, "size": args.size, **info, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Writes synthetic pathology slides of each ``--sizes`` (squared), then runs
 resident memory (``ru_maxrss`` of the child) and the run's own figures.
 
     python benchmarks/bench_memory.py [--sizes 10000,40000] [--backend ort] [--json out.json]
+    python benchmarks/bench_memory.py --smoke      # seconds: two tiny slides
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from wsi_pipeline.synthetic import write_synthetic_slide
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
+
+from wsi_pipeline.batch_folder import slide_dir
 
 
 def main() -> None:
@@ -26,17 +27,16 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,40000")
     ap.add_argument("--backend", default="ort")
     ap.add_argument("--dir", help="work folder (default: a temporary one)")
-    ap.add_argument("--json")
+    add_common_args(ap)
     args = ap.parse_args()
-    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_memory_"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        args.sizes = f"{SMOKE_SLIDE_PX},{SMOKE_SLIDE_PX * 3 // 2}"
+    work = work_folder("bench_memory_", args.dir)
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         slide = work / f"slide_{size}.tiff"
         if not slide.exists():
-            t = time.perf_counter()
-            write_synthetic_slide(slide, size, size, seed=900, kind="pathology")
-            print(f"wrote {size} x {size} in {time.perf_counter() - t:.0f} s")
+            synthetic_slide(slide, size, seed=900)
         out = work / f"out_{size}"
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t = time.perf_counter()
@@ -62,7 +62,7 @@ def main() -> None:
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         if peak_mb <= before / 1024:
             print("warning: a previous child had a higher peak; run sizes in ascending order")
-        s = json.loads((out / slide.stem / "summary.json").read_text())
+        s = json.loads((slide_dir(out, slide.stem) / "summary.json").read_text())
         rows.append(
             {
                 "size": size,
@@ -78,9 +78,7 @@ def main() -> None:
     for r in rows:
         r["ratio_to_first"] = round(r["peak_rss_mb"] / base, 3)
     print(json.dumps(rows, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, {**machine(), "smoke": args.smoke, "rows": rows})
 
 
 if __name__ == "__main__":

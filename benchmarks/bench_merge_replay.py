@@ -1,6 +1,7 @@
 """The box merging alone, on a real run's boxes: how much of a run the merge policy's own work is.
 
-    python benchmarks/bench_merge_replay.py SLIDE [--rounds 3] [--backend ort]
+    python benchmarks/bench_merge_replay.py SLIDE [--rounds 3] [--backend ort] [--json out.json]
+    python benchmarks/bench_merge_replay.py --smoke      # seconds: a tiny synthetic slide, one replay
 
 Runs ``Pipeline.run(SLIDE)`` once (no outputs) recording every call the stitcher makes to its
 merge policy (the mapped boxes of each row's run of tiles, each row's start), then replays those
@@ -15,6 +16,7 @@ import argparse
 import time
 
 import numpy as np
+from harness import SMOKE_ROUNDS, SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.config import RunConfig
@@ -44,10 +46,16 @@ class _Recording(MergePolicy):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("slide")
+    ap.add_argument("slide", nargs="?", help="the slide (with --smoke: a tiny synthetic one when left out)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="ort")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = SMOKE_ROUNDS
+        args.slide = args.slide or str(synthetic_slide(work_folder("bench_merge_") / "s.tiff", SMOKE_SLIDE_PX))
+    elif args.slide is None:
+        ap.error("the slide is needed (or --smoke)")
     cfg = RunConfig()
     calls: list = []
 
@@ -62,6 +70,7 @@ def main() -> int:
     added = sum(len(c[1]) for c in calls if c[0] == "add")
     n_det = len(result.detections)
     print(f"run: {n_det:,} detections; {added:,} boxes handed to the merge policy in {len(calls)} calls")
+    replays = []
     for _ in range(args.rounds):
         policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
         t0 = time.perf_counter()
@@ -71,7 +80,12 @@ def main() -> int:
             else:
                 policy.row_started(c[1])
         kept = len(policy.finish()[0])
-        print(f"replay: {time.perf_counter() - t0:.3f} s, {kept:,} kept")
+        replays.append(time.perf_counter() - t0)
+        print(f"replay: {replays[-1]:.3f} s, {kept:,} kept")
+    write_json(
+        args.json,
+        {**machine(), "smoke": args.smoke, "detections": n_det, "boxes_added": added, "replay_seconds": replays},
+    )
     return 0
 
 

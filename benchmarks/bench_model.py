@@ -2,6 +2,7 @@
 
     python benchmarks/bench_model.py                      # every engines/*.card.json
     python benchmarks/bench_model.py engines/nuclei_pathology.card.json --threads 2 --seconds 10
+    python benchmarks/bench_model.py --smoke [--json out.json]   # seconds: one card, batch 1, 0.2 s
 
 Feeds real calibration tiles (calibration_data/) in batches and reports
 tiles/s for model inference alone (ORT session run) and for inference plus
@@ -15,11 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from harness import ROOT, add_common_args, machine, write_json
 
-from wsi_pipeline.inference import create_backend, decode, load_card  # noqa: E402
-from wsi_pipeline.models.quantize import load_calibration_tiles  # noqa: E402
+from wsi_pipeline.inference import create_backend, decode, load_card
+from wsi_pipeline.models.quantize import load_calibration_tiles
 
 
 def calibration_folder(card) -> Path:
@@ -52,8 +52,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seconds", type=float, default=5.0)
+    add_common_args(parser)
     args = parser.parse_args()
     cards = args.cards or sorted((ROOT / "engines").glob("*.card.json"))
+    if args.smoke:
+        cards, args.batch, args.seconds = cards[:1], [1], 0.2
+    rows = []
     print(f"{'model':40s} {'precision':9s} {'batch':>5s} {'infer tiles/s':>14s} {'+decode tiles/s':>16s}")
     for path in cards:
         card = load_card(path)
@@ -63,6 +67,11 @@ def main() -> int:
                 f"{card.model_path.name:40s} {card.precision:9s} {b:5d} {infer_rate:14.1f} {full_rate:16.1f}",
                 flush=True,
             )
+            rows.append(
+                {"model": card.model_path.name, "precision": card.precision, "batch": b}
+                | {"infer_tiles_per_s": infer_rate, "infer_and_decode_tiles_per_s": full_rate}
+            )
+    write_json(args.json, {**machine(), "smoke": args.smoke, "threads": args.threads, "rows": rows})
     return 0
 
 

@@ -9,7 +9,8 @@ and the fraction of objects with two or more detections centred inside their box
 Objects less than half inside their tile are left out. Industrial tiles are placed on a defect
 three times in four, as in training.
 
-    python benchmarks/bench_object_size.py [--kind pathology] [--scenes 4] [--tiles-per-scene 6]
+    python benchmarks/bench_object_size.py [--kind pathology] [--scenes 4] [--tiles-per-scene 6] [--json out.json]
+    python benchmarks/bench_object_size.py --smoke      # seconds: one scene, one tile, one scale
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from harness import ROOT, add_common_args, machine, write_json
 
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.inference.decoders import decode
@@ -27,8 +29,8 @@ from wsi_pipeline.synthetic import SyntheticScene
 
 BINS_PX = (0, 8, 14, 20, 26, 32, 40, 52, 64, 128, 256)
 MODELS = {
-    "pathology": ("engines/nuclei_pathology.card.json", (0.25, 0.167, 0.125)),
-    "industrial": ("engines/defects_industrial.card.json", (None,)),
+    "pathology": (ROOT / "engines" / "nuclei_pathology.card.json", (0.25, 0.167, 0.125)),
+    "industrial": (ROOT / "engines" / "defects_industrial.card.json", (None,)),
 }
 
 
@@ -69,12 +71,19 @@ def main() -> None:
     parser.add_argument("--kind", choices=sorted(MODELS), default="pathology")
     parser.add_argument("--scenes", type=int, default=4)
     parser.add_argument("--tiles-per-scene", type=int, default=6)
+    add_common_args(parser)
     args = parser.parse_args()
+    scales = MODELS[args.kind][1]
+    if args.smoke:
+        args.scenes, args.tiles_per_scene, scales = 1, 1, scales[:1]
     print("| scene mpp | object size px | objects | recall | split |")
     print("| --- | --- | --- | --- | --- |")
-    for mpp in MODELS[args.kind][1]:
+    rows = []
+    for mpp in scales:
         for size, n, recall, split in measure(args.kind, mpp, args.scenes, args.tiles_per_scene):
             print(f"| {mpp} | {size} | {n} | {recall:.2f} | {split:.2f} |", flush=True)
+            rows.append({"scene_mpp": mpp, "object_px": size, "objects": n, "recall": recall, "split": split})
+    write_json(args.json, {**machine(), "smoke": args.smoke, "kind": args.kind, "rows": rows})
 
 
 if __name__ == "__main__":

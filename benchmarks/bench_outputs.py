@@ -7,6 +7,7 @@ the one write or read, and reports the wall time and how far the peak RSS rose a
 baseline: the memory the writer or reader needs beyond the detection array (24 bytes a row).
 
     python benchmarks/bench_outputs.py [--sizes 1000000,5000000] [--json out.json]
+    python benchmarks/bench_outputs.py --smoke      # seconds: 2,000 detections
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tempfile
 import time
 
 import numpy as np
+from harness import add_common_args, machine, write_json
 
 from wsi_pipeline.io.detections import DETECTION_DTYPE
 
@@ -115,7 +117,7 @@ def main() -> None:
         help="read GeoJSON back (json.load: ~2.7 GiB a million features) only up to this many "
         "detections (default %(default)s)",
     )
-    ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    add_common_args(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
@@ -123,6 +125,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.n, args.folder)))
         return
+    if args.smoke:
+        args.sizes, args.timeout = "2000", 120
     results: dict = {}
     for n in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="bench_outputs_") as folder:
@@ -139,9 +143,7 @@ def main() -> None:
                     continue
                 size = f", {r['file_mb']:7.1f} MiB file" if "file_mb" in r else ""
                 print(f"  {what:32s} {r['seconds']:7.2f} s, +{r['extra_peak_mb']:7.1f} MiB peak RSS{size}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, {**machine(), "smoke": args.smoke, "results": results})
 
 
 if __name__ == "__main__":

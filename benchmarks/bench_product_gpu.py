@@ -16,7 +16,7 @@ shipped pathology model with the torch backend, it prints:
 - where the time goes: the GPU loader alone, loader + executor without the
   stitcher, the whole run, and a ``torch.profiler`` summary of one run;
 - peak host memory per stage of one run with outputs
-  (``benchmarks/profile_memory_stages.py``, its own process);
+  (``benchmarks/probes/profile_memory_stages.py``, its own process);
 - a batch: ``wsi-pipeline run`` over ``--batch-slides`` copies of the slide
   (hard links under distinct names), every output written, in its own
   process: tiles/s over the batch (process start included), when the

@@ -20,7 +20,8 @@ measured alone, how many stored tiles each patch decodes, and how much
 faster the same decodes run on two threads than on one (the machine's own
 ceiling for two workers).
 
-    python benchmarks/bench_reader.py [--size 20000] [--tiles 600] [--repeat 3] [--slide PATH]
+    python benchmarks/bench_reader.py [--size 20000] [--tiles 600] [--repeat 3] [--slide PATH] [--json out.json]
+    python benchmarks/bench_reader.py --smoke      # seconds: a tiny slide, one repeat
 """
 
 from __future__ import annotations
@@ -28,16 +29,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+from harness import SMOKE_ROUNDS, SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
 from wsi_pipeline import open_slide
 from wsi_pipeline.slide.base import Slide
-from wsi_pipeline.synthetic import write_synthetic_slide
 from wsi_pipeline.tiling import Tile, TileGrid, TileLoader, read_tile
 
 
@@ -107,17 +107,15 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, default=600, help="grid patches read per measurement")
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repeats of each measurement")
     ap.add_argument("--slide", help="use this slide instead of writing one")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.size, args.repeat = SMOKE_SLIDE_PX, SMOKE_ROUNDS
 
     path = args.slide
     if path is None:
-        path = os.path.join(tempfile.mkdtemp(prefix="bench_reader_"), "bench.tiff")
-        t = time.perf_counter()
-        write_synthetic_slide(path, args.size, args.size, seed=7, kind="pathology")
-        print(
-            f"wrote {args.size}x{args.size} synthetic slide in {time.perf_counter() - t:.1f} s "
-            f"({os.path.getsize(path) / 1e6:.0f} MB)"
-        )
+        path = str(synthetic_slide(work_folder("bench_reader_") / "bench.tiff", args.size))
+        print(f"({os.path.getsize(path) / 1e6:.1f} MB)")
 
     with open_slide(path, "tifffile") as s:
         grid = TileGrid(s, 512, 64)
@@ -179,6 +177,21 @@ def main() -> None:
         f"-> decode alone bounds one thread at {1e3 / (ms * per_patch):.0f} patches/s"
     )
     print(f"the same decodes on 2 threads / 1 thread: {scaling:.2f}x (this machine's ceiling for 2 workers)")
+    write_json(
+        args.json,
+        {
+            **machine(),
+            "smoke": args.smoke,
+            "slide_px": args.size,
+            "patches": len(tiles),
+            "patches_per_s": rates,
+            "cores_used": cores,
+            "median_patches_per_s": med,
+            "stored_tile_decode_ms": ms,
+            "stored_tiles_per_patch": per_patch,
+            "two_threads_over_one": scaling,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Stitcher benchmarks: global NMS speed and heatmap-blending memory.
 
-Run by hand:  .venv/bin/python benchmarks/bench_stitch.py [--quick] [--no-writer]
+Run by hand:  .venv/bin/python benchmarks/bench_stitch.py [--quick] [--no-writer] [--json out.json]
+(``--smoke``: 10k boxes, one small slide, one round: seconds, to check the tool runs.)
 
 1. global_nms on 100k and 1M boxes (10-20 px objects spread over a
    100k x 100k slide, 1-3 jittered duplicates each as tile seams produce),
@@ -30,6 +31,7 @@ import time  # noqa: E402
 import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
+from harness import SMOKE_ROUNDS, add_common_args, machine, timed_rounds, write_json  # noqa: E402
 
 
 def seam_boxes(n_boxes: int, slide_px: int = 100_000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -45,17 +47,13 @@ def seam_boxes(n_boxes: int, slide_px: int = 100_000, seed: int = 0) -> tuple[np
     return boxes, scores
 
 
-def bench_nms(n_boxes: int) -> tuple[float, int]:
+def bench_nms(n_boxes: int, rounds: int = 3) -> tuple[float, int]:
+    """Best seconds of ``rounds`` global NMS calls over ``n_boxes`` seam boxes, and the boxes kept."""
     from wsi_pipeline.stitch import global_nms
 
     boxes, scores = seam_boxes(n_boxes)
-    best = float("inf")
-    kept = 0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        kept = len(global_nms(boxes, scores, iou_threshold=0.5))
-        best = min(best, time.perf_counter() - t0)
-    return best, kept
+    kept = len(global_nms(boxes, scores, iou_threshold=0.5))
+    return min(timed_rounds(lambda: global_nms(boxes, scores, iou_threshold=0.5), rounds)), kept
 
 
 def _blend_case(width_px: int, height_px: int, use_writer: bool) -> tuple[int, int, float, tuple[int, int]]:
@@ -118,19 +116,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (100k boxes, 20k and 40k slides)")
     parser.add_argument("--no-writer", action="store_true", help="skip the OME-TIFF writer runs")
+    add_common_args(parser)
     args = parser.parse_args()
+    record: dict = {**machine(), "smoke": args.smoke, "global_nms": [], "blending": []}
 
     print(f"{'global_nms':<34}{'boxes':>10}{'kept':>10}{'seconds':>10}")
-    for n in (100_000,) if args.quick else (100_000, 1_000_000):
-        seconds, kept = bench_nms(n)
+    counts = (10_000,) if args.smoke else (100_000,) if args.quick else (100_000, 1_000_000)
+    for n in counts:
+        seconds, kept = bench_nms(n, SMOKE_ROUNDS if args.smoke else 3)
         print(f"{'iou 0.5, one class':<34}{n:>10,}{kept:>10,}{seconds:>10.2f}")
+        record["global_nms"].append({"boxes": n, "kept": kept, "seconds": seconds})
 
     print()
     print(
         f"{'blending (2 ch, stride 8)':<26}{'slide w x h':>16}{'canvas':>14}{'peak MiB':>10}"
         f"{'peak RSS MiB':>14}{'seconds':>9}"
     )
-    if args.quick:
+    if args.smoke:
+        sizes = ((4096, 4096),)
+    elif args.quick:
         sizes = ((20_000, 20_000), (40_000, 20_000), (40_000, 40_000))
     else:
         sizes = ((20_000, 20_000), (100_000, 20_000), (100_000, 100_000))
@@ -142,6 +146,10 @@ def main() -> None:
             canvas = f"{shape[0]}x{shape[1]}"
             slide = f"{width // 1000}k x {height // 1000}k"
             print(f"{name:<26}{slide:>16}{canvas:>14}{peak / 2**20:>10.1f}{rss / 1024:>14.1f}{seconds:>9.1f}")
+            record["blending"].append(
+                {"sink": name, "slide_px": [width, height], "peak_mib": peak / 2**20, "seconds": seconds}
+            )
+    write_json(args.json, record)
 
 
 if __name__ == "__main__":

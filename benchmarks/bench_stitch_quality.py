@@ -5,19 +5,20 @@ pathology model over it with each setting, and matches the slide's detections to
 (COCO matching at IoU 0.5, :mod:`wsi_pipeline.models.evaluate`). Also the industrial model over
 four synthetic 2048 x 2048 camera images with the default setting.
 
-    python benchmarks/bench_stitch_quality.py [--size 4096]
+    python benchmarks/bench_stitch_quality.py [--size 4096] [--json out.json]
+    python benchmarks/bench_stitch_quality.py --smoke      # seconds: a tiny slide and image
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
+
+from harness import ROOT, SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.io.detections import detection_boxes
 from wsi_pipeline.models.evaluate import detection_counts
-from wsi_pipeline.synthetic import SyntheticScene, load_truth, write_synthetic_slide
+from wsi_pipeline.synthetic import SyntheticScene, load_truth
 
 SETTINGS = [
     ("nms, iou (default)", {}),
@@ -42,9 +43,13 @@ def _counts(preds, truths):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", type=int, default=4096)
+    add_common_args(ap)
     args = ap.parse_args()
-    path = os.path.join(tempfile.mkdtemp(prefix="bench_quality_"), "slide.tiff")
-    write_synthetic_slide(path, args.size, args.size, seed=4242, kind="pathology")
+    image_px, seeds = (SMOKE_SLIDE_PX, (2,)) if args.smoke else (2048, (2, 4, 8, 10))
+    if args.smoke:
+        args.size = SMOKE_SLIDE_PX
+    path = str(synthetic_slide(work_folder("bench_quality_") / "slide.tiff", args.size, seed=4242))
+    record: dict = {**machine(), "smoke": args.smoke, "size": args.size, "pathology": {}}
     truth = load_truth(path.replace(".tiff", ".truth.geojson"))
     print(f"pathology, {args.size} x {args.size}, {len(truth.boxes)} nuclei in the truth")
     print(f"{'setting':<28}{'detections':>11}{'TP':>7}{'FP':>6}{'FN':>6}{'precision':>11}{'recall':>8}")
@@ -53,18 +58,21 @@ def main() -> None:
             d = pipe.run(path).detections
         c = _counts([d], [(truth.boxes, truth.labels)])
         print(f"{name:<28}{len(d):>11}{c.tp:>7}{c.fp:>6}{c.fn:>6}{c.precision:>11.4f}{c.recall:>8.4f}")
+        record["pathology"][name] = {"detections": len(d), "precision": c.precision, "recall": c.recall}
 
     preds, truths = [], []
-    with Pipeline.from_card("engines/defects_industrial.card.json", backend="ort") as pipe:
-        for seed in (2, 4, 8, 10):
-            scene = SyntheticScene(2048, 2048, seed=seed, kind="industrial")
-            preds.append(pipe.run(scene.render(0, 0, 2048, 2048)).detections)
-            truths.append(scene.objects_in(0, 0, 2048, 2048))
+    with Pipeline.from_card(ROOT / "engines" / "defects_industrial.card.json", backend="ort") as pipe:
+        for seed in seeds:
+            scene = SyntheticScene(image_px, image_px, seed=seed, kind="industrial")
+            preds.append(pipe.run(scene.render(0, 0, image_px, image_px)).detections)
+            truths.append(scene.objects_in(0, 0, image_px, image_px))
     c = _counts(preds, truths)
     print(
-        f"industrial, 4 images of 2048 x 2048, {c.tp + c.fn} defects: TP {c.tp} FP {c.fp} FN {c.fn}, "
-        f"precision {c.precision:.4f}, recall {c.recall:.4f}"
+        f"industrial, {len(seeds)} images of {image_px} x {image_px}, {c.tp + c.fn} defects: TP {c.tp} FP {c.fp} "
+        f"FN {c.fn}, precision {c.precision:.4f}, recall {c.recall:.4f}"
     )
+    record["industrial"] = {"images": len(seeds), "precision": c.precision, "recall": c.recall}
+    write_json(args.json, record)
 
 
 if __name__ == "__main__":

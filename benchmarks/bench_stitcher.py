@@ -1,6 +1,7 @@
 """The stitcher alone: synthetic tile results shaped like a 32k x 32k slide's, through ``Stitcher``.
 
-Usage: ``python benchmarks/bench_stitcher.py [--rounds 3] [--profile] [--merge thread|process]``.
+Usage: ``python benchmarks/bench_stitcher.py [--rounds 3] [--profile] [--merge thread|process] [--json out.json]``
+(``--smoke``: an 8192 px slide, one round: seconds, to check the tool runs).
 A 32768 x 32768 slide at the pathology model's geometry (512 px tiles, overlap 64, heatmap
 stride 8, two heatmap classes), a disc of tissue (2,413 of 5,329 tiles), 98 boxes a tile, batches
 of 64 in grid order; heatmap sinks as ``Pipeline.run`` builds them without an output folder
@@ -17,6 +18,7 @@ import pstats
 import time
 
 import numpy as np
+from harness import SMOKE_ROUNDS, add_common_args, machine, write_json
 
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.geometry import TilingGeometry
@@ -49,13 +51,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print a cProfile summary of one more round")
     ap.add_argument("--merge", choices=("thread", "process"), default="thread")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds = SMOKE_ROUNDS
     merging = MergeProcess() if args.merge == "process" else None
     card, cfg, slide = load_card(DEFAULT_MODEL), RunConfig(), _Slide()
+    if args.smoke:
+        slide.dimensions, slide.path = (8192, 8192), "synthetic 8k"
     geometry = TilingGeometry.for_slide(slide, 512, 64, heatmap_stride=8)
     grid = TileGrid(slide, geometry=geometry)
     yy, xx = np.mgrid[0:256, 0:256]
-    mask = TissueMask(((yy - 128) ** 2 + (xx - 128) ** 2) < 95**2, (128.0, 128.0))
+    mask_downsample = slide.dimensions[0] / 256
+    mask = TissueMask(((yy - 128) ** 2 + (xx - 128) ** 2) < 95**2, (mask_downsample, mask_downsample))
     tiles = grid.select(mask.tile_fractions(grid), 0.05)
     rng = np.random.default_rng(0)
 
@@ -90,11 +98,17 @@ def main() -> int:
         return n, finish_s
 
     print(f"{len(tiles)} of {len(grid)} tiles")
+    rounds = []
     for _ in range(args.rounds):
         t0 = time.perf_counter()
         n, finish_s = run()
         dt = time.perf_counter() - t0
         print(f"{dt:.2f} s, {len(tiles) / dt:,.0f} tiles/s, {n} boxes kept; finish {finish_s * 1000:.0f} ms")
+        rounds.append({"seconds": dt, "tiles_per_s": len(tiles) / dt, "boxes_kept": n, "finish_s": finish_s})
+    write_json(
+        args.json,
+        {**machine(), "smoke": args.smoke, "slide_px": slide.dimensions[0], "tiles": len(tiles), "rounds": rounds},
+    )
     if args.profile:
         cProfile.runctx("run()", globals(), {"run": run}, "/tmp/bench_stitcher.prof")
         pstats.Stats("/tmp/bench_stitcher.prof").sort_stats("tottime").print_stats(20)

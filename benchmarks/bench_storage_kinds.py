@@ -2,6 +2,7 @@
 
     python benchmarks/bench_storage_kinds.py [--slide-px 32768] [--rounds 3] [--json out.json]
     python benchmarks/bench_storage_kinds.py --backend ort --slide-px 8192      # the CPU machine
+    python benchmarks/bench_storage_kinds.py --smoke      # seconds: synth and SVS, tiny, one round
 
 Writes a synthetic pathology slide (``wsi-pipeline synth``, seed 7; YCbCr 4:2:0 JPEG in 256 px
 tiles) and copies its pixels into each storage kind of :mod:`wsi_pipeline.synthetic.storage`
@@ -21,29 +22,31 @@ installed), MONAI's ``sliding_window_inference`` over synth's level 0 read whole
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from harness import (
+    ROOT,
+    SMOKE_ROUNDS,
+    SMOKE_SLIDE_PX,
+    add_common_args,
+    log,
+    machine,
+    synthetic_slide,
+    work_folder,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from wsi_pipeline import Pipeline  # noqa: E402
-from wsi_pipeline.slide import open_slide  # noqa: E402
-from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
-from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage  # noqa: E402
+from wsi_pipeline import Pipeline
+from wsi_pipeline.slide import open_slide
+from wsi_pipeline.synthetic.storage import STORAGE_KINDS, write_storage
 
 CARD = ROOT / "engines" / "nuclei_pathology.card.json"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+# A smoke run's kinds: one tiled TIFF the writer makes and the vendor layout most slides have.
+SMOKE_KINDS = "svs"
 
 
 def match_share(a: np.ndarray, b: np.ndarray, iou_min: float = 0.5) -> float:
@@ -110,7 +113,7 @@ def run_kind(pipe: Pipeline, path: str, rounds: int) -> dict:
     }
 
 
-def model_alone(pipe: Pipeline) -> float:
+def model_alone(pipe: Pipeline, seconds: float = 5.0) -> float:
     """Tiles/s of the pipeline's backend on tiles already in memory (device memory on CUDA)."""
     backend = pipe.executor.backend
     batch = pipe.batch_size
@@ -125,7 +128,7 @@ def model_alone(pipe: Pipeline) -> float:
     backend.infer(tiles)
     t0 = time.perf_counter()
     n = 0
-    while time.perf_counter() - t0 < 5:
+    while time.perf_counter() - t0 < seconds:
         backend.infer(tiles)
         n += batch
     return n / (time.perf_counter() - t0)
@@ -176,24 +179,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--monai", action="store_true")
     ap.add_argument("--work", help="folder for the slides (default: a new temporary one)")
-    ap.add_argument("--json")
+    add_common_args(ap)
     args = ap.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench_storage_"))
-    work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count()}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            res["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
+    if args.smoke:
+        args.slide_px, args.rounds, args.kinds = SMOKE_SLIDE_PX, SMOKE_ROUNDS, SMOKE_KINDS
+    work = work_folder("bench_storage_", args.work)
+    res: dict = {**machine(gpu=args.backend != "ort"), "smoke": args.smoke}
     synth = args.slide
     if synth is None:
-        synth = str(work / "synth.tiff")
-        t0 = time.perf_counter()
-        write_synthetic_slide(synth, args.slide_px, args.slide_px, seed=7, kind="pathology")
-        log(f"synth {args.slide_px}^2 written in {time.perf_counter() - t0:.0f} s")
+        synth = str(synthetic_slide(work / "synth.tiff", args.slide_px))
     paths = write_kinds(work, synth, [k for k in args.kinds.split(",") if k])
     runs = [(kind, None) for kind in paths]
     if args.coarse_mpp:
@@ -217,12 +211,12 @@ def main() -> int:
             f"{row['tiles']} tiles) reader={row['slide_reader']} decode={row['tile_decode']}"
         )
     for mpp, pipe in pipes.items():
-        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
+        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe, 0.5 if args.smoke else 5.0), 1)
     ref = {r["mpp"]: r for r in rows if r["kind"] == "synth" and "error" not in r}
     for r in rows:
         if "error" in r or r["mpp"] not in ref:
             continue
-        a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]
+        a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]  # synth's own row is compared too: its boxes stay
         r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)
         r["matched_vs_synth"] = round(match_share(a, b), 4)
         alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
@@ -254,8 +248,7 @@ def main() -> int:
             f"{r.get('count_vs_synth', '')}, {r.get('matched_vs_synth', '')} |"
         )
     log(f"model alone: { {k: v for k, v in res.items() if k.startswith('model_alone')} }; MONAI: {res.get('monai')}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    write_json(args.json, res)
     return 0
 
 

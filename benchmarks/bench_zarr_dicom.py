@@ -14,6 +14,7 @@ The heatmap is smooth (sums of low-frequency waves, like a model's output
 blended over tiles) with a little noise, so it compresses as real heatmaps do.
 
     python benchmarks/bench_zarr_dicom.py [--width 25000 --height 20000 --channels 2 --detections 100000]
+    python benchmarks/bench_zarr_dicom.py --smoke [--json out.json]   # seconds: a 1024 px heatmap
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, write_json
 
 BAND = 64
 
@@ -184,10 +186,15 @@ def main() -> None:
     ap.add_argument("--stages", default="rows,ome-zarr,ome-tiff,dicom-pm,dicom-ann")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
+    add_common_args(ap)
     args = ap.parse_args()
     if args.stage:
         print(json.dumps(stage(args.stage, args, Path(args.work))))
         return
+    if args.smoke:
+        args.width = args.height = SMOKE_SLIDE_PX
+        args.detections = 2000
+    results: dict = {}
     work = Path(tempfile.mkdtemp(prefix="bench_zarr_dicom_", dir=os.environ.get("BENCH_DIR")))
     raw_mb = args.width * args.height * args.channels / 1e6
     print(
@@ -198,15 +205,18 @@ def main() -> None:
     try:
         for name in args.stages.split(","):
             argv = [sys.executable, __file__, "--stage", name, "--work", str(work)] + [
-                f"--{k}={v}" for k, v in vars(args).items() if k not in ("stage", "work", "stages")
+                f"--{k}={v}" for k, v in vars(args).items() if k not in ("stage", "work", "stages", "smoke", "json")
             ]
             proc = subprocess.run(argv, capture_output=True, text=True, check=False)
             if proc.returncode:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", flush=True)
+                results[name] = {"error": proc.stderr.strip()[-500:]}
                 continue
             print(proc.stdout.strip().splitlines()[-1], flush=True)
+            results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    write_json(args.json, {**machine(), "smoke": args.smoke, "results": results})
 
 
 if __name__ == "__main__":

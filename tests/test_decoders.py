@@ -367,3 +367,32 @@ def test_a_million_boxes_a_tile_are_cut_to_the_cards_cap_and_counted(decoder):
     assert len(batch.scores) <= 500  # yolo's NMS and its max_detections (300) come after the cap
     if decoder != "yolo":
         np.testing.assert_array_equal(batch.scores, np.sort(scores[0])[::-1][:500])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_per_tile_nms_is_the_slide_nms_and_keeps_what_opencv_kept(seed):
+    """One NMS: a tile's class-aware NMS is the stitcher's global_nms, and keeps what OpenCV's
+    NMSBoxesBatched (the per-tile NMS before) kept, in the same order (ties in row order)."""
+    import cv2
+
+    from wsi_pipeline.boxes import global_nms
+    from wsi_pipeline.inference.decoders import nms_per_class
+
+    rng = np.random.default_rng(seed)
+    xy = rng.uniform(0, 60, (80, 2))
+    boxes = np.concatenate([xy, xy + rng.uniform(4, 20, (80, 2))], axis=1).astype(np.float32)
+    scores = rng.choice([0.3, 0.5, 0.7, 0.9], 80) + rng.uniform(0, 1e-3, 80) * (seed % 2)  # ties when even
+    labels = rng.integers(0, 3, 80)
+    got = nms_per_class(boxes, scores, labels, 0.4)
+    np.testing.assert_array_equal(got, global_nms(boxes, scores, labels, iou_threshold=0.4))
+    rects = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1).astype(np.float64)
+    kept = np.asarray(cv2.dnn.NMSBoxesBatched(rects.tolist(), scores.tolist(), labels.tolist(), -1.0, 0.4), np.int64)
+    np.testing.assert_array_equal(got, kept[np.argsort(-scores[kept], kind="stable")])
+
+
+def test_per_tile_nms_of_boxes_that_are_not_numbers_is_a_model_error():
+    from wsi_pipeline.inference.decoders import nms_per_class
+
+    boxes = np.array([[0, 0, 10, 10], [np.nan, 0, 10, 10]], np.float32)
+    with pytest.raises(ModelError, match="NaN or infinity"):
+        nms_per_class(boxes, np.array([0.9, 0.8]), np.array([0, 0]), 0.5)

@@ -258,9 +258,9 @@ def test_the_loaders_jpeg_decode_is_torchvisions(slide_path, device):
     import torch
     import torchvision.io
 
-    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling import gpu_codecs, gpu_loader
 
-    assert gpu_loader._READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
+    assert gpu_codecs._READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
     with TiffSlide(str(slide_path)) as slide:
         raw = [slide.raw_tile_jpeg(0, tx, ty) for ty in range(2) for tx in range(3)]
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
@@ -279,8 +279,8 @@ def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
 
     code = (
         "import sys\n"
-        "from wsi_pipeline.tiling import gpu_loader\n"
-        "assert gpu_loader._image_ops_loaded()\n"
+        "from wsi_pipeline.tiling import gpu_codecs, gpu_loader\n"
+        "assert gpu_codecs._image_ops_loaded()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -291,10 +291,10 @@ def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
 def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_path, monkeypatch):
     """A torchvision whose image extension is missing or differs: GPU decoding is refused, with the reason."""
     from wsi_pipeline.errors import ConfigError
-    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling import gpu_decode, gpu_loader
     from wsi_pipeline.tiling.slide_loader import choose_tile_decode
 
-    monkeypatch.setattr(gpu_loader, "_image_ops_loaded", lambda: False)
+    monkeypatch.setattr(gpu_decode, "_image_ops_loaded", lambda: False)
     with TiffSlide(str(slide_path)) as slide:
         tiles = list(TileGrid(slide))
         assert "no JPEG decoding ops" in gpu_loader.gpu_decode_refusal(slide, tiles)

@@ -44,9 +44,9 @@ def _tiff(path, photometric: str, compression: str = "jpeg"):
 def test_gpu_decode_takes_ycbcr_jpeg_and_rgb_jpeg_where_nvimgcodec_is(
     tmp_path, monkeypatch, photometric, compression, refused
 ):
-    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling import gpu_decode
 
-    monkeypatch.setattr(gpu_loader, "nvimgcodec_module", lambda: None)
+    monkeypatch.setattr(gpu_decode, "nvimgcodec_module", lambda: None)
     with open_slide(_tiff(tmp_path / "s.tiff", photometric, compression)) as slide:
         reason = gpu_decode_refusal(slide, list(TileGrid(slide)))
     if refused is None:
@@ -92,14 +92,14 @@ def test_failing_on_damaged_tiles_keeps_decoding_on_the_cpu(tmp_path):
 
 def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatch):
     """The fallback inside the GPU loader (run here on the CPU device): same pixels as the CPU reader."""
-    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling import gpu_decode
     from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
     from wsi_pipeline.tiling.grid import read_tile
 
     def refuse(*args, **kwargs):
         raise RuntimeError("nvjpeg: unsupported stream")
 
-    monkeypatch.setattr(gpu_loader, "nvjpeg_decode", refuse)
+    monkeypatch.setattr(gpu_decode, "nvjpeg_decode", refuse)
     with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
         tiles = list(TileGrid(slide))
         dec = GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg", threads=2)
@@ -119,8 +119,9 @@ def test_the_gpu_loader_is_imported_ahead_on_a_thread_and_a_failure_is_left_to_t
     from wsi_pipeline.tiling import slide_loader
 
     real_torchvision = sys.modules["torchvision"]
-    monkeypatch.delitem(sys.modules, "wsi_pipeline.tiling.gpu_loader", raising=False)
-    monkeypatch.delattr(tiling, "gpu_loader", raising=False)
+    for name in ("gpu_loader", "gpu_decode", "gpu_codecs"):  # the loader and the modules it imports
+        monkeypatch.delitem(sys.modules, f"wsi_pipeline.tiling.{name}", raising=False)
+        monkeypatch.delattr(tiling, name, raising=False)
     monkeypatch.setitem(sys.modules, "torchvision", None)  # as if torchvision were not installed
     slide_loader.import_gpu_loader_ahead().join(60)
     assert "wsi_pipeline.tiling.gpu_loader" not in sys.modules  # failed, quietly

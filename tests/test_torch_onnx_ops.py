@@ -224,3 +224,13 @@ def test_host_values_recorded_before_a_capture_are_reused_in_it():
     with _HostCopies("replay", copies), pytest.raises(ModelError, match="CUDA graph"):
         _host_to_device(torch.arange(5.0), meta)  # not what the warm-up pass saw
     assert _host_to_device(torch.arange(3.0), meta).device == meta  # outside a capture: a plain copy
+
+
+def test_the_interpreter_is_one_class_importable_from_the_backend_and_its_own_package():
+    """Split by job, the backend module still offers the interpreter and the .pt2 loader."""
+    from wsi_pipeline.inference import onnx_torch, torch_backend, torch_export
+
+    assert torch_backend.OnnxModule is onnx_torch.OnnxModule
+    assert torch_backend.ExportedModule is torch_export.ExportedModule
+    assert torch_backend._HostCopies is onnx_torch.HostCopies
+    assert "Conv" in onnx_torch.OnnxModule.SUPPORTED_OPS

@@ -28,7 +28,7 @@ its parameters:
     (0.25), ``iou_threshold`` (0.45), ``max_detections`` (300),
     ``channels_last`` (the head is ``[B, N, 4+C]``: false), ``objectness``
     (a v5-style objectness column after the box, multiplied in: false).
-    Class-aware NMS per tile with OpenCV's ``cv2.dnn.NMSBoxesBatched``.
+    Class-aware NMS per tile, the slide-level NMS (``boxes.nms.global_nms``) on each tile.
 
 Every decoder keeps a row only where its score reaches ``score_threshold``, its
 label is 0 or more (a negative label is padding or "no class") and its box is
@@ -45,9 +45,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import cv2
 import numpy as np
 
+from ..boxes.nms import global_nms
 from ..errors import ModelError
 from ..validation import is_instance
 
@@ -317,24 +317,16 @@ def _check_rows(card: ModelCard, boxes: np.ndarray, scores: np.ndarray, labels: 
 
 
 def nms_per_class(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, iou_threshold: float) -> np.ndarray:
-    """Indices kept by class-aware NMS (OpenCV's ``NMSBoxesBatched``), by descending score.
+    """Indices kept by class-aware greedy NMS, by descending score (ties in row order).
 
-    ``boxes``: ``Nx4`` xyxy; ``scores``: ``N``; ``labels``: ``N`` ints.
+    ``boxes``: ``Nx4`` xyxy; ``scores``: ``N``; ``labels``: ``N`` ints. The
+    slide-level NMS (:func:`~wsi_pipeline.boxes.nms.global_nms`) on one tile's
+    boxes: one NMS for tiles and slides.
     """
-    if len(boxes) == 0:
-        return np.zeros(0, np.int64)
-    rects = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)  # x, y, w, h
-    keep = np.asarray(
-        cv2.dnn.NMSBoxesBatched(
-            rects.astype(np.float64).tolist(),
-            np.asarray(scores, np.float64).tolist(),
-            np.asarray(labels, np.int64).tolist(),
-            -1.0,
-            float(iou_threshold),
-        ),
-        np.int64,
-    ).reshape(-1)
-    return keep[np.argsort(-np.asarray(scores)[keep], kind="stable")]
+    try:
+        return global_nms(boxes, scores, labels, iou_threshold=float(iou_threshold))
+    except ValueError as exc:  # boxes or scores the model gave as NaN or infinity
+        raise ModelError(f"detection outputs: {exc}") from exc
 
 
 def _check_labels(card: ModelCard, labels: np.ndarray) -> None:

@@ -7,11 +7,11 @@ Heatmaps: :class:`HeatmapBlender` with weights from :func:`tile_weights`.
 See docs/stitching.md for when to use which.
 """
 
+from wsi_pipeline.boxes.nms import global_nms, score_order
+from wsi_pipeline.boxes.spatial_grid import intersecting_pairs
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender
 from wsi_pipeline.stitch.merge import cluster_leaders, merge_boxes
-from wsi_pipeline.stitch.nms import global_nms, score_order
 from wsi_pipeline.stitch.ownership import owned_by_tile, tile_core_px, touches_inner_edge
-from wsi_pipeline.stitch.spatial_grid import intersecting_pairs
 from wsi_pipeline.stitch.weights import tile_weights
 
 __all__ = [

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.stitch.nms import (
+from wsi_pipeline.boxes.nms import (
     _check_options,
     check_boxes,
     matching_pairs,

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from wsi_pipeline.boxes.nms import reading_order
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.stitch.blend import BlendGeometry, HeatmapBlender, Sink
 from wsi_pipeline.stitch.merge_runner import PolicyRun, ThreadedMerge
-from wsi_pipeline.stitch.nms import reading_order
 from wsi_pipeline.stitch.policies import MergePolicy
 
 if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index,
 
 
 # Calls (a row's run of mapped boxes, a row's start) that may wait for the box merge before the
-# stitching thread blocks (benchmarks/sweep_merge_queue.py).
+# stitching thread blocks (benchmarks/probes/sweep_merge_queue.py).
 MERGE_QUEUE = 8
 
 

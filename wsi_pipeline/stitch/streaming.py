@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.stitch.merge import merge_boxes
-from wsi_pipeline.stitch.nms import (
+from wsi_pipeline.boxes.nms import (
     check_boxes,
     global_nms,
     matching_pairs,
@@ -26,6 +25,7 @@ from wsi_pipeline.stitch.nms import (
     resolve_greedy,
     score_order,
 )
+from wsi_pipeline.stitch.merge import merge_boxes
 
 METHODS = ("nms", "nmm", "wbf")
 

@@ -44,7 +44,7 @@ from ..errors import TileReadError
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
 SHARE_PERIOD = 16
 # The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
-# fitted to `benchmarks/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (BENCHMARKS.md,
+# fitted to `benchmarks/probes/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (BENCHMARKS.md,
 # 2026-12-03 17:0x-17:5x): `Pipeline.run` was fastest with 8 helpers at 10/16 of the stored tiles
 # (median 5,941 tiles/s, against 4,752 for 6 at 8/16 and 4,835-5,560 at 12/16; in a second sweep
 # 8 at 9/16 led, within the runs' spread). There libjpeg-turbo on one thread decoded 2,831 stored

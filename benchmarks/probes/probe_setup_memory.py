@@ -1,8 +1,11 @@
-"""Where a GPU run's host memory goes before its first slide, and what cuDNN autotuning costs.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
+stored tile decoded once".
+
+Where a GPU run's host memory goes before its first slide, and what cuDNN autotuning costs.
 
 Run on a CUDA machine::
 
-    python benchmarks/probe_setup_memory.py SLIDE
+    python benchmarks/probes/probe_setup_memory.py SLIDE
 
 For each setting, in a fresh process, prints the resident set (``/proc/self/statm``)
 after importing torch, after creating the CUDA context, after
@@ -23,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ("default", "cudnn-benchmark")
 
 

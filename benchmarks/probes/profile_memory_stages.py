@@ -1,4 +1,6 @@
-"""Peak resident memory per stage of one slide run (where the memory of a run goes).
+"""Probe (2026-12-02), fed BENCHMARKS.md "Peak memory against slide size".
+
+Peak resident memory per stage of one slide run (where the memory of a run goes).
 
 Samples this process's resident set every 20 ms (``/proc/self/statm``, Linux)
 while ``Pipeline.run`` works on SLIDE with outputs, and prints the peak seen
@@ -6,7 +8,7 @@ during each stage (open, tissue_mask, read_and_infer, stitch, write) and
 during the parts of ``write`` done in this process (the GeoJSON, CSV and
 overlay drawing run in writer processes).
 
-    python benchmarks/profile_memory_stages.py SLIDE [--backend ort]
+    python benchmarks/probes/profile_memory_stages.py SLIDE [--backend ort]
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""When a batch's first slide starts and ends, from the command's start: a timeline of its log and imports.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 13:1x–13:5x UTC: the slide process's start, the run's first and
+last 0.1 s".
+
+When a batch's first slide starts and ends, from the command's start: a timeline of its log and imports.
 
 Run (on the GPU machine for a GPU batch)::
 
-    python benchmarks/trace_batch_start.py [--min-import-ms 150] -- run FOLDER --out DIR --backend torch
+    python benchmarks/probes/trace_batch_start.py [--min-import-ms 150] -- run FOLDER --out DIR --backend torch
 
 Runs ``python -m wsi_pipeline ARGS --progress log`` with ``PYTHONPROFILEIMPORTTIME=1`` (the slide
 process inherits it), and stamps every line the command writes to stderr with the seconds since it

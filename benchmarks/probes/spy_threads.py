@@ -1,9 +1,12 @@
-"""Where each thread of a process spends its time, from ``py-spy record --threads --idle -f raw``.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 23:0x–23:4x UTC: the heatmap's rows handed over without waiting
+for the device".
+
+Where each thread of a process spends its time, from ``py-spy record --threads --idle -f raw``.
 
 Usage::
 
     py-spy record --pid PID --threads --idle -r 200 -f raw -o stacks.txt
-    python benchmarks/spy_threads.py stacks.txt [--rate 200] [--top 12] [--thread NAME]
+    python benchmarks/probes/spy_threads.py stacks.txt [--rate 200] [--top 12] [--thread NAME]
 
 With ``py-spy record --subprocesses``, each group's name begins with its process's module or
 script. Threads are grouped by name without their trailing numbers (``jpeg-decode_3`` and

@@ -1,8 +1,11 @@
-"""``Pipeline.run`` tiles/s on one slide for batch sizes and stream counts, in interleaved rounds.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 07:0x–07:4x UTC: the batch runs two slides ahead, more writer
+processes, a faster heatmap pyramid".
+
+``Pipeline.run`` tiles/s on one slide for batch sizes and stream counts, in interleaved rounds.
 
 Usage (a CUDA machine)::
 
-    python benchmarks/sweep_batch_size.py SLIDE [--settings 64x4,128x4,128x2,256x2] [--rounds 3]
+    python benchmarks/probes/sweep_batch_size.py SLIDE [--settings 64x4,128x4,128x2,256x2] [--rounds 3]
 
 One pipeline per setting (``batch_size`` x ``streams``, torch backend, no outputs), each warmed
 up by one run; then each round runs every pipeline once, so machine drift spreads over all of

@@ -1,6 +1,9 @@
-"""``Pipeline.run`` tiles/s on one slide for interpreter switch intervals, in interleaved rounds.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
+stored tile decoded once".
 
-Usage: ``python benchmarks/sweep_switch_interval.py SLIDE [--rounds 3] [--intervals 0.005,0.001,0.0002]``.
+``Pipeline.run`` tiles/s on one slide for interpreter switch intervals, in interleaved rounds.
+
+Usage: ``python benchmarks/probes/sweep_switch_interval.py SLIDE [--rounds 3] [--intervals 0.005,0.001,0.0002]``.
 
 A GPU run's threads (stitching, loader, executor workers) all take the
 interpreter lock between short native calls that release it; a thread that

@@ -4,7 +4,7 @@ Hand-written rather than taken from torchvision: ``torchvision.ops.nms``
 compares every box with every other (O(N^2) time, and memory for the GPU
 kernel's mask), which a slide with a million boxes cannot afford, and torch is
 not part of the core install. Here a spatial grid finds only intersecting
-pairs (:mod:`wsi_pipeline.stitch.spatial_grid`) and the greedy suppression is
+pairs (:mod:`wsi_pipeline.boxes.spatial_grid`) and the greedy suppression is
 resolved over that sparse graph. The result is identical to a greedy NMS over
 all boxes at once.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wsi_pipeline.stitch.spatial_grid import intersecting_pairs
+from wsi_pipeline.boxes.spatial_grid import intersecting_pairs
 
 METRICS = ("iou", "ios")
 # After this many vectorised rounds the remaining boxes (a long chain of

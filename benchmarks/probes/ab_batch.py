@@ -1,8 +1,11 @@
-"""A batch command timed for two source trees, interleaved: the command's total and its pace.
+"""Probe (2026-12-04), fed BENCHMARKS.md "2026-12-04 01:1x–01:5x UTC: a slide's files queued longest first, nvJPEG
+set up while the model loads".
+
+A batch command timed for two source trees, interleaved: the command's total and its pace.
 
 Usage::
 
-    python benchmarks/ab_batch.py --trees OLD_DIR NEW_DIR --rounds 3 -- FOLDER --backend torch
+    python benchmarks/probes/ab_batch.py --trees OLD_DIR NEW_DIR --rounds 3 -- FOLDER --backend torch
 
 Each tree is a folder holding a ``wsi_pipeline`` package (``git archive REV wsi_pipeline | tar x
 -C DIR``; ``.`` is this checkout). Each round runs ``python -m wsi_pipeline run FOLDER --out TMP
@@ -25,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def pace(out: Path) -> tuple[float | None, int]:

@@ -1,6 +1,9 @@
-"""``Pipeline.run`` tiles/s on one slide for GPU-decoding settings, in interleaved rounds.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
 
-Usage: ``python benchmarks/sweep_gpu_decode.py SLIDE [--rounds 3] [--loader] [--helpers 0,4:7,6] [--combos 4x3@8:10]``.
+``Pipeline.run`` tiles/s on one slide for GPU-decoding settings, in interleaved rounds.
+
+Usage: ``python benchmarks/probes/sweep_gpu_decode.py SLIDE [--rounds 3] [--loader] [--helpers 0,4:7,6]
+[--combos 4x3@8:10]``.
 One process, one pipeline; each round runs every setting once, so machine drift spreads over all
 of them. Prints the median tiles/s per setting and each setting's last ``tile_decode`` record.
 

@@ -1,6 +1,9 @@
-"""nvJPEG stored tiles/s and seconds per call against the number of stored tiles a call decodes.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 13:1x–13:5x UTC: the slide process's start, the run's first and
+last 0.1 s".
 
-Usage: ``python benchmarks/sweep_nvjpeg_batch.py SLIDE [--batches 128,256,512,1024,2048] [--rounds 3]
+nvJPEG stored tiles/s and seconds per call against the number of stored tiles a call decodes.
+
+Usage: ``python benchmarks/probes/sweep_nvjpeg_batch.py SLIDE [--batches 128,256,512,1024,2048] [--rounds 3]
 [--with-model]`` (a CUDA machine). Decodes every stored tile of level 0 with
 ``torchvision.io.decode_jpeg(list, device="cuda")`` in calls of each size, interleaved over the
 rounds; prints the median rate and the median milliseconds per call, from which a call's fixed
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 import torchvision.io
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_product_gpu import stored_tiles  # noqa: E402
 
 

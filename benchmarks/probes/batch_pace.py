@@ -1,6 +1,9 @@
-"""Each slide's times in a batch's output folder, and the batch's pace after its first slide.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 20:5x–21:4x UTC: the heatmap file written by a writer process,
+job arrays through files".
 
-Usage: ``python benchmarks/batch_pace.py OUT_DIR [OUT_DIR ...]`` (the ``--out`` of ``wsi-pipeline run``).
+Each slide's times in a batch's output folder, and the batch's pace after its first slide.
+
+Usage: ``python benchmarks/probes/batch_pace.py OUT_DIR [OUT_DIR ...]`` (the ``--out`` of ``wsi-pipeline run``).
 
 A slide is done when its ``summary.json`` is written (the file's modification time). Prints, in
 that order, when each slide was done after the first, its ``read_and_infer`` and ``write`` seconds,

@@ -1,8 +1,11 @@
-"""When each of a slide's output files is written: the writer processes' jobs on a timeline.
+"""Probe (2026-12-04), fed BENCHMARKS.md "2026-12-04 01:1x–01:5x UTC: a slide's files queued longest first, nvJPEG
+set up while the model loads".
+
+When each of a slide's output files is written: the writer processes' jobs on a timeline.
 
 Run::
 
-    python benchmarks/trace_writes.py SLIDE OUT_DIR [--backend ort]
+    python benchmarks/probes/trace_writes.py SLIDE OUT_DIR [--backend ort]
 
 Runs ``Pipeline.run(SLIDE, out_dir=OUT_DIR)`` once, with every writer job wrapped so that the
 writer process records its start and end, and times the calling process's steps of writing

@@ -1,6 +1,9 @@
-"""What a busy Python thread does to work that needs the interpreter lock now and then (a component).
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 20:5x–21:4x UTC: the heatmap file written by a writer process,
+job arrays through files".
 
-Usage: ``python benchmarks/bench_lock_contention.py [--rounds 2]``.
+What a busy Python thread does to work that needs the interpreter lock now and then (a component).
+
+Usage: ``python benchmarks/probes/bench_lock_contention.py [--rounds 2]``.
 
 A slide's run keeps Python threads busy (stitching, loading); whatever else its process does
 competes with them for the interpreter lock. Timed here, alone and beside one thread that only

@@ -1,6 +1,8 @@
-"""Which nvJPEG path decodes a slide's stored tiles, and whether CPU decoding processes add to it.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
 
-Usage: ``python benchmarks/probe_nvjpeg_path.py SLIDE [--processes 0,4,8,12] [--seconds 2]``
+Which nvJPEG path decodes a slide's stored tiles, and whether CPU decoding processes add to it.
+
+Usage: ``python benchmarks/probes/probe_nvjpeg_path.py SLIDE [--processes 0,4,8,12] [--seconds 2]``
 (a CUDA machine). Prints one JSON object:
 
 ``hardware``
@@ -29,7 +31,7 @@ import time
 from multiprocessing import shared_memory
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 
 
 def _worker(slide: str, shm_name: str, slot0: int, count, stop) -> None:

@@ -1,6 +1,9 @@
-"""``Pipeline.run`` tiles/s on one slide, box merging on a thread or in the merging process, per queue length.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 08:5x–09:4x UTC: heatmaps blended on the GPU, tiles selected as
+arrays, the next slide planned ahead".
 
-Usage: ``python benchmarks/sweep_merge_queue.py SLIDE [--rounds 3]
+``Pipeline.run`` tiles/s on one slide, box merging on a thread or in the merging process, per queue length.
+
+Usage: ``python benchmarks/probes/sweep_merge_queue.py SLIDE [--rounds 3]
 [--variants process,thread:8,thread:64] [--backend torch]``.
 
 The stitching thread hands each row's mapped boxes to the merge policy

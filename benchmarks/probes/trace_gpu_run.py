@@ -1,9 +1,12 @@
-"""Where one GPU ``Pipeline.run`` spends its time: seconds inside its main calls, per thread.
+"""Probe (2026-12-04), fed BENCHMARKS.md "2026-12-04 01:1x–01:5x UTC: a slide's files queued longest first, nvJPEG
+set up while the model loads".
+
+Where one GPU ``Pipeline.run`` spends its time: seconds inside its main calls, per thread.
 
 Run on a CUDA machine::
 
-    python benchmarks/trace_gpu_run.py SLIDE [--runs 2]
-    python benchmarks/trace_gpu_run.py SLIDE --batch 6 --out DIR
+    python benchmarks/probes/trace_gpu_run.py SLIDE [--runs 2]
+    python benchmarks/probes/trace_gpu_run.py SLIDE --batch 6 --out DIR
 
 
 Wraps the calls that carry a run (nvJPEG decoding, a loader batch's assembly,
@@ -48,7 +51,7 @@ from wsi_pipeline.inference import executor, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
 from wsi_pipeline.stitch import blend, merge_runner, stitcher
-from wsi_pipeline.tiling import gpu_loader, jpeg_processes
+from wsi_pipeline.tiling import gpu_decode, gpu_loader, jpeg_processes
 
 _totals: dict = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
@@ -139,7 +142,7 @@ def _timed(owner, name: str, label: str) -> None:
 
 # (owner, attribute, label) of the calls timed in a run, and of those added for a batch's outputs.
 RUN_SITES = [
-    (gpu_loader, "nvjpeg_decode", "nvJPEG decode_jpeg"),
+    (gpu_decode, "nvjpeg_decode", "nvJPEG decode_jpeg"),
     (gpu_loader.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
     (gpu_loader._HandOff, "take", "loader hand-off wait"),
     (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
@@ -159,7 +162,7 @@ RUN_SITES = [
     (merge_runner.MergeProcess, "merge", "box merge: open the slide's session"),
     (pipeline, "choose_tile_decode", "choose the decoder"),
     (pipeline, "make_slide_loader", "make the loader"),
-    (gpu_loader, "stored_tiles_touched", "loader: stored tiles touched"),
+    (gpu_decode, "stored_tiles_touched", "loader: stored tiles touched"),
     (gpu_loader.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
     (jpeg_processes.JpegHelpers, "start", "JPEG helpers: send a batch's share"),
     (jpeg_processes._Pending, "wait", "JPEG helpers: wait for the share"),
@@ -201,7 +204,7 @@ def _print_totals(wall: float) -> None:
 
 
 def trace_batch(pipe: Pipeline, slide: str, n: int, out: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
     from bench_product_gpu import StackSampler
 
     key = run_key(pipe.config, pipe.card)

@@ -1,6 +1,9 @@
-"""CPU use of a command and every process it starts, sampled while it runs.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 20:5x–21:4x UTC: the heatmap file written by a writer process,
+job arrays through files".
 
-Usage: ``python benchmarks/sample_cpu.py [--json FILE] -- COMMAND ARGS...`` (Linux: reads ``/proc``).
+CPU use of a command and every process it starts, sampled while it runs.
+
+Usage: ``python benchmarks/probes/sample_cpu.py [--json FILE] -- COMMAND ARGS...`` (Linux: reads ``/proc``).
 
 Every 50 ms it reads the machine's busy time (``/proc/stat``), every 200 ms each process's CPU
 seconds (``/proc/PID/stat``). Prints the mean number of busy cores over the command's life and the

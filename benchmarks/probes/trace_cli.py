@@ -1,8 +1,11 @@
-"""Where a ``wsi-pipeline`` command's wall time goes, by thread, in time windows: stack samples.
+"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 07:0x–07:4x UTC: the batch runs two slides ahead, more writer
+processes, a faster heatmap pyramid".
+
+Where a ``wsi-pipeline`` command's wall time goes, by thread, in time windows: stack samples.
 
 Run (on the GPU machine for a GPU run)::
 
-    python benchmarks/trace_cli.py [--window 2] -- run SLIDE --out DIR --slide-timeout 0
+    python benchmarks/probes/trace_cli.py [--window 2] -- run SLIDE --out DIR --slide-timeout 0
 
 Runs the command line in this process (``--slide-timeout 0`` keeps the slides in it too),
 sampling every thread's stack every 5 ms; prints, for each ``--window`` seconds from the start,
