@@ -20,6 +20,8 @@ import os
 import statistics
 import time
 
+from harness import add_common_args, machine, write_json
+
 from wsi_pipeline import Pipeline
 from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.synthetic import SyntheticScene
@@ -38,8 +40,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="512,1024,2048")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--backend", default="ort")
+    add_common_args(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.runs = "512", 1
     settings = SETTINGS if args.backend == "ort" else SETTINGS[:1]
+    record = {**machine(gpu=args.backend != "ort"), "smoke": args.smoke, "backend": args.backend, "rows": []}
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start")
     print("| frame | tiles | setting | median s | worst s |")
     print("|---|---:|---|---:|---:|")
@@ -59,6 +65,16 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
                 name = name if args.backend == "ort" else f"{pipe.backend_name}, batch {pipe.batch_size}"
             print(f"| {size} x {size} | {tiles} | {name} | {statistics.median(times):.3f} | {max(times):.3f} |")
+            record["rows"].append(
+                {
+                    "frame_px": size,
+                    "tiles": tiles,
+                    "setting": name,
+                    "median_s": statistics.median(times),
+                    "worst_s": max(times),
+                }
+            )
+    write_json(args.json, record)
 
 
 if __name__ == "__main__":

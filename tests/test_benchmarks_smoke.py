@@ -36,6 +36,7 @@ SMOKE = [
     ("bench_plan.py", [], {"plan_seconds", "tiles"}),
     ("bench_merge_replay.py", [], {"replay_seconds", "boxes_added"}),
     ("bench_zarr_dicom.py", [], {"results"}),
+    ("bench_qc_latency.py", [], {"rows", "backend"}),
     ("bench_first_write.py", [], {"runs"}),  # imports torch at its top, as the scripts it stands for do
 ]
 NEEDS_TORCH = {"bench_first_write.py"}

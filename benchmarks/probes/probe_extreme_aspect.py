@@ -1,4 +1,6 @@
-"""Memory of `wsi-pipeline run` on slides one pixel high or wide (10,000,000 px the other way).
+"""Probe (2026-12-04, fed BENCHMARKS.md "Hostile sizes").
+
+Memory of `wsi-pipeline run` on slides one pixel high or wide (10,000,000 px the other way).
 
 Each slide is a tiled TIFF (zlib, 256 px tiles) of white background with tissue-coloured noise
 over 2 % of its length (at least 20,000 px) in its middle, run with the shipped pathology model on
@@ -6,7 +8,7 @@ the CPU into a fresh folder. The peak is that of every process of the run (``RUS
 the command, its slide process and the writer processes); ``summary.json`` gives the slide
 process's and the writers' own.
 
-    PYTHONPATH=. python benchmarks/bench_extreme_aspect.py [--length 10000000]
+    PYTHONPATH=. python benchmarks/probes/probe_extreme_aspect.py [--length 10000000]
 """
 
 from __future__ import annotations

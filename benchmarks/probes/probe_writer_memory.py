@@ -1,11 +1,13 @@
-"""Peak memory of each detection format's writer, and of the overlay, on millions of detections.
+"""Probe (2026-12-04, fed BENCHMARKS.md "Hostile sizes").
+
+Peak memory of each detection format's writer, and of the overlay, on millions of detections.
 
 Each format runs in a fresh process, as one writer-pool job writing the whole file: the process
 builds the detections (random boxes of 4 to 20 px on a 200k x 200k slide), notes its resident
 memory, resets its peak (Linux: ``/proc/self/clear_refs``), runs the job and reads its peak
 (``VmHWM``). The job's own memory is the peak less what the process held before it.
 
-    PYTHONPATH=. python benchmarks/bench_writer_memory.py [--n 4190000] [--formats csv,dicom,overlay]
+    PYTHONPATH=. python benchmarks/probes/probe_writer_memory.py [--n 4190000] [--formats csv,dicom,overlay]
 
 The processes run in a temporary folder with ``PYTHONPATH`` made absolute: the package measured
 is the one ``PYTHONPATH`` names (another tree's, to compare), not the current folder's.
