@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         kind = storage.get("jpeg_kind")
         print(f"  tiles    {storage['compression']}" + (f" ({kind})" if kind else ""))
     gpu = info["gpu_decode"]
-    print(f"  GPU      {gpu['why']}" if gpu["decoder"] else f"  GPU      decoded on the CPU: {gpu['why']}")
+    print(f"  on CUDA  {gpu['why']}" if gpu["decoder"] else f"  on CUDA  decoded on the CPU: {gpu['why']}")
     print(f"  size     {w} x {h} px" + (f"  ({w * mpp[0] / 1000:.2f} x {h * mpp[1] / 1000:.2f} mm)" if mpp else ""))
     print(f"  mpp      {mpp[0]:.4f} x {mpp[1]:.4f} um/px" if mpp else "  mpp      unknown")
     print(f"  levels   {info['level_count']}")
