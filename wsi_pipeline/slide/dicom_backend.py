@@ -20,7 +20,7 @@ import imagecodecs
 import numpy as np
 import simplejpeg
 
-from ..errors import SlideOpenError, TileReadError
+from ..errors import TileReadError
 from .base import checked_mpp
 from .dicom_file import DicomLevel, read_level, series_level_files
 from .stored_tiles import StoredTileSlide, _fill
@@ -57,17 +57,7 @@ class DicomSlide(StoredTileSlide):
 
     def _init_levels(self) -> None:
         levels = self._levels
-        w0, h0 = levels[0].width, levels[0].height
-        for i, lv in enumerate(levels[1:], 1):
-            if lv.width > w0 or lv.height > h0:
-                raise SlideOpenError(
-                    self.path,
-                    f"level {i} ({os.path.basename(lv.path)}) is {lv.width}x{lv.height}, wider or taller "
-                    f"than level 0 ({w0}x{h0})",
-                )
-        self._level_dimensions = [(lv.width, lv.height) for lv in levels]
-        # OpenSlide's rule: the mean of the two axes' ratios.
-        self._level_downsamples = [((w0 / lv.width) + (h0 / lv.height)) / 2 for lv in levels]
+        self._set_level_geometry([f"level {i} ({os.path.basename(lv.path)})" for i, lv in enumerate(levels)])
         self._vendor = "dicom"
         ds = levels[0].header
         self._properties = {

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import simplejpeg
 
-from ..errors import SlideError
+from ..errors import SlideError, SlideOpenError
 from .base import Slide
 from .jpeg_kind import JpegKind, jpeg_kind
 
@@ -201,6 +201,23 @@ class StoredTileSlide(Slide):
     """
 
     _levels: Sequence[Any]
+
+    def _set_level_geometry(self, names: Sequence[str] | None = None) -> None:
+        """Check that no level of ``_levels`` is larger than level 0, then set the level dimensions
+        and downsamples (OpenSlide's rule: the mean of the two axes' ratios). ``names``: how each
+        level is named in the error (default: its number)."""
+        levels = self._levels
+        w0, h0 = levels[0].width, levels[0].height
+        for i, lv in enumerate(levels[1:], 1):
+            if lv.width > w0 or lv.height > h0:
+                name = f"level {i}" if names is None else names[i]
+                raise SlideOpenError(
+                    self.path,
+                    f"pyramid {name} is {lv.width}x{lv.height}, larger than level 0 ({w0}x{h0}); "
+                    "expected each level no larger than level 0",
+                )
+        self._level_dimensions = [(lv.width, lv.height) for lv in levels]
+        self._level_downsamples = [((w0 / lv.width) + (h0 / lv.height)) / 2 for lv in levels]
 
     def _init_cache(self, cache_bytes: int | None) -> None:
         """The decoded-tile cache: ``cache_bytes``, or by default the smaller of

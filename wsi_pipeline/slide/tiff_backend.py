@@ -118,18 +118,8 @@ class TiffSlide(StoredTileSlide):
         pages = [lvl.keyframe for lvl in series.levels] if series.levels else [series.keyframe]
         file_size = os.path.getsize(self.path)
         levels = [self._level(page, file_size) for page in pages]
-        w0, h0 = levels[0].width, levels[0].height
-        for i, lv in enumerate(levels[1:], 1):
-            if lv.width > w0 or lv.height > h0:
-                raise SlideOpenError(
-                    self.path,
-                    f"pyramid level {i} is {lv.width}x{lv.height}, larger than level 0 "
-                    f"({w0}x{h0}); expected each level no larger than level 0",
-                )
         self._levels = levels
-        self._level_dimensions = [(lv.width, lv.height) for lv in levels]
-        # OpenSlide's rule: the mean of the two axes' ratios.
-        self._level_downsamples = [((w0 / lv.width) + (h0 / lv.height)) / 2 for lv in levels]
+        self._set_level_geometry()
         self._vendor = "aperio" if tif.is_svs else "ome-tiff" if tif.is_ome else "bigtiff" if tif.is_bigtiff else "tiff"
         compression = levels[0].page.compression
         props = {"tiff.compression": str(getattr(compression, "name", compression))}
