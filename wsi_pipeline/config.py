@@ -41,7 +41,7 @@ BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
 # What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
 DAMAGED_TILE_CHOICES = ("warn", "fail")
-# How resume fingerprints a slide file (run_key.input_identity): sampled blocks, or its whole content.
+# How resume fingerprints a slide file (batch/resume.input_identity): sampled blocks, or its whole content.
 SLIDE_HASH_CHOICES = ("sampled", "full")
 
 # Upper bounds of the sizing settings: far above any useful value, low enough

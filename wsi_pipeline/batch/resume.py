@@ -21,11 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import RunConfig
-from .errors import ConfigError, UsageError
-from .inference.card import ModelCard
-from .io.formats import DEFAULT_FORMATS
-from .special_files import kind_of_mode, special_kind
+from ..config import RunConfig
+from ..errors import ConfigError, UsageError
+from ..inference.card import ModelCard
+from ..io.formats import DEFAULT_FORMATS
+from ..special_files import kind_of_mode, special_kind
 
 KEY_FORMAT = 2
 HEAD_BYTES = TAIL_BYTES = 64 << 10
@@ -42,13 +42,13 @@ def _digest(obj: Any) -> str:
 
 def mask_sha256(path: str | os.PathLike[str]) -> str:
     """SHA-256 of a mask file; UsageError naming it when it cannot be read or is no mask."""
-    from .inference.card import file_sha256
+    from ..inference.card import file_sha256
 
     p = os.fspath(path)
     if not os.path.isfile(p):
         raise UsageError(f"{p}: mask file not found (--tissue file needs --mask PATH of an image or GeoJSON)")
     if p.lower().endswith((".geojson", ".json")):
-        from .tiling.tissue import _geojson_polygons
+        from ..tiling.tissue import _geojson_polygons
 
         try:
             _geojson_polygons(p)
