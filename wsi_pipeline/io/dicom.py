@@ -58,7 +58,7 @@ from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage, generate_uid
 
-from wsi_pipeline import __version__
+from wsi_pipeline._version import __version__
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
