@@ -629,7 +629,8 @@ def test_resume_sees_an_edit_the_sampled_fingerprint_misses_and_a_replaced_file(
 
 
 def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tmp_path):
-    from wsi_pipeline.batch.resume import input_identity, why_redo
+    from wsi_pipeline.batch.resume import why_redo
+    from wsi_pipeline.file_identity import input_identity
 
     big = tmp_path / "big.svs"
     data = bytearray(np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
@@ -650,7 +651,7 @@ def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tm
 
 
 def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
-    from wsi_pipeline.batch.resume import input_identity
+    from wsi_pipeline.file_identity import input_identity
 
     big = tmp_path / "big.svs"
     data = bytearray(np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())

@@ -51,3 +51,14 @@ def test_no_module_takes_names_from_the_package_face():
                 not_submodules = [n for n in names if not (PACKAGE / f"{n}.py").exists() and not (PACKAGE / n).is_dir()]
                 taken.extend(f"{path.relative_to(PACKAGE)}: {n}" for n in not_submodules)
     assert taken == []
+
+
+@pytest.mark.parametrize("folder", ["io", "slide", "inference", "tiling", "stitch", "boxes"])
+def test_the_stages_do_not_import_the_batch_layer_above_them(folder):
+    taken = [
+        f"{path.relative_to(PACKAGE)}: {module}"
+        for path in sorted((PACKAGE / folder).rglob("*.py"))
+        for module, _ in _imported_modules(path)
+        if module == "wsi_pipeline.batch" or module.startswith("wsi_pipeline.batch.")
+    ]
+    assert taken == []

@@ -339,7 +339,7 @@ def test_resume_needs_the_files_the_summary_lists(tmp_path):
     key = RunKey({"settings": "a"})
     folder = tmp_path / "out"
     folder.mkdir()
-    from wsi_pipeline.batch.resume import input_identity
+    from wsi_pipeline.file_identity import input_identity
 
     summary = {"run_key": key.value, "input": input_identity(slide), "files": ["detections.parquet", "summary.json"]}
     (folder / "summary.json").write_text(json.dumps(summary))

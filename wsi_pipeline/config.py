@@ -41,7 +41,7 @@ TISSUE_CHOICES = ("auto", "otsu", "all", "file")
 MERGE_CHOICES = tuple(MERGE_POLICIES)
 BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
-# How resume fingerprints a slide file (batch/resume.input_identity): sampled blocks, or its whole content.
+# How resume fingerprints a slide file (file_identity.input_identity): sampled blocks, or its whole content.
 SLIDE_HASH_CHOICES = ("sampled", "full")
 
 # Upper bounds of the sizing settings: far above any useful value, low enough

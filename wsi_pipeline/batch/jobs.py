@@ -23,9 +23,10 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from ..file_identity import input_identity
 from ..inference.card import ModelCard
 from .folder import remove_or_warn, slide_dir, slides_dir
-from .resume import RunKey, input_identity
+from .resume import RunKey
 
 log = logging.getLogger("wsi_pipeline")
 _counter = itertools.count()  # distinct partial and old folder names within a process

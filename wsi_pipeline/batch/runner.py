@@ -38,6 +38,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import UsageError
+from ..file_identity import input_identity
 from ..inference.card import ModelCard
 from ..io.atomic import write_json
 from ..special_files import special_kind
@@ -56,7 +57,7 @@ from .folder import (
     slides_dir,
 )
 from .jobs import PipelineFactory, SlideOutcome, path_record, process_slide
-from .resume import RunKey, input_identity, why_redo
+from .resume import RunKey, why_redo
 from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")

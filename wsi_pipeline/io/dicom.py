@@ -157,7 +157,7 @@ def placeholder_uids(
     heatmap file, written by different processes, reference one study, series and frame of
     reference, and a rerun of the slide joins that study.
     """
-    from ..batch.resume import input_identity  # the fingerprint a batch keeps of a slide
+    from ..file_identity import input_identity  # the fingerprint a batch keeps of a slide
 
     identity = input_identity(slide_path) if slide_path is not None and Path(slide_path).exists() else None
     key = json.dumps(
