@@ -19,7 +19,7 @@ import time
 
 from harness import SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
 
-from wsi_pipeline.batch_folder import slide_dir
+from wsi_pipeline.batch.folder import slide_dir
 
 
 def main() -> None:

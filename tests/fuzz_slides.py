@@ -521,7 +521,7 @@ def special_files(folder: Path) -> list[tuple[Path, str]]:
 def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
     from wsi_pipeline.commands.info import describe
-    from wsi_pipeline.run_key import input_identity
+    from wsi_pipeline.file_identity import input_identity
     from wsi_pipeline.slide import open_slide
     from wsi_pipeline.tiling.grid import TileGrid
     from wsi_pipeline.tiling.loader import TileLoader

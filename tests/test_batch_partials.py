@@ -1,6 +1,6 @@
 """What a killed batch run leaves behind is removed by the next one."""
 
-from wsi_pipeline.batch_folder import clean_leftovers, slides_dir
+from wsi_pipeline.batch.folder import clean_leftovers, slides_dir
 
 
 def test_partial_folders_and_a_partial_manifest_file_are_removed(tmp_path):

@@ -19,14 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsi_pipeline import batch
-from wsi_pipeline.batch import expand_inputs, output_names, plan, run_batch, run_key
-from wsi_pipeline.batch_folder import OutputFolderError, lock_output_folder
+from wsi_pipeline.batch import expand_inputs, output_names, plan, run_batch, run_key, runner
+from wsi_pipeline.batch.folder import OutputFolderError, lock_output_folder
+from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.config import RunConfig, load_config
 from wsi_pipeline.errors import ConfigError, ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
-from wsi_pipeline.run_key import RunKey
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 ENGINES = DEFAULT_MODEL.parent
@@ -253,7 +252,7 @@ def test_a_pipeline_that_cannot_be_built_stops_the_batch_with_no_slide_running(t
 
 
 def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
-    from wsi_pipeline.slide_worker import slide_time_limit
+    from wsi_pipeline.batch.slide_worker import slide_time_limit
 
     small = _slides(tmp_path, "a.tiff")[0]
     big = tmp_path / "big.tiff"
@@ -423,7 +422,7 @@ def test_a_second_run_into_the_same_folder_is_refused(tmp_path, tiny):
             "-c",
             textwrap.dedent(f"""
         import sys, time
-        from wsi_pipeline.batch_folder import lock_output_folder
+        from wsi_pipeline.batch.folder import lock_output_folder
         with lock_output_folder({str(out)!r}):
             print("held", flush=True)
             time.sleep(120)
@@ -539,7 +538,7 @@ def test_a_fifo_among_the_slides_fails_at_once_and_the_batch_goes_on(tmp_path, t
 def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
     paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
-    real = batch.write_json
+    real = runner.write_json
     calls = []
 
     def write_json(path, obj, **kw):
@@ -548,7 +547,7 @@ def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, obj, **kw)
 
-    monkeypatch.setattr(batch, "write_json", write_json)
+    monkeypatch.setattr(runner, "write_json", write_json)
     with pytest.raises(OutputFolderError, match=r"manifest\.json: cannot record .*No space left.*the run stops"):
         run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
 
@@ -630,7 +629,8 @@ def test_resume_sees_an_edit_the_sampled_fingerprint_misses_and_a_replaced_file(
 
 
 def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tmp_path):
-    from wsi_pipeline.run_key import input_identity, why_redo
+    from wsi_pipeline.batch.resume import why_redo
+    from wsi_pipeline.file_identity import input_identity
 
     big = tmp_path / "big.svs"
     data = bytearray(np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
@@ -651,7 +651,7 @@ def test_a_full_slide_hash_sees_an_edit_anywhere_even_with_the_mtime_put_back(tm
 
 
 def test_input_identity_sees_changes_anywhere_in_a_file_or_a_folder_slide(tmp_path):
-    from wsi_pipeline.run_key import input_identity
+    from wsi_pipeline.file_identity import input_identity
 
     big = tmp_path / "big.svs"
     data = bytearray(np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes())
@@ -779,7 +779,7 @@ def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny)
 
 
 def test_dask_without_dask_installed_is_a_usage_error(monkeypatch):
-    from wsi_pipeline.distributed import check_address
+    from wsi_pipeline.batch.distributed import check_address
 
     monkeypatch.setitem(sys.modules, "dask.distributed", None)  # import fails as when not installed
     with pytest.raises(UsageError, match="dask.distributed is not installed"):
@@ -872,7 +872,7 @@ def test_a_label_past_the_card_classes_fails_the_slide():
 def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, capsys):
     import logging
 
-    from wsi_pipeline.batch_folder import BatchLogHandler
+    from wsi_pipeline.batch.folder import BatchLogHandler
 
     handler = BatchLogHandler(tmp_path / "run.log")
     logger = logging.getLogger("wsi_pipeline.test_full_disk")
@@ -910,7 +910,7 @@ def test_load_run_on_a_batch_folder_of_several_slides_names_them(tmp_path):
 _HEAP_PROBE = """
 import sys
 import numpy as np
-from wsi_pipeline.slide_worker import map_large_blocks_alone
+from wsi_pipeline.batch.slide_worker import map_large_blocks_alone
 
 if sys.argv[1] == "set":
     assert map_large_blocks_alone()
@@ -932,3 +932,14 @@ def test_the_slide_process_gives_freed_large_blocks_back_to_the_system():
     kept, given_back = rss_mb("default"), rss_mb("set")
     # 19 freed blocks of 5 MB stay resident by default and go back with the setting.
     assert kept - given_back > 60, (kept, given_back)
+
+
+def test_the_batch_package_hands_on_its_names_and_loads_them_on_first_use():
+    """``python -m wsi_pipeline.batch.slide_worker`` must find the worker not yet imported by its package."""
+    code = (
+        "import sys, wsi_pipeline.batch as b\n"
+        "assert 'wsi_pipeline.batch.slide_worker' not in sys.modules\n"
+        "from wsi_pipeline.batch import run_batch, run_key, resume_state\n"
+        "assert callable(run_key) and run_batch.__module__ == 'wsi_pipeline.batch.runner'\n"
+    )
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)

@@ -21,6 +21,7 @@ from helpers import random_detections
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.batch import resume_state
+from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.commands.run import build_config
 from wsi_pipeline.config import RunConfig, load_config
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
@@ -33,7 +34,6 @@ from wsi_pipeline.io.formats import DEFAULT_FORMATS, FORMATS, output_files, pars
 from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
 from wsi_pipeline.review.results import load_run
-from wsi_pipeline.run_key import RunKey
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": "scratch", "color": [0, 0, 255]}]
@@ -325,7 +325,7 @@ def test_the_resume_key_covers_formats_and_keeps_default_keys():
     del settings["formats"]
     for k in ("model", "mask"):
         settings.pop(k)
-    from wsi_pipeline.run_key import _digest
+    from wsi_pipeline.batch.resume import _digest
 
     assert default.parts["settings"] == _digest(settings)  # as before formats could be chosen
     assert RunKey.of(RunConfig(formats="overlay,csv,ome-tiff,geojson"), card) == default
@@ -339,7 +339,7 @@ def test_resume_needs_the_files_the_summary_lists(tmp_path):
     key = RunKey({"settings": "a"})
     folder = tmp_path / "out"
     folder.mkdir()
-    from wsi_pipeline.run_key import input_identity
+    from wsi_pipeline.file_identity import input_identity
 
     summary = {"run_key": key.value, "input": input_identity(slide), "files": ["detections.parquet", "summary.json"]}
     (folder / "summary.json").write_text(json.dumps(summary))

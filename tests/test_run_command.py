@@ -15,12 +15,12 @@ import pytest
 from helpers import corrupt_stored_tile
 
 from wsi_pipeline.batch import expand_inputs, output_names, run_batch, run_key
-from wsi_pipeline.batch_jobs import process_slide
+from wsi_pipeline.batch.jobs import process_slide
+from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.errors import ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
-from wsi_pipeline.run_key import RunKey
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 
@@ -205,7 +205,7 @@ class _FailingLater:
 
 
 def test_a_write_that_fails_after_the_run_returned_fails_the_slide(tmp_path):
-    from wsi_pipeline.batch_jobs import start_slide
+    from wsi_pipeline.batch.jobs import start_slide
 
     started = start_slide(
         _FailingLater(), tmp_path / "x.tiff", "x", tmp_path, RunKey({"settings": "0"}), wait_written=False

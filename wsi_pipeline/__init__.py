@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .errors import SlideError, SlideOpenError, TileReadError, WSIPipelineError  # noqa: E402
-from .slide import Slide, open_slide  # noqa: E402
+from ._version import __version__
+from .errors import SlideError, SlideOpenError, TileReadError, WSIPipelineError
+from .slide import Slide, open_slide
 
 __all__ = [
     "__version__",

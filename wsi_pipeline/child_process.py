@@ -1,6 +1,6 @@
 """Helper processes: started as ``python -m MODULE`` with a pipe each way, ended with their parent.
 
-A batch's slide process (:mod:`.slide_worker`), a pipeline's box-merging
+A batch's slide process (:mod:`.batch.slide_worker`), a pipeline's box-merging
 process (:mod:`.stitch.merge_runner`), writer processes (:mod:`.io.writer_process`)
 and JPEG helper processes (:mod:`.tiling.jpeg_processes`) start this way. The child imports its
 own module and what that needs, nothing more: a process started by

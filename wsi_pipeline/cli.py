@@ -52,7 +52,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="wsi-pipeline",

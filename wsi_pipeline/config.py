@@ -29,30 +29,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .inference.backend import BACKEND_CHOICES
+from .inference.card import MAX_MPP, MAX_TILE, MIN_MPP
 from .io.formats import DEFAULT_FORMATS, parse_formats
+from .slide.damage import DAMAGED_TILE_CHOICES
 from .stitch.policies import MERGE_POLICIES
 from .stitch.weights import KINDS as BLEND_KINDS
 from .validation import is_int, is_number
 
-BACKEND_CHOICES = ("auto", "ort", "torch", "tensorrt")
 TISSUE_CHOICES = ("auto", "otsu", "all", "file")
 MERGE_CHOICES = tuple(MERGE_POLICIES)
 BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
-# What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
-DAMAGED_TILE_CHOICES = ("warn", "fail")
-# How resume fingerprints a slide file (run_key.input_identity): sampled blocks, or its whole content.
+# How resume fingerprints a slide file (file_identity.input_identity): sampled blocks, or its whole content.
 SLIDE_HASH_CHOICES = ("sampled", "full")
 
 # Upper bounds of the sizing settings: far above any useful value, low enough
 # that a typo cannot ask for thousands of threads or a batch of gigabytes.
-MAX_TILE = 4096
 MAX_BATCH_SIZE = 1024
 MAX_STREAMS = 32
 MAX_WORKERS = 256
 MAX_OVERLAY_SIZE = 16384
-# Resolutions (micrometres per pixel) from 1 pm to 1 m: beyond, the grid's arithmetic overflows.
-MIN_MPP, MAX_MPP = 1e-6, 1e6
 # A path setting longer than the system's limits cannot name a file (ENAMETOOLONG at open).
 MAX_PATH_CHARS, MAX_NAME_BYTES = 4096, 255
 # local:N workers, each a process holding a pipeline: at most one per CPU.

@@ -9,7 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .batch_folder import slide_dir
+from .batch.folder import slide_dir
 from .cli import main as cli_main
 from .summary import load_summary
 from .synthetic import write_synthetic_slide

@@ -117,7 +117,7 @@ class Summary(TypedDict, total=False):
     tile_decode: TileDecodeInfo
     box_merge: str  # where the boxes were merged: "process" (the pipeline's box-merging process) or "thread"
     heatmap_blended_on: str | None  # "host", or the device ("cuda:0") tile heatmaps were blended on; None: no heatmap
-    run_key: dict[str, Any]  # a batch's resume key (see run_key.RunKey)
+    run_key: dict[str, Any]  # a batch's resume key (see batch/resume.RunKey)
     files: list[str]  # the files the run wrote in its folder, summary.json last (docs/outputs.md)
     geojson_left_out: int  # boxes without area left out of the GeoJSON (with a GeoJSON format)
     not_written: dict[str, str]  # chosen files left out, and why (formats that cannot hold zero detections)

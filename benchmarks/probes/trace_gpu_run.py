@@ -46,7 +46,7 @@ import torch
 
 from wsi_pipeline import Pipeline, outputs, pipeline
 from wsi_pipeline.batch import run_key
-from wsi_pipeline.batch_jobs import StartedSlide, start_slide
+from wsi_pipeline.batch.jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import executor, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
-from ..batch_folder import lock_output_folder, printable
+from ..batch.folder import lock_output_folder, printable
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,

@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from ..batch_folder import BatchLogHandler
+from ..batch.folder import BatchLogHandler
 
 PROGRESS_CHOICES = ("auto", "bar", "log", "none")
 

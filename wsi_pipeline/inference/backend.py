@@ -44,6 +44,8 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "torch": (".torch_backend", "TorchBackend"),
     "tensorrt": (".tensorrt_backend", "TensorRTBackend"),
 }
+# What the ``backend`` setting accepts: a backend's name, or ``auto`` (see :func:`resolve_backend`).
+BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
 def create_backend(card: ModelCard | str | os.PathLike[str], backend: str = "ort", **opts: Any) -> Backend:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import MAX_MPP, MAX_TILE, MIN_MPP
 from ..errors import ModelError
 from ..validation import is_instance, is_int, is_number
 from .decoders import validate_decoder_params
@@ -45,8 +44,12 @@ MODEL_FORMATS = ("onnx", "torch_export")
 TORCH_EXPORT_SUFFIX = ".pt2"
 # A card is a few KB; anything far larger is not one.
 MAX_CARD_BYTES = 1 << 20
-# The largest model input side accepted (pixels): a tile is read, held and batched whole.
+# The largest tile, and so the largest model input side accepted (pixels): a tile is read, held
+# and batched whole. The run's ``tile`` setting is bound by it too.
+MAX_TILE = 4096
 MAX_INPUT_SIDE = MAX_TILE
+# Resolutions (micrometres per pixel) from 1 pm to 1 m: beyond, the grid's arithmetic overflows.
+MIN_MPP, MAX_MPP = 1e-6, 1e6
 # Detections a tile may give (``max_detections_per_tile``; the default where a card sets none). Beyond
 # it the lowest scores are dropped before anything is allocated for them, and counted in summary.json.
 DEFAULT_MAX_DETECTIONS_PER_TILE = 10_000

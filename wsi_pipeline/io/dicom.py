@@ -58,7 +58,7 @@ from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage, generate_uid
 
-from wsi_pipeline import __version__
+from wsi_pipeline._version import __version__
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
@@ -157,7 +157,7 @@ def placeholder_uids(
     heatmap file, written by different processes, reference one study, series and frame of
     reference, and a rerun of the slide joins that study.
     """
-    from ..run_key import input_identity  # the fingerprint a batch keeps of a slide
+    from ..file_identity import input_identity  # the fingerprint a batch keeps of a slide
 
     identity = input_identity(slide_path) if slide_path is not None and Path(slide_path).exists() else None
     key = json.dumps(

@@ -299,7 +299,7 @@ def _resolve_slide(run_dir: Path, recorded: str | None) -> Path | None:
 
 def _slide_folder(run_dir: Path) -> Path:
     """``run_dir``, or the one slide folder of the batch folder ``run_dir``."""
-    from ..batch_folder import slides_dir
+    from ..batch.folder import slides_dir
 
     batch = slides_dir(run_dir)
     if (run_dir / SUMMARY_FILE).exists() or not batch.is_dir():

@@ -15,8 +15,10 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..config import DAMAGED_TILE_CHOICES
 from ..errors import ConfigError, TileReadError
+
+# What a stored tile that decodes with a decoder warning (corrupt data) does to its slide.
+DAMAGED_TILE_CHOICES = ("warn", "fail")
 
 # Damaged tiles logged one by one per slide, and listed in a summary; past these, only counted.
 LOGGED_TILES = 20

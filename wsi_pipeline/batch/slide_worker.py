@@ -5,7 +5,7 @@ a reader following a file's pointers in circles, a network file system that
 stops answering. A Python thread cannot be stopped from outside, so a
 deadline checked between batches would wait forever on such a read. The
 batch therefore runs its slides in one child process (``python -m
-wsi_pipeline.slide_worker``) that builds the pipeline once and runs the
+wsi_pipeline.batch.slide_worker``) that builds the pipeline once and runs the
 slides it is sent one at a time. The parent waits for each slide's outcome
 at most the slide's time limit; past it, or when the child dies (a crash, the
 kernel's out-of-memory killer), the parent kills the child, removes its
@@ -41,10 +41,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .batch_folder import remove_or_warn, slides_dir
-from .child_process import child_connections, exception_from, exception_payload, start_child
-from .config import RunConfig
-from .errors import WSIPipelineError
+from ..child_process import child_connections, exception_from, exception_payload, start_child
+from ..config import RunConfig
+from ..errors import WSIPipelineError
+from .folder import remove_or_warn, slides_dir
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -94,7 +94,7 @@ class InProcessRunner:
         limit_s: float | None = None,
         next_slides: Sequence[tuple[Path, str]] = (),
     ):
-        from .batch_jobs import process_slide
+        from .jobs import process_slide
 
         self.prepare()
         return process_slide(self.pipeline, path, name, out_dir, key, progress=self.progress)
@@ -116,7 +116,7 @@ class ChildProcessRunner:
 
     # -- the child's life ----------------------------------------------------------
     def _start(self) -> None:
-        self.proc, self.send_conn, self.recv_conn = start_child("wsi_pipeline.slide_worker")
+        self.proc, self.send_conn, self.recv_conn = start_child("wsi_pipeline.batch.slide_worker")
         levels = {n: logging.getLogger(n).level for n in _LOGGERS}
         try:
             self.send_conn.send(("init", list(sys.path), levels, pickle.dumps(self.factory), self.progress))
@@ -184,7 +184,7 @@ class ChildProcessRunner:
         """The slide's outcome. ``next_slides`` ((path, name)): the slides that will be asked for next,
         in order; the child runs the first :data:`RUN_AHEAD` while this one's files are written, and
         plans the :data:`PLAN_AHEAD` after them."""
-        from .batch_jobs import SlideOutcome
+        from .jobs import SlideOutcome
 
         self.prepare()
         assert self.send_conn is not None and self.proc is not None
@@ -295,7 +295,7 @@ class _PipeHandler(logging.Handler):
 
 
 def _serve(recv_conn: Connection, send_conn: Connection) -> None:
-    from .batch_jobs import start_slide
+    from .jobs import start_slide
 
     # Ctrl-C and SIGTERM reach the whole process group: the parent handles them, and ends this process.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -309,7 +309,7 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
         logging.getLogger(name).setLevel(level)
     logging.captureWarnings(True)
     warnings.simplefilter("default")
-    from .cli import format_warning
+    from ..cli import format_warning
 
     warnings.formatwarning = format_warning  # one line each, as the parent's own warnings
     try:

@@ -13,7 +13,7 @@ Each worker process runs its slides as a local run does: in a child process
 that builds the pipeline once (the first task it runs) and keeps it for the
 tasks after, each slide under its time limit (:mod:`.slide_worker`); a task
 writes the slide's folder exactly as a local run does
-(:func:`~.batch_jobs.process_slide`), and the client records each outcome in the
+(:func:`~.jobs.process_slide`), and the client records each outcome in the
 manifest as it arrives.
 """
 
@@ -27,11 +27,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .batch_jobs import PipelineFactory, SlideOutcome
-from .config import RunConfig
-from .errors import UsageError
-from .inference.choice import default_reader_workers
-from .run_key import RunKey
+from ..config import RunConfig
+from ..errors import UsageError
+from ..inference.choice import default_reader_workers
+from .jobs import PipelineFactory, SlideOutcome
+from .resume import RunKey
 from .slide_worker import make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")
@@ -41,7 +41,7 @@ _worker_runners: dict[str, Any] = {}
 
 
 def _cuda_device_count() -> int:
-    from .inference.backend import cuda_may_be_present
+    from ..inference.backend import cuda_may_be_present
 
     if not cuda_may_be_present():
         return 0

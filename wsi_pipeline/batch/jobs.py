@@ -4,7 +4,7 @@
 process, a Dask worker); :func:`process_slide` (or :func:`start_slide` and
 :meth:`StartedSlide.finish`) runs one slide into its folder, atomically;
 :class:`SlideOutcome` is one slide's result as the batch records it. Kept
-apart from :mod:`.batch` so that the runners (:mod:`.slide_worker`,
+apart from :mod:`.runner` so that the runners (:mod:`.slide_worker`,
 :mod:`.distributed`) need not import the batch itself.
 """
 
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .batch_folder import remove_or_warn, slide_dir, slides_dir
-from .config import RunConfig
-from .errors import BackendUnavailableError, ConfigError, ModelError, UsageError
-from .inference.card import ModelCard
-from .run_key import RunKey, input_identity
+from ..config import RunConfig
+from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
+from ..file_identity import input_identity
+from ..inference.card import ModelCard
+from .folder import remove_or_warn, slide_dir, slides_dir
+from .resume import RunKey
 
 log = logging.getLogger("wsi_pipeline")
 _counter = itertools.count()  # distinct partial and old folder names within a process
@@ -88,8 +89,8 @@ class PipelineFactory:
     card: ModelCard | None = None
 
     def __call__(self) -> Any:
-        from .inference.card import verify_model_file
-        from .pipeline import Pipeline
+        from ..inference.card import verify_model_file
+        from ..pipeline import Pipeline
 
         try:
             if self.card is not None:

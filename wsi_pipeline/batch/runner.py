@@ -1,6 +1,6 @@
 """Batch runs: inputs to slides, one output folder per slide, a manifest, resume.
 
-The output folder's layout is in :mod:`.batch_folder`: ``DIR/manifest.json``,
+The output folder's layout is in :mod:`.folder`: ``DIR/manifest.json``,
 ``DIR/run.log`` and one folder per slide under ``DIR/slides/``. One run at a
 time writes into a folder (``DIR/run.lock``).
 
@@ -10,12 +10,12 @@ so a folder with a slide's name is always complete; a killed run leaves only a
 ``.partial`` folder, removed by the next run. Slides run in a child process,
 each under a wall-clock limit (:mod:`.slide_worker`). A slide counts as done
 when its folder's ``summary.json`` carries the current run key (settings,
-model card, model, mask: :class:`.run_key.RunKey`) and its slide file's
+model card, model, mask: :class:`.resume.RunKey`) and its slide file's
 identity: a rerun skips it (``force`` redoes it); otherwise it is redone and
 the log says why. The manifest is rewritten atomically after every change,
 so it is never half-written; where it and the folders disagree (a kill
 between the two), the folders win. When the manifest cannot be written (a
-full disk), the run stops with an :class:`~.batch_folder.OutputFolderError`.
+full disk), the run stops with an :class:`~.folder.OutputFolderError`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .batch_folder import (
+from ..config import RunConfig
+from ..errors import UsageError
+from ..file_identity import input_identity
+from ..inference.card import ModelCard
+from ..io.atomic import write_json
+from ..special_files import special_kind
+from ..summary import read_summary
+from .folder import (
     LOG_FILE,
     MANIFEST,
     SLIDES_DIR,
@@ -49,15 +56,9 @@ from .batch_folder import (
     slide_dir,
     slides_dir,
 )
-from .batch_jobs import PipelineFactory, SlideOutcome, path_record, process_slide
-from .config import RunConfig
-from .errors import UsageError
-from .inference.card import ModelCard
-from .io.atomic import write_json
-from .run_key import RunKey, input_identity, why_redo
+from .jobs import PipelineFactory, SlideOutcome, path_record, process_slide
+from .resume import RunKey, why_redo
 from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
-from .special_files import special_kind
-from .summary import read_summary
 
 log = logging.getLogger("wsi_pipeline")
 
@@ -244,14 +245,14 @@ def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
 
 
 def run_key(config: RunConfig, card: ModelCard) -> RunKey:
-    """The key of everything besides the slide that decides its outputs (see :mod:`.run_key`)."""
+    """The key of everything besides the slide that decides its outputs (see :mod:`.resume`)."""
     return RunKey.of(config, card)
 
 
 def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str | None]:
     """(summary, why the slide at ``path`` needs running) for its outputs ``folder``; the reason is None
     when they are its result under ``key``."""
-    from .outputs import OUTPUT_FILES
+    from ..outputs import OUTPUT_FILES
 
     if not folder.is_dir():
         return None, "not run yet"

@@ -2,11 +2,8 @@
 
 A slide's ``summary.json`` records its :class:`RunKey` (a hash of the
 result-deciding settings, of the whole model card with its model's SHA-256,
-and of the mask file's content) and its input's identity (size, modification
-time and inode, and a fingerprint of the file's first and last 64 KiB and 16
-blocks of 4 KiB spread between them, or of its whole content with
-``slide_hash = "full"``; for a slide that is a folder, its files' names and
-sizes and their latest modification time). A rerun keeps the slide only when
+and of the mask file's content) and its input's identity
+(:func:`~wsi_pipeline.file_identity.input_identity`). A rerun keeps the slide only when
 both still match, and otherwise says why it is redone. An edit the sampled
 fingerprint misses changes the modification time; a file replaced by another
 changes the inode. Identities recorded before the time and inode were (or
@@ -21,16 +18,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import RunConfig
-from .errors import ConfigError, UsageError
-from .inference.card import ModelCard
-from .io.formats import DEFAULT_FORMATS
-from .special_files import kind_of_mode, special_kind
+from ..config import RunConfig
+from ..errors import ConfigError, UsageError
+from ..inference.card import ModelCard
+from ..io.formats import DEFAULT_FORMATS
 
 KEY_FORMAT = 2
-HEAD_BYTES = TAIL_BYTES = 64 << 10
-SAMPLES = 16
-SAMPLE_BYTES = 4 << 10
 
 # What each part of the key covers, for the log line of a redone slide.
 PART_NAMES = {"settings": "the settings", "card": "the model card", "model": "the model file", "mask": "the mask file"}
@@ -42,13 +35,13 @@ def _digest(obj: Any) -> str:
 
 def mask_sha256(path: str | os.PathLike[str]) -> str:
     """SHA-256 of a mask file; UsageError naming it when it cannot be read or is no mask."""
-    from .inference.card import file_sha256
+    from ..inference.card import file_sha256
 
     p = os.fspath(path)
     if not os.path.isfile(p):
         raise UsageError(f"{p}: mask file not found (--tissue file needs --mask PATH of an image or GeoJSON)")
     if p.lower().endswith((".geojson", ".json")):
-        from .tiling.tissue import _geojson_polygons
+        from ..tiling.tissue import _geojson_polygons
 
         try:
             _geojson_polygons(p)
@@ -94,67 +87,6 @@ class RunKey:
             return ["the settings or model (recorded by an older version)"]
         names = sorted(set(self.parts) | set(recorded))
         return [PART_NAMES.get(n, n) for n in names if self.parts.get(n) != recorded.get(n)]
-
-
-def input_identity(path: str | os.PathLike[str], slide_hash: str = "sampled") -> dict[str, Any] | None:
-    """``{"size", "fingerprint", "mtime_ns", "inode"}`` of a slide file (``slide_hash`` "full": the
-    fingerprint of its whole content, and ``"hash": "full"``), of a folder slide its files' names and
-    sizes and their latest mtime; None when it cannot be read (the run then fails it)."""
-    if os.path.isdir(path):
-        return _folder_identity(path)
-    if special_kind(path):  # never opened: a FIFO waits for a writer, a device may not end
-        return None
-    try:
-        # Without waiting: a FIFO opened for reading would wait for a writer (refused when read as a slide).
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except (OSError, ValueError):
-        return None
-    try:
-        with open(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if kind_of_mode(st.st_mode):
-                return None
-            size = st.st_size
-            stamp = {"mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
-            h = hashlib.sha256()
-            if slide_hash == "full":
-                stamp["hash"] = "full"
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-                return {"size": size, "fingerprint": h.hexdigest()[:32], **stamp}
-            h.update(f.read(HEAD_BYTES))
-            if size > HEAD_BYTES + TAIL_BYTES:
-                step = (size - HEAD_BYTES - TAIL_BYTES) // (SAMPLES + 1)
-                for i in range(1, SAMPLES + 1):
-                    f.seek(HEAD_BYTES + i * step)
-                    h.update(f.read(SAMPLE_BYTES))
-            if size > HEAD_BYTES:
-                f.seek(max(HEAD_BYTES, size - TAIL_BYTES))
-                h.update(f.read(TAIL_BYTES))
-    except (OSError, ValueError):
-        return None
-    return {"size": size, "fingerprint": h.hexdigest()[:32], **stamp}
-
-
-def _folder_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
-    entries = []
-    mtime_ns = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            full = os.path.join(root, name)
-            try:
-                st = os.stat(full)
-            except OSError:
-                continue
-            entries.append((os.path.relpath(full, path), st.st_size))
-            mtime_ns = max(mtime_ns, st.st_mtime_ns)
-    entries.sort()
-    listing = json.dumps(entries).encode("utf-8", "surrogateescape")
-    return {
-        "size": sum(n for _, n in entries),
-        "fingerprint": hashlib.sha256(listing).hexdigest()[:32],
-        "mtime_ns": mtime_ns,
-    }
 
 
 def why_redo(

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError, WSIPipelineError
-from .summary import read_summary
+from ..errors import UsageError, WSIPipelineError
+from ..summary import read_summary
 
 try:
     import fcntl
@@ -164,7 +164,7 @@ def lock_output_folder(out_dir: str | os.PathLike[str]) -> Iterator[None]:
     """Hold ``DIR/run.lock`` while writing into ``DIR``; UsageError when another run holds it.
 
     Re-entrant within one thread (the CLI takes it before opening the log,
-    :func:`~.batch.run_batch` takes it again).
+    :func:`~.runner.run_batch` takes it again).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
