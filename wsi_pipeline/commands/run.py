@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     if config.dask:
-        from ..distributed import check_address
+        from ..batch.distributed import check_address
 
         check_address(config.dask)
     out = Path(args.out)
