@@ -101,15 +101,14 @@ def test_jpeg_kind_refuses_what_is_not_a_jpeg_header():
             jpeg_kind(junk)
 
 
-pytest.importorskip("torch")
-from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder  # noqa: E402
-
-
 @pytest.mark.parametrize("mpp", [None, 0.5, 0.37])
 @pytest.mark.parametrize("kind", ["tiff-ycbcr444", "svs"])
 def test_the_gpu_loaders_assembly_equals_the_cpu_reader(storage_kinds, kind, mpp):
     """Same tiles through the GPU loader's assembly and resampling (CPU device, libjpeg-turbo
     decoding) and through the CPU reader (``read_tile``: region then ``cv2.INTER_AREA``)."""
+    pytest.importorskip("torch")
+    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
+
     with open_slide(storage_kinds[kind]) as slide:
         grid = TileGrid(slide, 512, 64, mpp=mpp) if mpp else TileGrid(slide)
         tiles = list(grid)
@@ -137,3 +136,15 @@ def test_pipeline_detections_agree_across_storage_kinds(storage_kinds):
         assert abs(len(r.detections) - len(base.detections)) <= max(2, 0.03 * len(base.detections)), kind
     assert runs["svs"].summary["slide_reader"]["vendor"] == "aperio"
     assert runs["svs"].summary["slide_reader"]["storage"]["jpeg_kind"] == "RGB"
+
+
+def test_info_tells_the_jpeg_kind_and_the_decoder_a_cuda_run_would_use(storage_kinds):
+    from wsi_pipeline.commands.info import describe
+
+    svs = describe(storage_kinds["svs"])
+    assert (svs["backend"], svs["format"], svs["storage"]["jpeg_kind"]) == ("tifffile", "aperio", "RGB")
+    assert svs["gpu_decode"]["decoder"] == "nvimgcodec"
+    ycc = describe(storage_kinds["tiff-ycbcr444"])
+    assert (ycc["storage"]["jpeg_kind"], ycc["gpu_decode"]["decoder"]) == ("YCbCr 4:4:4", "nvjpeg")
+    j2k = describe(storage_kinds["svs-j2k"])
+    assert j2k["gpu_decode"]["decoder"] is None and "not JPEG" in j2k["gpu_decode"]["why"]

@@ -37,7 +37,19 @@ def _gpu_decode(slide) -> dict:
     """How a run on a CUDA backend would decode level 0's stored tiles (the decoder's presence
     is checked by the run itself)."""
     decoder, why = storage_gpu_decoder(slide.stored_tile_format(0), slide.backend, 0)
+    if decoder == "nvimgcodec" and not _installed("nvidia.nvimgcodec"):
+        why += " (not installed here: the CPU decodes them; pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
     return {"decoder": decoder, "why": why}
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be found (without importing it: nvImageCodec loads CUDA)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def shipped_models() -> dict:
