@@ -494,6 +494,10 @@ def run_batch(
                 bar.close()
             if runner is not None:
                 runner.close()  # again after the loop's own close: a no-op then
+        # Once more at the end: the slide process of an earlier run killed just before this one began
+        # notices its parent's end within a second (child_process.watch_parent) and may have started a
+        # slide folder after the first clean; this run's own are all renamed or removed by now.
+        clean_leftovers(out)
     order = names
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
 
