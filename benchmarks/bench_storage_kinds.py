@@ -108,30 +108,26 @@ def run_kind(pipe: Pipeline, path: str, rounds: int) -> dict:
         "best": round(max(speeds), 1),
         "slide_reader": s.get("slide_reader"),
         "tile_decode": s.get("tile_decode"),
+        "stage_seconds": s.get("seconds"),
         "detections": int(len(last.detections)),
         "_boxes": boxes_of(last),
     }
 
 
-def model_alone(pipe: Pipeline, seconds: float = 5.0) -> float:
-    """Tiles/s of the pipeline's backend on tiles already in memory (device memory on CUDA)."""
+def model_alone(pipe: Pipeline) -> float:
+    """Tiles/s of the pipeline's backend on tiles already in memory: on CUDA ``bench_gpu``'s
+    measure (device data), on the CPU ``bench_cpu_pipeline``'s (the pipeline's own sessions)."""
     backend = pipe.executor.backend
     batch = pipe.batch_size
-    if getattr(backend, "device", None) is not None and str(getattr(backend, "device", "")).startswith("cuda"):
-        sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(getattr(backend, "device", "")).startswith("cuda"):
         from bench_gpu import bench_model_alone
 
         return bench_model_alone(backend, batch)
-    from wsi_pipeline.tiling.loader import Batch  # noqa: F401  (the host path of the executor)
+    from bench_cpu_pipeline import model_alone as cpu_model_alone
 
-    tiles = np.random.default_rng(0).integers(0, 256, (batch, 512, 512, 3), dtype=np.uint8)
-    backend.infer(tiles)
-    t0 = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t0 < seconds:
-        backend.infer(tiles)
-        n += batch
-    return n / (time.perf_counter() - t0)
+    tiles = np.random.default_rng(0).integers(0, 256, (8 * batch, 512, 512, 3), dtype=np.uint8)
+    cpu_model_alone(pipe, tiles[:batch], batch)  # warm-up
+    return cpu_model_alone(pipe, tiles, batch)
 
 
 def monai_sliding_window(pipe: Pipeline, slide_path: str) -> dict:
@@ -208,10 +204,11 @@ def main() -> int:
         rows.append(row)
         log(
             f"{kind:14} mpp={mpp or 'card'}: {row['median']:8.1f} tiles/s (best {row['best']:.1f}, "
-            f"{row['tiles']} tiles) reader={row['slide_reader']} decode={row['tile_decode']}"
+            f"{row['tiles']} tiles) stages={row['stage_seconds']} reader={row['slide_reader']} "
+            f"decode={row['tile_decode']}"
         )
     for mpp, pipe in pipes.items():
-        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe, 0.5 if args.smoke else 5.0), 1)
+        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
     ref = {r["mpp"]: r for r in rows if r["kind"] == "synth" and "error" not in r}
     for r in rows:
         if "error" in r or r["mpp"] not in ref:
