@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .backend import BACKENDS, Backend, create_backend
 from .card import ModelCard, card_path_for, file_sha256, load_card, write_card
-from .decoders import DECODERS, TileDetections, decode, get_decoder
+from .decoders import DECODERS, TileDetections, decode, get_decoder  # registers the built-in decoders
 
 __all__ = [
     "BACKENDS",

@@ -18,14 +18,16 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
-from ..validation import is_instance, is_int, is_number
-from .decoders import validate_decoder_params
+from ..validation import is_int
+from .card_fields import Dim, FieldReader, parse_dim, read_card_json
+from .decoder_registry import decoder_types, validate_decoder_params
+from .model_signature import verify_model_file
 from .shipped import resolve_model, shipped_names
 
 CARD_SUFFIX = ".card.json"
@@ -33,7 +35,6 @@ SCHEMA_VERSION = 1
 LAYOUTS = ("NHWC", "NCHW")
 INPUT_DTYPES = ("uint8", "float32", "float16")
 CHANNEL_ORDERS = ("RGB", "BGR")
-DECODER_TYPES = ("centernet", "boxes_scores_labels", "yolo")
 HEATMAP_ACTIVATIONS = ("none", "sigmoid", "softmax")
 PRECISIONS = ("fp32", "fp16", "int8")
 OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
@@ -42,8 +43,6 @@ OUTPUT_DTYPES = ("float32", "float16", "int32", "int64", "uint8", "bool")
 # field the model file's extension decides: ``.pt2`` is ``torch_export``, anything else ``onnx``.
 MODEL_FORMATS = ("onnx", "torch_export")
 TORCH_EXPORT_SUFFIX = ".pt2"
-# A card is a few KB; anything far larger is not one.
-MAX_CARD_BYTES = 1 << 20
 # The largest tile, and so the largest model input side accepted (pixels): a tile is read, held
 # and batched whole. The run's ``tile`` setting is bound by it too.
 MAX_TILE = 4096
@@ -54,20 +53,6 @@ MIN_MPP, MAX_MPP = 1e-6, 1e6
 # it the lowest scores are dropped before anything is allocated for them, and counted in summary.json.
 DEFAULT_MAX_DETECTIONS_PER_TILE = 10_000
 MAX_DETECTIONS_PER_TILE = 1_000_000
-
-# ONNX TensorProto element types -> card dtype names.
-_ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
-# onnxruntime NodeArg.type strings -> card dtype names.
-_ORT_TYPES = {
-    "tensor(float)": "float32",
-    "tensor(uint8)": "uint8",
-    "tensor(int32)": "int32",
-    "tensor(int64)": "int64",
-    "tensor(bool)": "bool",
-    "tensor(float16)": "float16",
-}
-
-Dim = int | str | None  # a fixed size, or a symbolic name / None for a dynamic axis
 
 
 @dataclass(frozen=True)
@@ -102,7 +87,7 @@ class OutputSpec:
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """Which decoder turns the outputs into boxes, and its parameters (see decoders.py)."""
+    """Which decoder turns the outputs into boxes (a name in :mod:`.decoder_registry`), and its parameters."""
 
     type: str
     params: Mapping[str, Any] = field(default_factory=dict)
@@ -250,62 +235,30 @@ def write_card(card: ModelCard, path: str | os.PathLike[str] | None = None) -> P
 # -- parsing -------------------------------------------------------------------
 
 
-class _Reader:
-    """Field access on the card's JSON with errors that name the file and field."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def fail(self, where: str, expected: str, found: Any) -> ModelError:
-        return ModelError(f"{self.path}: field {where!r}: expected {expected}, found {found!r}")
-
-    def get(
-        self,
-        obj: Mapping[str, Any],
-        key: str,
-        where: str,
-        kinds: type | tuple[type, ...],
-        expected: str,
-        default: Any = ...,
-        optional: bool = False,
-    ) -> Any:
-        full = f"{where}.{key}" if where else key
-        if key not in obj or (optional and obj[key] is None):
-            if default is not ...:
-                return default
-            raise ModelError(f"{self.path}: missing field {full!r} ({expected})")
-        value = obj[key]
-        if not is_instance(value, kinds):
-            raise self.fail(full, expected, value)
-        return value
-
-    def choice(self, obj: Mapping[str, Any], key: str, where: str, choices: Sequence[str], default: Any = ...) -> str:
-        value = self.get(obj, key, where, str, f"one of {list(choices)}", default)
-        if value not in choices:
-            raise self.fail(f"{where}.{key}" if where else key, f"one of {list(choices)}", value)
-        return value
-
-    def triple(self, obj: Mapping[str, Any], key: str, where: str, default: Any) -> tuple[float, float, float]:
-        value = self.get(obj, key, where, list, "a list of 3 numbers", default)
-        if isinstance(value, tuple):
-            return value
-        if len(value) != 3 or not all(is_number(v) for v in value):
-            raise self.fail(f"{where}.{key}", "a list of 3 numbers", value)
-        return tuple(float(v) for v in value)  # type: ignore[return-value]
-
-
-def _parse_dim(reader: _Reader, value: Any, where: str) -> Dim:
-    if value is None or isinstance(value, str):
-        return value
-    if is_int(value) and value >= 0:
-        return value
-    raise reader.fail(where, "a non-negative int, a string (dynamic axis) or null", value)
+_KNOWN_FIELDS = frozenset(
+    {
+        "max_detections_per_tile",
+        "schema_version",
+        "name",
+        "version",
+        "model_file",
+        "sha256",
+        "precision",
+        "format",
+        "input",
+        "mpp",
+        "outputs",
+        "decoder",
+        "classes",
+        "heatmap",
+    }
+)
 
 
 def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> ModelCard:
     """Validate a card's JSON document; ``card_path`` locates the model file and names errors."""
     path = Path(card_path).resolve()
-    r = _Reader(path)
+    r = FieldReader(path)
     if not isinstance(doc, Mapping):
         raise r.fail("", "a JSON object", type(doc).__name__)
     schema = r.get(doc, "schema_version", "", int, "an int", SCHEMA_VERSION)
@@ -313,23 +266,68 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         raise r.fail("schema_version", f"<= {SCHEMA_VERSION}", schema)
     name = r.get(doc, "name", "", str, "a string")
     version = str(r.get(doc, "version", "", (str, int, float), "a string", "0"))
+    model_file = _parse_model_file(r, doc, path)
+    sha = r.get(doc, "sha256", "", str, "64 hex digits")
+    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
+        raise r.fail("sha256", "64 hex digits", sha)
+    precision = r.choice(doc, "precision", "", PRECISIONS, "fp32")
+    model_format = _parse_format(r, doc, model_file)
+    input_spec = _parse_input(r, doc)
+    mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
+    if mpp is not None and not (math.isfinite(mpp) and MIN_MPP <= mpp <= MAX_MPP):
+        raise r.fail("mpp", f"a positive number from {MIN_MPP:g} to {MAX_MPP:g}, or null", mpp)
+    outputs = _parse_outputs(r, doc)
+    dec = r.get(doc, "decoder", "", dict, "an object {type, params}")
+    decoder = DecoderSpec(
+        type=r.choice(dec, "type", "decoder", decoder_types()),
+        params=dict(r.get(dec, "params", "decoder", dict, "an object", {})),
+    )
+    classes = _parse_classes(r, doc)
+    heatmap = _parse_heatmap(r, doc, [o.name for o in outputs])
+    cap = r.get(doc, "max_detections_per_tile", "", int, "a positive int or null", None, optional=True)
+    if cap is not None and not (is_int(cap) and 1 <= cap <= MAX_DETECTIONS_PER_TILE):
+        raise r.fail("max_detections_per_tile", f"an int from 1 to {MAX_DETECTIONS_PER_TILE} or null", cap)
+    card = ModelCard(
+        name=name,
+        version=version,
+        model_path=(path.parent / model_file).resolve(),
+        sha256=sha.lower(),
+        input=input_spec,
+        outputs=outputs,
+        decoder=decoder,
+        classes=classes,
+        mpp=mpp,
+        heatmap=heatmap,
+        precision=precision,
+        card_path=path,
+        extra={k: v for k, v in doc.items() if k not in _KNOWN_FIELDS},
+        format=model_format,
+        max_detections_per_tile=cap,
+    )
+    validate_decoder_params(card)
+    return card
+
+
+def _parse_model_file(r: FieldReader, doc: Mapping[str, Any], card_path: Path) -> str:
+    """The card's ``model_file``: a path inside the card's folder."""
     model_file = r.get(doc, "model_file", "", str, "a path relative to the card")
     # The model lives in the card's folder or below it: a card cannot point at any file on the machine,
     # neither by its path nor through a symbolic link (links are resolved before the check).
     if "\x00" in model_file or os.path.isabs(model_file):
         raise r.fail("model_file", "a path inside the card's folder", model_file)
-    inside = os.path.realpath(os.path.join(path.parent, model_file))
-    if os.path.commonpath([inside, str(path.parent)]) != str(path.parent):
+    inside = os.path.realpath(os.path.join(card_path.parent, model_file))
+    if os.path.commonpath([inside, str(card_path.parent)]) != str(card_path.parent):
         shown = (
             model_file
-            if os.path.normpath(os.path.join(path.parent, model_file)) == inside
+            if os.path.normpath(os.path.join(card_path.parent, model_file)) == inside
             else f"{model_file} -> {inside}"
         )
         raise r.fail("model_file", "a path inside the card's folder (symbolic links resolved)", shown)
-    sha = r.get(doc, "sha256", "", str, "64 hex digits")
-    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha.lower()):
-        raise r.fail("sha256", "64 hex digits", sha)
-    precision = r.choice(doc, "precision", "", PRECISIONS, "fp32")
+    return model_file
+
+
+def _parse_format(r: FieldReader, doc: Mapping[str, Any], model_file: str) -> str:
+    """The card's ``format``, which must be the one the model file's extension implies."""
     implied = format_for(model_file)
     model_format = r.choice(doc, "format", "", MODEL_FORMATS, implied)
     if model_format != implied:
@@ -338,7 +336,11 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
             f"{implied!r} for the model file {model_file!r} (a torch.export program ends in {TORCH_EXPORT_SUFFIX})",
             model_format,
         )
+    return model_format
 
+
+def _parse_input(r: FieldReader, doc: Mapping[str, Any]) -> InputSpec:
+    """The card's ``input``."""
     inp = r.get(doc, "input", "", dict, "an object")
     size = r.get(inp, "size", "input", list, "[height, width] in pixels")
     if len(size) != 2 or not all(is_int(v) and 0 < v <= MAX_INPUT_SIDE for v in size):
@@ -365,11 +367,11 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
             "true for a uint8 input with mean/std (a uint8 tensor cannot carry normalised values)",
             False,
         )
+    return input_spec
 
-    mpp = r.get(doc, "mpp", "", (int, float), "micrometres per pixel or null", None, optional=True)
-    if mpp is not None and not (math.isfinite(mpp) and MIN_MPP <= mpp <= MAX_MPP):
-        raise r.fail("mpp", f"a positive number from {MIN_MPP:g} to {MAX_MPP:g}, or null", mpp)
 
+def _parse_outputs(r: FieldReader, doc: Mapping[str, Any]) -> tuple[OutputSpec, ...]:
+    """The card's ``outputs``, at least one, names unique."""
     outputs_doc = r.get(doc, "outputs", "", list, "a list of {name, shape, dtype}")
     if not outputs_doc:
         raise r.fail("outputs", "at least one output", outputs_doc)
@@ -382,20 +384,18 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         outputs.append(
             OutputSpec(
                 name=r.get(o, "name", where, str, "a string"),
-                shape=tuple(_parse_dim(r, d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
+                shape=tuple(parse_dim(r, d, f"{where}.shape[{j}]") for j, d in enumerate(shape)),
                 dtype=r.choice(o, "dtype", where, OUTPUT_DTYPES, "float32"),
             )
         )
     names = [o.name for o in outputs]
     if len(set(names)) != len(names):
         raise r.fail("outputs", "unique names", names)
+    return tuple(outputs)
 
-    dec = r.get(doc, "decoder", "", dict, "an object {type, params}")
-    decoder = DecoderSpec(
-        type=r.choice(dec, "type", "decoder", DECODER_TYPES),
-        params=dict(r.get(dec, "params", "decoder", dict, "an object", {})),
-    )
 
+def _parse_classes(r: FieldReader, doc: Mapping[str, Any]) -> tuple[ClassSpec, ...]:
+    """The card's ``classes``: names, or ``{name, color}`` objects."""
     classes_doc = r.get(doc, "classes", "", list, "a list of {name, color}")
     if not classes_doc:
         raise r.fail("classes", "at least one class", classes_doc)
@@ -411,94 +411,29 @@ def parse_card(doc: Mapping[str, Any], card_path: str | os.PathLike[str]) -> Mod
         if len(color) != 7 or color[0] != "#" or any(ch not in "0123456789abcdefABCDEF" for ch in color[1:]):
             raise r.fail(f"{where}.color", "#rrggbb", color)
         classes.append(ClassSpec(r.get(c, "name", where, str, "a string"), color))
+    return tuple(classes)
 
-    heatmap = None
+
+def _parse_heatmap(r: FieldReader, doc: Mapping[str, Any], output_names: list[str]) -> HeatmapSpec | None:
+    """The card's ``heatmap`` (one of ``output_names``), or None."""
     hm = r.get(doc, "heatmap", "", dict, "an object or null", None, optional=True)
-    if hm is not None:
-        stride = r.get(hm, "stride", "heatmap", int, "a positive int (tile pixels per cell)")
-        if stride <= 0:
-            raise r.fail("heatmap.stride", "a positive int", stride)
-        hm_classes = r.get(hm, "classes", "heatmap", list, "a list of channel names")
-        if not hm_classes or not all(isinstance(c, str) for c in hm_classes):
-            raise r.fail("heatmap.classes", "a non-empty list of strings", hm_classes)
-        heatmap = HeatmapSpec(
-            output=r.get(hm, "output", "heatmap", str, "an output name"),
-            stride=stride,
-            classes=tuple(hm_classes),
-            activation=r.choice(hm, "activation", "heatmap", HEATMAP_ACTIVATIONS, "none"),
-        )
-        if heatmap.output not in names:
-            raise r.fail("heatmap.output", f"one of the outputs {names}", heatmap.output)
-
-    cap = r.get(doc, "max_detections_per_tile", "", int, "a positive int or null", None, optional=True)
-    if cap is not None and not (is_int(cap) and 1 <= cap <= MAX_DETECTIONS_PER_TILE):
-        raise r.fail("max_detections_per_tile", f"an int from 1 to {MAX_DETECTIONS_PER_TILE} or null", cap)
-
-    known = {
-        "max_detections_per_tile",
-        "schema_version",
-        "name",
-        "version",
-        "model_file",
-        "sha256",
-        "precision",
-        "format",
-        "input",
-        "mpp",
-        "outputs",
-        "decoder",
-        "classes",
-        "heatmap",
-    }
-    extra = {k: v for k, v in doc.items() if k not in known}
-    card = ModelCard(
-        name=name,
-        version=version,
-        model_path=(path.parent / model_file).resolve(),
-        sha256=sha.lower(),
-        input=input_spec,
-        outputs=tuple(outputs),
-        decoder=decoder,
-        classes=tuple(classes),
-        mpp=mpp,
-        heatmap=heatmap,
-        precision=precision,
-        card_path=path,
-        extra=extra,
-        format=model_format,
-        max_detections_per_tile=cap,
+    if hm is None:
+        return None
+    stride = r.get(hm, "stride", "heatmap", int, "a positive int (tile pixels per cell)")
+    if stride <= 0:
+        raise r.fail("heatmap.stride", "a positive int", stride)
+    hm_classes = r.get(hm, "classes", "heatmap", list, "a list of channel names")
+    if not hm_classes or not all(isinstance(c, str) for c in hm_classes):
+        raise r.fail("heatmap.classes", "a non-empty list of strings", hm_classes)
+    heatmap = HeatmapSpec(
+        output=r.get(hm, "output", "heatmap", str, "an output name"),
+        stride=stride,
+        classes=tuple(hm_classes),
+        activation=r.choice(hm, "activation", "heatmap", HEATMAP_ACTIVATIONS, "none"),
     )
-    validate_decoder_params(card)
-    return card
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def read_card_json(path: Path) -> Any:
-    """The card's JSON document; ModelError for a file that is not a small UTF-8 JSON text of plain numbers."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CARD_BYTES + 1)
-    except OSError as exc:
-        raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CARD_BYTES:
-        raise ModelError(
-            f"{path}: not a model card: expected at most {MAX_CARD_BYTES} bytes of JSON, found a larger file"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelError(
-            f"{path}: not valid JSON: expected UTF-8 text, found byte 0x{raw[exc.start]:02x} at offset {exc.start}"
-        ) from None
-    try:
-        return json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise ModelError(f"{path}: not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, NaN/Infinity, integers of thousands of digits
-        raise ModelError(f"{path}: not valid JSON: {exc}") from None
+    if heatmap.output not in output_names:
+        raise r.fail("heatmap.output", f"one of the outputs {output_names}", heatmap.output)
+    return heatmap
 
 
 def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verify_model: bool = True) -> ModelCard:
@@ -536,110 +471,3 @@ def load_card(path: str | os.PathLike[str], *, verify_sha256: bool = True, verif
     if verify_model:
         verify_model_file(card)
     return card
-
-
-def verify_model_file(card: ModelCard) -> None:
-    """Raise ModelError unless the card's model file is what the card describes.
-
-    An ONNX model's input and output names, dtypes and fixed dims must match the card (read with
-    ``onnx``, or ``onnxruntime`` without it); a ``.pt2`` must be a ``torch.export`` archive.
-    ``load_card(..., verify_model=True)`` calls it; a caller that loads the card where the model
-    does not run (a batch's parent process) leaves it to the process that builds the pipeline.
-    """
-    if card.format == "torch_export":
-        import zipfile
-
-        if not zipfile.is_zipfile(card.model_path):
-            raise ModelError(
-                f"{card.model_path}: not a torch.export program: expected the zip archive "
-                "torch.export.save writes, found another kind of file"
-            )
-    elif card.model_path.suffix == ".onnx":
-        check_onnx_matches_card(card)
-
-
-# -- model <-> card consistency ----------------------------------------------------
-
-
-def _onnx_signature(
-    model_path: Path,
-) -> tuple[dict[str, tuple[str, tuple[Dim, ...]]], dict[str, tuple[str, tuple[Dim, ...]]]]:
-    """{name: (dtype, shape)} of the graph's real inputs and of its outputs."""
-    try:
-        import onnx
-    except ImportError:
-        onnx = None
-    if onnx is not None:
-        try:
-            model = onnx.load(str(model_path), load_external_data=False)
-        except Exception as exc:  # onnx raises DecodeError and others for a corrupt file
-            raise ModelError(f"{model_path}: cannot be read as ONNX: {exc}") from exc
-        initializers = {init.name for init in model.graph.initializer}
-
-        def sig(values) -> dict[str, tuple[str, tuple[Dim, ...]]]:
-            out = {}
-            for v in values:
-                if v.name in initializers:
-                    continue
-                t = v.type.tensor_type
-                dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
-                out[v.name] = (_ONNX_ELEM_TYPES.get(t.elem_type, f"onnx-type-{t.elem_type}"), dims)
-            return out
-
-        return sig(model.graph.input), sig(model.graph.output)
-    sess = ort_session(model_path)
-    return ort_signature(sess.get_inputs()), ort_signature(sess.get_outputs())
-
-
-def ort_session(model_path: str | os.PathLike[str]) -> Any:
-    """An onnxruntime CPU session of the model, or ModelError naming the file."""
-    import onnxruntime as ort
-
-    try:
-        return ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise ModelError(f"{model_path}: cannot be loaded by onnxruntime: {exc}") from exc
-
-
-def ort_signature(args: Sequence[Any]) -> dict[str, tuple[str, tuple[Dim, ...]]]:
-    """{name: (card dtype name, shape)} of onnxruntime NodeArgs (a session's inputs or outputs)."""
-    return {a.name: (_ORT_TYPES.get(a.type, a.type), tuple(a.shape)) for a in args}
-
-
-def _dims_conflict(expected: Dim, found: Dim) -> bool:
-    return isinstance(expected, int) and isinstance(found, int) and expected != found
-
-
-def check_onnx_matches_card(card: ModelCard) -> None:
-    """Raise ModelError unless the ONNX file's input/outputs agree with the card."""
-    check_signature_matches_card(card, *_onnx_signature(card.model_path))
-
-
-def check_signature_matches_card(
-    card: ModelCard,
-    inputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
-    outputs: Mapping[str, tuple[str, tuple[Dim, ...]]],
-) -> None:
-    """Raise ModelError unless a model's ``{name: (dtype, shape)}`` input and outputs agree with the card."""
-    where = f"{card.model_path} (card {card.card_path})"
-    if len(inputs) != 1 or card.input.name not in inputs:
-        raise ModelError(f"{where}: input: expected one input named {card.input.name!r}, found {sorted(inputs)}")
-    dtype, shape = inputs[card.input.name]
-    if dtype != card.input.dtype:
-        raise ModelError(f"{where}: input {card.input.name!r} dtype: expected {card.input.dtype}, found {dtype}")
-    h, w = card.input.size_hw
-    expected_shape: tuple[Dim, ...] = (None, h, w, 3) if card.input.layout == "NHWC" else (None, 3, h, w)
-    if len(shape) != 4 or any(_dims_conflict(e, f) for e, f in zip(expected_shape, shape, strict=True)):
-        raise ModelError(
-            f"{where}: input {card.input.name!r} shape: expected {card.input.layout} "
-            f"{list(expected_shape)}, found {list(shape)}"
-        )
-    expected_names = [o.name for o in card.outputs]
-    if sorted(expected_names) != sorted(outputs):
-        raise ModelError(f"{where}: outputs: expected {sorted(expected_names)}, found {sorted(outputs)}")
-    for spec in card.outputs:
-        dtype, shape = outputs[spec.name]
-        if dtype != spec.dtype:
-            raise ModelError(f"{where}: output {spec.name!r} dtype: expected {spec.dtype}, found {dtype}")
-        if len(shape) != len(spec.shape) or any(_dims_conflict(e, f) for e, f in zip(spec.shape, shape, strict=True)):
-            raise ModelError(f"{where}: output {spec.name!r} shape: expected {list(spec.shape)}, found {list(shape)}")

@@ -28,18 +28,17 @@ import numpy as np
 
 from ..errors import ModelError, UsageError
 from .card import (
-    DECODER_TYPES,
     INPUT_DTYPES,
     SCHEMA_VERSION,
-    Dim,
     ModelCard,
     card_path_for,
     file_sha256,
     format_for,
     load_card,
-    ort_session,
-    ort_signature,
 )
+from .card_fields import Dim
+from .decoder_registry import decoder_types
+from .model_signature import ort_session, ort_signature
 
 TODO = "TODO"
 CARD_INIT_KEY = "card_init"
@@ -109,7 +108,10 @@ def draft_card(
         "mpp": f"{TODO}: micrometres per pixel the model was trained at, or null (images without a scale: "
         "level 0 is read as it is)",
         "outputs": [{"name": n, "shape": list(s), "dtype": d} for n, (d, s) in outputs.items()],
-        "decoder": {"type": f"{TODO}: one of {', '.join(DECODER_TYPES)} (docs/model_card.md, Decoders)", "params": {}},
+        "decoder": {
+            "type": f"{TODO}: one of {', '.join(decoder_types())} (docs/model_card.md, Decoders)",
+            "params": {},
+        },
         "classes": f'{TODO}: the object classes in label order, e.g. [{{"name": "nucleus", "color": "#7b2cbf"}}]',
         "heatmap": None,
         CARD_INIT_KEY: {

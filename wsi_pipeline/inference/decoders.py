@@ -3,7 +3,9 @@
 Every decoder returns boxes in TILE pixels of the model input (``x0, y0, x1,
 y1``, origin top-left of the tile, x right, y down); the stitcher moves them
 to level-0 slide pixels. The card's ``decoder`` entry picks the decoder and
-its parameters:
+its parameters: a :class:`~.decoder_registry.DecoderEntry` each, the built-in
+ones registered below (another is added with
+:func:`~.decoder_registry.register_decoder`):
 
 ``centernet``
     The shipped models' graph already does peak extraction and outputs
@@ -41,7 +43,7 @@ tile as ``CxHxW float32`` probabilities after the card's activation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +51,18 @@ import numpy as np
 
 from ..boxes.nms import global_nms
 from ..errors import ModelError
-from ..validation import is_instance
+from .decoder_registry import (
+    BatchDecoder,
+    Decoder,
+    DecoderEntry,
+    EntryField,
+    ParamTable,
+    decoder_entry,
+    register_decoder,
+)
+from .decoder_registry import decode_names as decode_names
+from .decoder_registry import decoder_params as decoder_params
+from .decoder_registry import validate_decoder_params as validate_decoder_params
 
 if TYPE_CHECKING:
     from .card import ModelCard
@@ -188,85 +201,33 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return out
 
 
-Decoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], list[TileDetections]]
-BatchDecoder = Callable[[Mapping[str, np.ndarray], "ModelCard"], BatchDetections]
-
-_PARAMS: dict[str, dict[str, tuple[type | tuple[type, ...], Any]]] = {
-    "centernet": {
-        "boxes": (str, "boxes"),
-        "scores": (str, "scores"),
-        "labels": (str, "labels"),
-        "score_threshold": ((int, float), 0.3),
-        "max_detections": ((int, type(None)), None),
-        "iou_threshold": ((int, float, type(None)), None),
-    },
-    "boxes_scores_labels": {
-        "boxes": (str, "boxes"),
-        "scores": (str, "scores"),
-        "labels": (str, "labels"),
-        "num_detections": ((str, type(None)), None),
-        "score_threshold": ((int, float), 0.0),
-        "box_format": (str, "xyxy"),
-        "normalized": (bool, False),
-        "label_offset": (int, 0),
-    },
-    "yolo": {
-        "output": (str, "output0"),
-        "score_threshold": ((int, float), 0.25),
-        "iou_threshold": ((int, float), 0.45),
-        "max_detections": (int, 300),
-        "channels_last": (bool, False),
-        "objectness": (bool, False),
-    },
+CENTERNET_PARAMS: ParamTable = {
+    "boxes": (str, "boxes"),
+    "scores": (str, "scores"),
+    "labels": (str, "labels"),
+    "score_threshold": ((int, float), 0.3),
+    "max_detections": ((int, type(None)), None),
+    "iou_threshold": ((int, float, type(None)), None),
+}
+BOXES_SCORES_LABELS_PARAMS: ParamTable = {
+    "boxes": (str, "boxes"),
+    "scores": (str, "scores"),
+    "labels": (str, "labels"),
+    "num_detections": ((str, type(None)), None),
+    "score_threshold": ((int, float), 0.0),
+    "box_format": (str, "xyxy"),
+    "normalized": (bool, False),
+    "label_offset": (int, 0),
+}
+YOLO_PARAMS: ParamTable = {
+    "output": (str, "output0"),
+    "score_threshold": ((int, float), 0.25),
+    "iou_threshold": ((int, float), 0.45),
+    "max_detections": (int, 300),
+    "channels_last": (bool, False),
+    "objectness": (bool, False),
 }
 BOX_FORMATS = ("xyxy", "xywh", "cxcywh")
-
-
-def decoder_params(card: ModelCard) -> dict[str, Any]:
-    """The card's decoder params with defaults filled in."""
-    spec = _PARAMS[card.decoder.type]
-    params = {k: default for k, (_, default) in spec.items()}
-    params.update(card.decoder.params)
-    return params
-
-
-def validate_decoder_params(card: ModelCard) -> None:
-    """Raise ModelError for unknown, mistyped or inconsistent decoder params of ``card``."""
-    kind = card.decoder.type
-    spec = _PARAMS[kind]
-    where = card.card_path
-    for key, value in card.decoder.params.items():
-        if key not in spec:
-            raise ModelError(
-                f"{where}: field 'decoder.params.{key}': expected one of "
-                f"{sorted(spec)} for decoder {kind!r}, found unknown key"
-            )
-        kinds = spec[key][0]
-        if not is_instance(value, kinds):
-            raise ModelError(f"{where}: field 'decoder.params.{key}': expected {_kind_name(kinds)}, found {value!r}")
-    params = decoder_params(card)
-    names = {o.name for o in card.outputs}
-    for key in ("boxes", "scores", "labels", "num_detections", "output"):
-        if key in spec and params[key] is not None and params[key] not in names:
-            raise ModelError(
-                f"{where}: field 'decoder.params.{key}': expected one of the outputs "
-                f"{sorted(names)}, found {params[key]!r}"
-            )
-    if kind == "boxes_scores_labels" and params["box_format"] not in BOX_FORMATS:
-        raise ModelError(
-            f"{where}: field 'decoder.params.box_format': expected one of "
-            f"{list(BOX_FORMATS)}, found {params['box_format']!r}"
-        )
-    for key in ("score_threshold", "iou_threshold"):
-        if params.get(key) is not None and not 0.0 <= float(params[key]) <= 1.0:
-            raise ModelError(
-                f"{where}: field 'decoder.params.{key}': expected a number in [0, 1], found {params[key]!r}"
-            )
-
-
-def _kind_name(kinds: type | tuple[type, ...]) -> str:
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
 def _get(outputs: Mapping[str, np.ndarray], name: str, card: ModelCard) -> np.ndarray:
@@ -532,23 +493,37 @@ def _decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Til
     return results
 
 
-DECODERS: dict[str, Decoder] = {
-    "centernet": decode_centernet,
-    "boxes_scores_labels": decode_boxes_scores_labels,
-    "yolo": decode_yolo,
-}
+register_decoder(
+    DecoderEntry(
+        "centernet",
+        CENTERNET_PARAMS,
+        decode_centernet,
+        decode_centernet_batch,
+        compacts_on_device=True,
+        output_params=("boxes", "scores", "labels"),
+    )
+)
+register_decoder(
+    DecoderEntry(
+        "boxes_scores_labels",
+        BOXES_SCORES_LABELS_PARAMS,
+        decode_boxes_scores_labels,
+        decode_boxes_scores_labels_batch,
+        compacts_on_device=True,
+        output_params=("boxes", "scores", "labels", "num_detections"),
+        choices={"box_format": BOX_FORMATS},
+    )
+)
+register_decoder(DecoderEntry("yolo", YOLO_PARAMS, decode_yolo, decode_yolo_batch, output_params=("output",)))
 
-
-BATCH_DECODERS: dict[str, BatchDecoder] = {
-    "centernet": decode_centernet_batch,
-    "boxes_scores_labels": decode_boxes_scores_labels_batch,
-    "yolo": decode_yolo_batch,
-}
+# {decoder name: function}, live views of the registry (a decoder registered later is in them).
+DECODERS: Mapping[str, Decoder] = EntryField("decode")
+BATCH_DECODERS: Mapping[str, BatchDecoder] = EntryField("decode_batch")
 
 
 def get_decoder(card: ModelCard) -> Decoder:
     """The decoder function named by the card."""
-    return DECODERS[card.decoder.type]
+    return decoder_entry(card).decode
 
 
 def decode(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
@@ -558,13 +533,4 @@ def decode(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetec
 
 def decode_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
     """:func:`decode` as arrays for the whole batch (:class:`BatchDetections`): the same detections."""
-    return BATCH_DECODERS[card.decoder.type](outputs, card)
-
-
-def decode_names(card: ModelCard) -> Sequence[str]:
-    """The output names the decoder reads (heatmap included)."""
-    p = decoder_params(card)
-    names = [p[k] for k in ("boxes", "scores", "labels", "num_detections", "output") if p.get(k)]
-    if card.heatmap is not None:
-        names.append(card.heatmap.output)
-    return names
+    return decoder_entry(card).decode_batch(outputs, card)

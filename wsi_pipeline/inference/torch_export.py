@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BackendUnavailableError, ModelError
-from .card import ModelCard, check_signature_matches_card
+from .card import ModelCard
+from .model_signature import check_signature_matches_card
 
 try:
     import torch
