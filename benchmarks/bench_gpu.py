@@ -120,14 +120,14 @@ def bench_executor_host(backend, streams: int, host_batches, register_host: bool
 
 def stage_times_ms(backend, host: np.ndarray, reps: int = 20) -> dict:
     """Per-batch times of each stage on one stream, alone: where a batch's time goes."""
-    from wsi_pipeline.inference.executor import _DeviceDecoder
+    from wsi_pipeline.inference.device_decode import DeviceDecoder
 
     n = host.shape[0]
     stream = torch.cuda.Stream()
     runner = backend.create_runner(stream)
     pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
     src = torch.from_numpy(host)
-    dec = _DeviceDecoder(backend.card)
+    dec = DeviceDecoder(backend.card)
     out = {}
 
     def cpu_timed(fn) -> float:

@@ -19,7 +19,7 @@ from wsi_pipeline.inference.card import HeatmapSpec, OutputSpec, load_card
 from wsi_pipeline.inference.decoders import decode
 
 torch = pytest.importorskip("torch")
-from wsi_pipeline.inference.executor import _DeviceDecoder  # noqa: E402
+from wsi_pipeline.inference.device_decode import DeviceDecoder  # noqa: E402
 
 ENGINES = Path(__file__).resolve().parents[1] / "engines"
 DEVICES = [
@@ -60,7 +60,7 @@ def _raw_outputs(card, n: int, rng: np.random.Generator) -> dict[str, np.ndarray
 
 def _device_path(card, raw: dict[str, np.ndarray], device: str, heatmaps_stay: bool = False):
     """The executor's steps; ``heatmaps_stay``: the heatmaps are left on the device (then copied here to compare)."""
-    dec = _DeviceDecoder(card)
+    dec = DeviceDecoder(card)
     outs = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}
     n = next(iter(raw.values())).shape[0]
     red = dec.reduce(outs, n)
@@ -145,7 +145,7 @@ def test_per_tile_nms_is_applied_on_the_device_path():
 def test_a_heatmap_left_on_the_device_is_checked_like_a_copied_one():
     card = CARDS["nuclei"]
     raw = _raw_outputs(card, 4, np.random.default_rng(0))
-    dec = _DeviceDecoder(card)
+    dec = DeviceDecoder(card)
     red = dec.reduce({k: torch.from_numpy(v) for k, v in raw.items()}, 4)
     kept = red.pop(card.heatmap.output)
     with pytest.raises(ModelError, match=r"heatmap output .*expected \[4, 2, H, W\], found \[3, 2"):
@@ -160,7 +160,7 @@ def test_the_reduced_heatmap_does_not_share_the_model_outputs_memory(device, act
     card = dataclasses.replace(card, heatmap=dataclasses.replace(card.heatmap, activation=activation))
     raw = _raw_outputs(card, 4, np.random.default_rng(1))
     outs = {k: torch.from_numpy(v).to(device) for k, v in raw.items()}
-    hm = _DeviceDecoder(card).reduce(outs, 4)[card.heatmap.output]
+    hm = DeviceDecoder(card).reduce(outs, 4)[card.heatmap.output]
     before = hm.clone()
     outs[card.heatmap.output].fill_(7.0)
     assert torch.equal(hm, before)

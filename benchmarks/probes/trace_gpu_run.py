@@ -47,7 +47,7 @@ import torch
 from wsi_pipeline import Pipeline, outputs, pipeline
 from wsi_pipeline.batch import run_key
 from wsi_pipeline.batch.jobs import StartedSlide, start_slide
-from wsi_pipeline.inference import executor, torch_backend
+from wsi_pipeline.inference import cuda_worker, device_decode, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
 from wsi_pipeline.stitch import blend, merge_runner, stitcher
@@ -147,9 +147,9 @@ RUN_SITES = [
     (gpu_loader._HandOff, "take", "loader hand-off wait"),
     (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
     (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
-    (executor._CudaWorker, "process", "worker batch (all of it)"),
-    (executor._DeviceDecoder, "reduce", "device output reduction"),
-    (executor._DeviceDecoder, "finish", "host decoder"),
+    (cuda_worker.CudaWorker, "process", "worker batch (all of it)"),
+    (device_decode.DeviceDecoder, "reduce", "device output reduction"),
+    (device_decode.DeviceDecoder, "finish", "host decoder"),
     (torch.cuda.Event, "synchronize", "CUDA event wait"),
     (torch_backend.TorchRunner, "run", "model launch (graph replay)"),
     (torch_backend.TorchRunner, "_capture", "model: capture a batch size's graph"),
