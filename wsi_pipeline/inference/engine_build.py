@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
 from ..io.atomic import atomic_write
@@ -143,6 +143,37 @@ def build_engine(
         f"(batch 1/{opt}/{max_batch}); this takes a while the first time"
     )
 
+    parsed = _parse_network(trt, model_path, int(max_batch))
+    tc_path = timing_cache_path(cache, gpu, trt.__version__)
+    config = _builder_config(trt, parsed, opt, int(max_batch), workspace_gb, tc_path)
+    plan = parsed.builder.build_serialized_network(parsed.network, config)
+    if plan is None:
+        raise ModelError(f"{model_path}: TensorRT could not build an engine (see the messages above)")
+    data = bytes(memoryview(plan))
+    _write_atomic(cached, data)
+    if target != cached:
+        _write_atomic(target, data)
+    _write_atomic(tc_path, bytes(memoryview(config.get_timing_cache().serialize())))
+    say(f"wrote {target}")
+    return target
+
+
+class _ParsedNetwork(NamedTuple):
+    """A strongly typed network parsed from the ONNX file, with what must outlive its build.
+
+    The parser holds the weights the network refers to until the engine is built.
+    """
+
+    logger: Any
+    builder: Any
+    parser: Any
+    network: Any
+    input_name: str
+    rest: tuple[int, ...]  # the input's fixed H, W, C (or C, H, W)
+
+
+def _parse_network(trt: Any, model_path: Path, max_batch: int) -> _ParsedNetwork:
+    """The model's network, its one input checked: fixed sizes past the batch axis, a dynamic batch."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0
@@ -167,28 +198,27 @@ def build_engine(
         raise ModelError(
             f"{model_path}: input {inp.name!r} has a fixed batch of {dims[0]}; export it with a dynamic batch axis"
         )
-    rest = dims[1:]
+    return _ParsedNetwork(logger, builder, parser, network, inp.name, dims[1:])
 
+
+def _builder_config(
+    trt: Any,
+    parsed: _ParsedNetwork,
+    opt: int,
+    max_batch: int,
+    workspace_gb: float | None,
+    tc_path: Path,
+) -> Any:
+    """The builder config: workspace cap, the batch profile ``1 / opt / max_batch`` and the timing cache."""
+    builder, rest = parsed.builder, parsed.rest
     config = builder.create_builder_config()
     if workspace_gb is not None:
         if workspace_gb <= 0:
             raise ConfigError(f"--workspace-gb: expected > 0, found {workspace_gb}")
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gb * (1 << 30)))
     profile = builder.create_optimization_profile()
-    profile.set_shape(inp.name, (1, *rest), (opt, *rest), (int(max_batch), *rest))
+    profile.set_shape(parsed.input_name, (1, *rest), (opt, *rest), (max_batch, *rest))
     config.add_optimization_profile(profile)
-
-    tc_path = timing_cache_path(cache, gpu, trt.__version__)
     timing_cache = config.create_timing_cache(tc_path.read_bytes() if tc_path.is_file() else b"")
     config.set_timing_cache(timing_cache, False)
-
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        raise ModelError(f"{model_path}: TensorRT could not build an engine (see the messages above)")
-    data = bytes(memoryview(plan))
-    _write_atomic(cached, data)
-    if target != cached:
-        _write_atomic(target, data)
-    _write_atomic(tc_path, bytes(memoryview(config.get_timing_cache().serialize())))
-    say(f"wrote {target}")
-    return target
+    return config

@@ -10,7 +10,9 @@ is not possible, a host copy into the worker's pinned buffer first); the
 loader's buffer is released as soon as the copy has finished -> model ->
 output reduction on the device (score threshold, sort, counts, heatmap
 activation) -> asynchronous D2H copy of the small results -> event.
-Different workers' batches overlap copies and compute on the GPU.
+Different workers' batches overlap copies and compute on the GPU. The
+worker is :class:`~.cuda_worker.CudaWorker`, the device step
+:class:`~.device_decode.DeviceDecoder`.
 
 On the CPU (ONNX Runtime, or the torch backend on ``cpu``) workers are
 threads calling ``backend.infer``; ONNX Runtime runs concurrent calls and
