@@ -146,7 +146,8 @@ def build_engine(
     parsed = _parse_network(trt, model_path, int(max_batch))
     tc_path = timing_cache_path(cache, gpu, trt.__version__)
     config = _builder_config(trt, parsed, opt, int(max_batch), workspace_gb, tc_path)
-    plan = parsed.builder.build_serialized_network(parsed.network, config)
+    builder, network = parsed.builder, parsed.network
+    plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise ModelError(f"{model_path}: TensorRT could not build an engine (see the messages above)")
     data = bytes(memoryview(plan))
