@@ -62,7 +62,8 @@ from wsi_pipeline._version import __version__
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
-from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
+from wsi_pipeline.io.heatmap_rows import quantise
+from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.io.spool import spool_array
 
 MANUFACTURER = "wsi-pipeline"
