@@ -73,6 +73,10 @@ class SlideOutputs:
         mask: the tissue mask (heatmap statistics are taken over it).
         out: the output folder, or None to write nothing.
         keep_heatmap: hold the blended heatmap in memory.
+
+    Attributes:
+        heatmap_files: the writers of the chosen heatmap formats' files (each format's ``sink``), by
+            format name; empty without an output folder or a heatmap output.
     """
 
     def __init__(
