@@ -15,12 +15,12 @@ from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io import dicom
 from wsi_pipeline.io.detections import make_detections
 from wsi_pipeline.io.dicom import (
-    PLACEHOLDER_ATTRIBUTES,
     NoAnnotationsError,
     parametric_map_file_names,
     write_dicom_annotations,
     write_dicom_parametric_map,
 )
+from wsi_pipeline.io.dicom_source import PLACEHOLDER_ATTRIBUTES, placeholder_uids
 from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 
 CLASSES = [{"name": "nucleus", "color": "#ff0000"}, {"name": "mitosis", "color": [0, 0, 255]}]
@@ -305,13 +305,13 @@ def test_every_dicom_object_of_a_slide_is_in_one_study_and_references_one_source
         for r in h.ReferencedSeriesSequence
     }
     assert len(refs) == 1
-    frame_of_reference = dicom.placeholder_uids(slide, (1000, 800), (0.25, 0.25))["frame_of_reference"]
+    frame_of_reference = placeholder_uids(slide, (1000, 800), (0.25, 0.25))["frame_of_reference"]
     assert {h.FrameOfReferenceUID for h in headers[1:]} == {frame_of_reference}
     specimens = {h.SpecimenDescriptionSequence[0].SpecimenUID for h in headers}
     assert len(specimens) == 1
     other = tmp_path / "case-18.svs"
     other.write_bytes(b"other bytes" * 1000)
-    assert dicom.placeholder_uids(other, (1000, 800), (0.25, 0.25))["study"] != headers[0].StudyInstanceUID
+    assert placeholder_uids(other, (1000, 800), (0.25, 0.25))["study"] != headers[0].StudyInstanceUID
 
 
 def test_the_files_of_a_slide_meet_the_standard(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wsi_pipeline.io.ome_tiff import quantise
+from wsi_pipeline.io.heatmap_rows import quantise
 from wsi_pipeline.stitch.sinks import HeatmapStats
 from wsi_pipeline.tiling.tissue import TissueMask
 

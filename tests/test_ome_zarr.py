@@ -13,7 +13,8 @@ from ome_zarr_models.v04.image import Image as NgffImage04
 from ome_zarr_models.v05.image import Image as NgffImage05
 
 from wsi_pipeline.errors import WSIPipelineError
-from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, pyramid_shapes
+from wsi_pipeline.io.heatmap_rows import pyramid_shapes
+from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
 from wsi_pipeline.io.ome_zarr import OmeZarrHeatmapWriter
 
 

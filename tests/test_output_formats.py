@@ -432,7 +432,8 @@ def test_a_run_writes_ome_zarr_and_dicom_through_the_writer_processes(slide_path
     from ome_zarr.io import parse_url
     from ome_zarr.reader import Reader
 
-    from wsi_pipeline.io.dicom import PLACEHOLDER_ATTRIBUTES, parametric_map_file_names
+    from wsi_pipeline.io.dicom import parametric_map_file_names
+    from wsi_pipeline.io.dicom_source import PLACEHOLDER_ATTRIBUTES
 
     with Pipeline(backend="ort", formats="dicom,ome-tiff,ome-zarr,dicom-heatmap") as pipe:
         result = pipe.run(slide_path, out_dir=tmp_path / "run")

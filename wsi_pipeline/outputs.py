@@ -2,27 +2,31 @@
 
 :class:`SlideOutputs` is built per slide by the pipeline and hands the
 stitcher one sink (:attr:`SlideOutputs.heatmap_sink`) that fans out, from
-threads of its own (:class:`~.stitch.sinks.BackgroundSink`), to the OME-TIFF
-writer (with an output folder; and the OME-Zarr writer where ``ome-zarr`` is
-chosen) on one thread, and on another to an in-memory array (when asked),
+threads of its own (:class:`~.stitch.sinks.BackgroundSink`), to the writers of
+the heatmap files chosen (with an output folder: each heatmap format's
+``sink`` in :mod:`.io.formats`, such as the OME-TIFF and OME-Zarr writers)
+on one thread, and on another to an in-memory array (when asked),
 per-class statistics over the tissue and, when an overlay is written, a
 reduced copy for it. Whatever reads them (:meth:`SlideOutputs.heatmap_scores`,
 the overlay, :meth:`SlideOutputs.close_heatmap`) waits for those threads
 first; :meth:`SlideOutputs.abort` ends them too.
-After stitching, :meth:`SlideOutputs.write` sends the heatmap file's
-pyramid, the overlay and the detection files of ``config.formats``
-(:mod:`.io.formats`) to the writer processes and returns the step that waits
-for them; ``summary.json``, the mark of a complete folder, is written last.
+After stitching, :meth:`SlideOutputs.write` sends the heatmap files whose
+sinks spool them (their pyramids), the overlay and the detection files of
+``config.formats`` (:mod:`.io.formats`) to the writer processes, then the
+files made from a finished heatmap file, and returns the step that waits for
+them; ``summary.json``, the mark of a complete folder, is written last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,6 +39,7 @@ from .io.formats import (
     DEFAULT_FORMATS,
     DETECTIONS,
     FORMATS,
+    HEATMAP,
     HEATMAP_FILE,
     OVERLAY,
     chosen,
@@ -42,7 +47,7 @@ from .io.formats import (
     not_written,
     output_files,
 )
-from .io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter, SpooledHeatmap, write_spooled_heatmap
+from .io.ome_tiff import HeatmapFile, write_spooled_heatmap
 from .io.writer_pool import WriteJobs, WriterPool, writer_peak_memory_mb
 from .slide import Slide
 from .stitch.blend import Sink
@@ -68,6 +73,10 @@ class SlideOutputs:
         mask: the tissue mask (heatmap statistics are taken over it).
         out: the output folder, or None to write nothing.
         keep_heatmap: hold the blended heatmap in memory.
+
+    Attributes:
+        heatmap_files: the writers of the chosen heatmap formats' files (each format's ``sink``), by
+            format name; empty without an output folder or a heatmap output.
     """
 
     def __init__(
@@ -81,8 +90,8 @@ class SlideOutputs:
         keep_heatmap: bool,
     ):
         self.geometry, self.card, self.config, self.slide, self.out = geometry, card, config, slide, out
-        self.writer: OmeTiffHeatmapWriter | None = None
-        self.zarr_writer: Any = None  # an OmeZarrHeatmapWriter with ``ome-zarr``
+        # The heatmap files' writers (each chosen heatmap format's ``sink``), by format name.
+        self.heatmap_files: dict[str, Any] = {}
         self.array_sink: ArraySink | None = None
         self.reduced: ReducedCopy | None = None
         self.stats: HeatmapStats | None = None
@@ -94,21 +103,9 @@ class SlideOutputs:
         if hm is None:
             return
         g, c = geometry, len(hm.classes)
-        files: list[Sink] = []  # the heatmap files' writers, on one thread; the other sinks on another
         sinks: list[Sink] = [FiniteCheck(hm.classes, g.heatmap_scale_level0)]
-        plane = dict(channel_names=list(hm.classes), physical_size_um=g.heatmap_pixel_size_um(slide.mpp))
-        if out is not None and "ome-tiff" in config.formats:
-            self.writer = OmeTiffHeatmapWriter(
-                out / FORMATS["ome-tiff"].filename, g.heatmap_width, g.heatmap_height, c, **plane
-            )
-            files.append(self.writer)
-        if out is not None and "ome-zarr" in config.formats:
-            from .io.ome_zarr import OmeZarrHeatmapWriter  # needs zarr: only where chosen
-
-            self.zarr_writer = OmeZarrHeatmapWriter(
-                out / FORMATS["ome-zarr"].filename, g.heatmap_width, g.heatmap_height, c, **plane
-            )
-            files.append(self.zarr_writer)
+        if out is not None:
+            self._begin_heatmap_files(out)
         if keep_heatmap:
             self.array_sink = ArraySink(c, g.heatmap_height, g.heatmap_width)
             sinks.append(self.array_sink)
@@ -121,10 +118,37 @@ class SlideOutputs:
                 c, g.heatmap_height, g.heatmap_width, max(1, int(thumb_downsample // g.heatmap_scale_level0))
             )
             sinks.append(self.reduced)
+        # The heatmap files' writers on one thread, the other sinks on another.
+        files = list(self.heatmap_files.values())
         self.heatmap_sink = self._background = BackgroundSink(*(fan_out(*group) for group in (files, sinks) if group))
         self.heatmap_weights = tile_weights(
             g.heatmap_tile, config.blend, config.sigma_scale, overlap_px=(g.overlap // hm.stride) or 1
         )
+
+    def _begin_heatmap_files(self, out: Path) -> None:
+        """Make the writer of each chosen heatmap format (:attr:`heatmap_files`); where one cannot be
+        made, those made before it are aborted."""
+        g, classes = self.geometry, list(self.card.heatmap.classes)
+        plane = dict(channel_names=classes, physical_size_um=g.heatmap_pixel_size_um(self.slide.mpp))
+        try:
+            for fmt in chosen(self.config.formats, HEATMAP):
+                sink = fmt.sink_class()(out / fmt.filename, g.heatmap_width, g.heatmap_height, len(classes), **plane)
+                self.heatmap_files[fmt.name] = sink
+        except BaseException:
+            self.abort()
+            raise
+
+    def _spooled(self) -> dict[str, Any]:
+        """The heatmap files' writers that hand their file to a writer process (``spooled()``)."""
+        return {n: s for n, s in self.heatmap_files.items() if callable(getattr(s, "spooled", None))}
+
+    def _heatmap_reader(self) -> HeatmapFile | None:
+        """The lazy reader of the first finished heatmap file whose format has a ``reader``, or None."""
+        for name, sink in self.heatmap_files.items():
+            reader = FORMATS[name].reader_class()
+            if reader is not None:
+                return reader(sink.path)
+        return None
 
     @property
     def heatmap_channels(self) -> int:
@@ -138,25 +162,29 @@ class SlideOutputs:
     def close_heatmap(self, finish_file: bool = True) -> np.ndarray | HeatmapFile | None:
         """Finish the heatmap sinks; the heatmap in memory, the file's lazy reader, or None.
 
-        ``finish_file=False`` leaves the OME-TIFF to the caller (:meth:`OmeTiffHeatmapWriter.spooled`).
+        ``finish_file=False`` leaves the heatmap files whose writers offer ``spooled()`` to the caller
+        (:meth:`~.io.ome_tiff.OmeTiffHeatmapWriter.spooled`), and returns no reader.
         """
         self.drain_heatmap()
         if self.reduced is not None:
             self.reduced.close()
-        if self.zarr_writer is not None:
-            self.zarr_writer.close()
-        path = self.writer.close() if self.writer is not None and finish_file else None
+        spooled = self._spooled()
+        for name, sink in self.heatmap_files.items():
+            if name not in spooled:
+                sink.close()
+        if finish_file:
+            for sink in spooled.values():
+                sink.close()
         if self.array_sink is not None:
             return self.array_sink.array
-        return HeatmapFile(path) if path is not None else None
+        return self._heatmap_reader() if finish_file else None
 
     def abort(self) -> None:
         """Remove what was begun (the heatmap files' partial data)."""
         if self._background is not None:
             self._background.abandon()
-        for writer in (self.writer, self.zarr_writer):
-            if writer is not None:
-                writer.abort()
+        for sink in self.heatmap_files.values():
+            sink.abort()
 
     def heatmap_scores(self, mm2_per_px0: float | None) -> dict[str, Any] | None:
         """Per-class statistics over the tissue (see :class:`~.stitch.sinks.HeatmapStats`)."""
@@ -185,110 +213,116 @@ class SlideOutputs:
         return thumb, thumb_ds, heat, scale, boxes, labels, colors, [c.name for c in self.card.classes], heat_names
 
     def write(self, dets: np.ndarray, writers: WriterPool) -> Callable[[], np.ndarray | HeatmapFile | None]:
-        """Start writing the heatmap file, the overlay and the detection files; return the step that
+        """Start writing the heatmap files, the overlay and the detection files; return the step that
         finishes them.
 
         The jobs go to the writer processes longest first, so that the one-piece
-        jobs (the heatmap file's pyramid, the overlay) do not wait behind the
+        jobs (the heatmap files' pyramids, the overlay) do not wait behind the
         detection files' parts. The returned callable waits for the writer
         processes (raising the first failure), joins each detection file's parts
-        as soon as they are written, and returns the heatmap (its file's lazy
-        reader, or the array when kept in memory). Write ``summary.json``
-        (:meth:`write_summary`) after it, last.
+        as soon as they are written, writes the files made from a finished
+        heatmap file, and returns the heatmap (its file's lazy reader, or the
+        array when kept in memory). Write ``summary.json`` (:meth:`write_summary`)
+        after it, last.
         """
         out = self._folder()
-        formats = self.config.formats
-        classes = [{"name": c.name, "color": c.color} for c in self.card.classes]
         # The overlay reads the thumbnail: that may fail, before any file is begun.
-        overlay = self.overlay_inputs(dets) if chosen(formats, OVERLAY) else None
+        overlay = self.overlay_inputs(dets) if chosen(self.config.formats, OVERLAY) else None
         slide = {
             "dimensions": tuple(self.slide.dimensions),
             "slide_path": self.slide.absolute_path,
             "mpp": self.slide.mpp,
         }
         heatmap = self.close_heatmap(finish_file=False)
-        heatmap_jobs, jobs = WriteJobs(), WriteJobs()
-        self.write_jobs = [heatmap_jobs, jobs]  # and each file's parts: their writer processes' memory
-        # Files written in parts: each file's part jobs apart, joined once they are written.
-        joins: list[tuple[PartsWriter, Path, list[Path], WriteJobs]] = []
-        spooled: SpooledHeatmap | None = None
+        begun = _FilesBegun()
+        self.write_jobs = [begun.heatmap_jobs, begun.jobs]  # and each file's parts: their writer processes' memory
         try:
-            if self.writer is not None:
-                # The heatmap file's pyramid and compression run in a writer process: done by a
-                # thread here, they contended for the interpreter lock with the next slide's run.
-                spooled = self.writer.spooled()
-                writers.submit(heatmap_jobs, self.writer.path.name, write_spooled_heatmap, spooled)
-            for fmt in chosen(formats, OVERLAY):
-                writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *overlay)
-            n_parts = writers.parts(len(dets))
-            prefix = feature_ids(dets) if n_parts > 1 else ""
-            tiled = None
-            for fmt in chosen(formats, DETECTIONS):
-                if fmt.filename in not_written(formats, dets):
-                    continue
-                if fmt.tiles and tiled is None:
-                    x_level0, y_level0 = ((dets[a] + dets[b]) / 2 for a, b in (("x0", "x1"), ("y0", "y1")))
-                    tiled = with_tiles(dets, *self.geometry.core_tiles_level0(x_level0, y_level0))
-                rows = tiled if fmt.tiles else dets
-                split = fmt.parts_writer() if n_parts > 1 else None
-                if split is None:
-                    writers.submit(jobs, fmt.filename, fmt.job(slide), out / fmt.filename, rows, classes)
-                    continue
-                bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
-                paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
-                part_jobs = WriteJobs()
-                self.write_jobs.append(part_jobs)
-                joins.append((split, out / fmt.filename, paths, part_jobs))
-                for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
-                    writers.submit(part_jobs, fmt.filename, split.write_part, path, rows[a:b], classes, prefix, a)
+            self._submit_spooled_heatmaps(writers, begun)
+            for fmt in chosen(self.config.formats, OVERLAY):
+                writers.submit(begun.jobs, fmt.filename, fmt.job(slide), out / fmt.filename, *overlay)
+            self._submit_detection_files(dets, slide, writers, begun)
         except BaseException:
-            # Nothing may write into the folder after this returns: the jobs begun end first.
-            for begun in (heatmap_jobs, jobs, *(j[3] for j in joins)):
-                with contextlib.suppress(BaseException):
-                    begun.wait()
-            _remove_parts(joins)
-            if spooled is not None:
-                spooled.discard()
+            begun.abandon()
             raise
+        return functools.partial(self._finish_files, heatmap, slide, writers, begun)
 
-        def join(split: PartsWriter, path: Path, paths: list[Path], part_jobs: WriteJobs) -> None:
-            part_jobs.wait()
-            write_joined(path, paths, split.head, split.sep, split.tail)
+    def _submit_spooled_heatmaps(self, writers: WriterPool, begun: _FilesBegun) -> None:
+        """Hand each heatmap file whose writer spools it to the writer processes.
 
-        def finish() -> np.ndarray | HeatmapFile | None:
-            nonlocal heatmap
-            try:
-                # Each file's parts are joined (copied by the kernel, then synced) while the other
-                # jobs run, on a thread of its own; leaving the block waits for the joins.
-                with ThreadPoolExecutor(max(1, len(joins)), thread_name_prefix="join-parts") as joiner:
-                    joined = [joiner.submit(join, *j) for j in joins]
-                    try:
-                        heatmap_jobs.wait()
-                        if self.writer is not None:
-                            heatmap = heatmap if heatmap is not None else HeatmapFile(self.writer.path)
-                            # Files made from the finished heatmap file (its pyramid read back, not the stream).
-                            for fmt in chosen(formats, HEATMAP_FILE):
-                                job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
-                                writers.submit(
-                                    jobs,
-                                    fmt.filename,
-                                    job,
-                                    out / fmt.filename,
-                                    self.writer.path,
-                                    list(self.card.heatmap.classes),
-                                )
-                    finally:
-                        jobs.wait()
-                for done in joined:
-                    done.result()
-            except BaseException:
-                if spooled is not None:
-                    spooled.discard()  # where the writer process died before removing it
-                _remove_parts(joins)
-                raise
-            return heatmap
+        Its pyramid and compression run in a writer process: done by a thread
+        here, they contended for the interpreter lock with the next slide's run.
+        """
+        for sink in self._spooled().values():
+            spooled = sink.spooled()
+            begun.spooled.append(spooled)
+            writers.submit(begun.heatmap_jobs, sink.path.name, write_spooled_heatmap, spooled)
 
-        return finish
+    def _submit_detection_files(
+        self, dets: np.ndarray, slide: dict[str, Any], writers: WriterPool, begun: _FilesBegun
+    ) -> None:
+        """Hand the detection files to the writer processes: each whole, or in parts where the
+        detections are many and its format can be written in parts (joined by :meth:`_finish_files`)."""
+        out, formats = self._folder(), self.config.formats
+        classes = [{"name": c.name, "color": c.color} for c in self.card.classes]
+        n_parts = writers.parts(len(dets))
+        prefix = feature_ids(dets) if n_parts > 1 else ""
+        tiled = None
+        for fmt in chosen(formats, DETECTIONS):
+            if fmt.filename in not_written(formats, dets):
+                continue
+            if fmt.tiles and tiled is None:
+                x_level0, y_level0 = ((dets[a] + dets[b]) / 2 for a, b in (("x0", "x1"), ("y0", "y1")))
+                tiled = with_tiles(dets, *self.geometry.core_tiles_level0(x_level0, y_level0))
+            rows = tiled if fmt.tiles else dets
+            split = fmt.parts_writer() if n_parts > 1 else None
+            if split is None:
+                writers.submit(begun.jobs, fmt.filename, fmt.job(slide), out / fmt.filename, rows, classes)
+                continue
+            bounds = np.linspace(0, len(dets), n_parts + 1).astype(int).tolist()
+            paths = [partial_name(out / f"{fmt.filename}.part{i}") for i in range(n_parts)]
+            part_jobs = WriteJobs()
+            self.write_jobs.append(part_jobs)
+            begun.joins.append(_Join(split, out / fmt.filename, paths, part_jobs))
+            for path, a, b in zip(paths, bounds[:-1], bounds[1:], strict=True):
+                writers.submit(part_jobs, fmt.filename, split.write_part, path, rows[a:b], classes, prefix, a)
+
+    def _finish_files(
+        self,
+        heatmap: np.ndarray | HeatmapFile | None,
+        slide: dict[str, Any],
+        writers: WriterPool,
+        begun: _FilesBegun,
+    ) -> np.ndarray | HeatmapFile | None:
+        """The step :meth:`write` returns: wait for the files, joining those written in parts, and
+        write the files made from a finished heatmap file; the heatmap."""
+        try:
+            # Each file's parts are joined (copied by the kernel, then synced) while the other
+            # jobs run, on a thread of its own; leaving the block waits for the joins.
+            with ThreadPoolExecutor(max(1, len(begun.joins)), thread_name_prefix="join-parts") as joiner:
+                joined = [joiner.submit(_join, j) for j in begun.joins]
+                try:
+                    begun.heatmap_jobs.wait()
+                    heatmap = heatmap if heatmap is not None else self._heatmap_reader()
+                    self._submit_made_from_heatmap(slide, writers, begun.jobs)
+                finally:
+                    begun.jobs.wait()
+            for done in joined:
+                done.result()
+        except BaseException:
+            begun.remove_leftovers()  # a spool: where the writer process died before removing it
+            raise
+        return heatmap
+
+    def _submit_made_from_heatmap(self, slide: dict[str, Any], writers: WriterPool, jobs: WriteJobs) -> None:
+        """Hand the files made from a finished heatmap file (its pyramid read back, not the stream) to
+        the writer processes: each from the file of the first format it is ``made_from``."""
+        out = self._folder()
+        for fmt in chosen(self.config.formats, HEATMAP_FILE):
+            source = self.heatmap_files.get(fmt.made_from[0])
+            if source is None:  # a model without a heatmap output
+                continue
+            job = fmt.job({**slide, "scale_level0": self.geometry.heatmap_scale_level0})
+            writers.submit(jobs, fmt.filename, job, out / fmt.filename, source.path, list(self.card.heatmap.classes))
 
     def writer_peak_memory_mb(self) -> float | None:
         """The peak memory of the writer processes while they wrote this slide's files (after :meth:`write`'s
@@ -324,12 +358,51 @@ class SlideOutputs:
         return self.out
 
 
-def _remove_parts(joins: list) -> None:
-    """Remove the parts of the files written in parts (those not yet joined and removed)."""
-    for _, _, paths, _ in joins:
-        for part in paths:
-            with contextlib.suppress(OSError):  # a failure is being raised: this one would hide it
-                part.unlink(missing_ok=True)
+class _Join(NamedTuple):
+    """A file written in parts: its :class:`~.io.detections.PartsWriter`, path, parts and their jobs."""
+
+    split: PartsWriter
+    path: Path
+    parts: list[Path]
+    jobs: WriteJobs
+
+
+def _join(join: _Join) -> None:
+    """Wait for a file's parts, then join them into the file."""
+    join.jobs.wait()
+    write_joined(join.path, join.parts, join.split.head, join.split.sep, join.split.tail)
+
+
+@dataclass
+class _FilesBegun:
+    """The writer-pool jobs :meth:`SlideOutputs.write` began for one slide's folder.
+
+    The heatmap files' jobs are apart from the others (the files made from a
+    finished heatmap file wait for them), and each file written in parts has
+    its part jobs apart (:class:`_Join`).
+    """
+
+    heatmap_jobs: WriteJobs = field(default_factory=WriteJobs)
+    jobs: WriteJobs = field(default_factory=WriteJobs)
+    joins: list[_Join] = field(default_factory=list)
+    spooled: list[Any] = field(default_factory=list)  # the heatmap files' spools handed to writer processes
+
+    def abandon(self) -> None:
+        """Undo a write that failed while its jobs were handed over: wait for the jobs begun (nothing
+        may write into the folder after this returns), then remove what they leave."""
+        for begun in (self.heatmap_jobs, self.jobs, *(j.jobs for j in self.joins)):
+            with contextlib.suppress(BaseException):
+                begun.wait()
+        self.remove_leftovers()
+
+    def remove_leftovers(self) -> None:
+        """Remove the parts not yet joined and removed, and the heatmap files' spools."""
+        for join in self.joins:
+            for part in join.parts:
+                with contextlib.suppress(OSError):  # a failure is being raised: this one would hide it
+                    part.unlink(missing_ok=True)
+        for spooled in self.spooled:
+            spooled.discard()
 
 
 __all__ = ["OUTPUT_FILES", "SlideOutputs"]

@@ -21,9 +21,9 @@ Source: both objects reference the slide's level-0 image. For a DICOM slide
 (a VL Whole Slide Microscopy series) that is the real instance: its patient,
 study, specimen and frame of reference are copied and its series and instance
 UIDs referenced. For any other slide a placeholder source description is made
-(:func:`placeholder_source_image`): Study, Series, Frame of Reference and
+(:func:`~.dicom_source.placeholder_source_image`): Study, Series, Frame of Reference and
 SOP Instance UIDs derived from the slide file's identity (its size and a
-fingerprint of its content, :func:`placeholder_uids`), so that every DICOM
+fingerprint of its content, :func:`~.dicom_source.placeholder_uids`), so that every DICOM
 object made for one slide, by any process or run, lands in one study and
 one frame of reference; empty patient and study attributes, the slide's file
 name as container and specimen identifier. The references then point at an
@@ -41,8 +41,6 @@ Writes are atomic: the file appears complete under its name or not at all.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
 from collections.abc import Sequence
@@ -51,18 +49,19 @@ from typing import Any
 
 import highdicom as hd
 import numpy as np
-import pydicom
 from highdicom.coding_schemes import CodingSchemeIdentificationItem
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
-from pydicom.uid import JPEGLSLossless, VLWholeSlideMicroscopyImageStorage, generate_uid
+from pydicom.uid import JPEGLSLossless
 
 from wsi_pipeline._version import __version__
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, replace_tree
 from wsi_pipeline.io.detections import detection_class, parse_color
-from wsi_pipeline.io.ome_tiff import HeatmapFile, quantise
+from wsi_pipeline.io.dicom_source import source_image
+from wsi_pipeline.io.heatmap_rows import quantise
+from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.io.spool import spool_array
 
 MANUFACTURER = "wsi-pipeline"
@@ -73,18 +72,6 @@ MANUFACTURER = "wsi-pipeline"
 MAX_PARAMETRIC_MAP_BYTES = 1024**3
 SCORE = codes.SCT.Score  # SCT 246262008 "Score (attribute)"
 NO_UNITS = Code("1", "UCUM", "no units")
-# Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
-PLACEHOLDER_ATTRIBUTES = (
-    "PatientName",
-    "PatientID",
-    "PatientBirthDate",
-    "PatientSex",
-    "AccessionNumber",
-    "StudyID",
-    "StudyDate",
-    "StudyTime",
-    "ReferringPhysicianName",
-)
 _PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
 # Its declaration (PS3.3 C.12.1.1.3.3: a private scheme's designator is described in the
 # Coding Scheme Identification Sequence of the instances that use it).
@@ -98,167 +85,8 @@ _STORED = np.dtype(np.uint16)
 _SCALE = 1 / 65535
 
 
-def _read_header(path: Path) -> Dataset | None:
-    """The header of a DICOM file without its pixels, or None when ``path`` is not DICOM."""
-    try:
-        return pydicom.dcmread(path, stop_before_pixels=True)
-    except (pydicom.errors.InvalidDicomError, OSError, ValueError):
-        return None
-
-
-def dicom_source_image(slide_path: str | os.PathLike[str]) -> Dataset | None:
-    """The level-0 image header of the DICOM WSI series ``slide_path`` belongs to, or None if it is not DICOM.
-
-    ``slide_path`` is one file of the series (as a batch names a DICOM slide)
-    or the folder holding it; every ``*.dcm`` file beside it with the same
-    SeriesInstanceUID is a level, and level 0 is the VOLUME image with the
-    largest total pixel matrix.
-    """
-    p = Path(slide_path)
-    candidates = sorted(p.glob("*.dcm")) if p.is_dir() else [p]
-    first = next(
-        (
-            ds
-            for ds in map(_read_header, candidates)
-            if ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage
-        ),
-        None,
-    )
-    if first is None:
-        return None
-    folder = p if p.is_dir() else p.parent
-    best = first
-    for f in sorted(folder.glob("*.dcm")):
-        ds = _read_header(f)
-        if ds is None or ds.get("SeriesInstanceUID") != first.SeriesInstanceUID:
-            continue
-        image_type = list(ds.get("ImageType", []))
-        if len(image_type) > 2 and image_type[2] != "VOLUME":
-            continue
-        size = int(ds.get("TotalPixelMatrixColumns", 0)) * int(ds.get("TotalPixelMatrixRows", 0))
-        if size > int(best.get("TotalPixelMatrixColumns", 0)) * int(best.get("TotalPixelMatrixRows", 0)):
-            best = ds
-    return best
-
-
 class NoAnnotationsError(WSIPipelineError):
     """No detections to write: a DICOM annotation object cannot be empty."""
-
-
-def placeholder_uids(
-    slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int], mpp: tuple[float, float] | None
-) -> dict[str, str]:
-    """The UIDs of a slide's placeholder source: ``study``, ``series``, ``frame_of_reference``,
-    ``instance`` and ``specimen``, the same for every call about the same slide.
-
-    They are derived (:func:`pydicom.uid.generate_uid` of fixed entropy) from the slide file's
-    identity (size and content fingerprint, as a batch's resume compares) with its level-0 size
-    and resolution, or from its path where the file cannot be read. So the annotations and each
-    heatmap file, written by different processes, reference one study, series and frame of
-    reference, and a rerun of the slide joins that study.
-    """
-    from ..file_identity import input_identity  # the fingerprint a batch keeps of a slide
-
-    identity = input_identity(slide_path) if slide_path is not None and Path(slide_path).exists() else None
-    key = json.dumps(
-        {
-            "slide": identity or (os.path.abspath(slide_path) if slide_path is not None else None),
-            "dimensions": [int(v) for v in dimensions],
-            "mpp": [float(v) for v in mpp] if mpp is not None else None,
-        },
-        sort_keys=True,
-    )
-    roles = ("study", "series", "frame_of_reference", "instance", "specimen")
-    return {role: generate_uid(entropy_srcs=["wsi-pipeline placeholder source", key, role]) for role in roles}
-
-
-def placeholder_source_image(
-    slide_path: str | os.PathLike[str] | None,
-    dimensions: tuple[int, int],
-    mpp: tuple[float, float] | None,
-    tile: int = 256,
-) -> Dataset:
-    """A VL Whole Slide Microscopy image header standing for a slide that is not DICOM.
-
-    It has level 0's size (``dimensions``: width, height in pixels), its pixel
-    spacing (``mpp``: x, y µm per pixel; 1 µm when unknown), the usual slide
-    orientation (rows along -X, columns along -Y) with the origin placed so
-    that the image lies at positive slide coordinates, the slide's :func:`placeholder_uids`, the
-    slide's file name as container and specimen identifier, and empty
-    :data:`PLACEHOLDER_ATTRIBUTES`. No file is written for it.
-    """
-    width, height = (int(v) for v in dimensions)
-    uids = placeholder_uids(slide_path, dimensions, mpp)
-    mpp_x, mpp_y = mpp if mpp is not None else (1.0, 1.0)
-    name = (Path(slide_path).name.split(".")[0] if slide_path is not None else "") or "slide"
-    ds = Dataset()
-    ds.SOPClassUID = VLWholeSlideMicroscopyImageStorage
-    ds.SOPInstanceUID = uids["instance"]
-    ds.StudyInstanceUID = uids["study"]
-    ds.SeriesInstanceUID = uids["series"]
-    ds.FrameOfReferenceUID = uids["frame_of_reference"]
-    ds.PositionReferenceIndicator = "SLIDE_CORNER"
-    ds.Modality = "SM"
-    for keyword in PLACEHOLDER_ATTRIBUTES:
-        setattr(ds, keyword, "")
-    ds.ContainerIdentifier = name[:16]
-    ds.IssuerOfTheContainerIdentifierSequence = []
-    ds.ContainerTypeCodeSequence = []
-    ds.SpecimenDescriptionSequence = [hd.SpecimenDescription(specimen_id=name[:64], specimen_uid=uids["specimen"])]
-    ds.ImageType = ["ORIGINAL", "PRIMARY", "VOLUME", "NONE"]
-    ds.SamplesPerPixel = 3
-    ds.PhotometricInterpretation = "RGB"
-    ds.BitsAllocated = ds.BitsStored = 8
-    ds.HighBit = 7
-    ds.PixelRepresentation = 0
-    ds.Rows = ds.Columns = int(tile)
-    ds.NumberOfFrames = math.ceil(width / tile) * math.ceil(height / tile)
-    ds.TotalPixelMatrixColumns, ds.TotalPixelMatrixRows = width, height
-    ds.TotalPixelMatrixFocalPlanes = 1
-    ds.DimensionOrganizationType = "TILED_FULL"
-    ds.ImageOrientationSlide = [0.0, -1.0, 0.0, -1.0, 0.0, 0.0]
-    origin = Dataset()
-    # Rows run along -X and columns along -Y (the usual orientation): the origin at the far corner
-    # puts the whole image at positive slide coordinates (mm).
-    origin.XOffsetInSlideCoordinateSystem = round(height * mpp_y / 1000.0, 6)
-    origin.YOffsetInSlideCoordinateSystem = round(width * mpp_x / 1000.0, 6)
-    ds.TotalPixelMatrixOriginSequence = [origin]
-    measures = Dataset()
-    measures.PixelSpacing = [mpp_y / 1000.0, mpp_x / 1000.0]  # mm: row spacing, column spacing
-    measures.SliceThickness = 0.0
-    shared = Dataset()
-    shared.PixelMeasuresSequence = [measures]
-    ds.SharedFunctionalGroupsSequence = [shared]
-    return ds
-
-
-def source_image(
-    slide_path: str | os.PathLike[str] | None, dimensions: tuple[int, int], mpp: tuple[float, float] | None
-) -> tuple[Dataset, bool]:
-    """The slide's level-0 source image header and whether it is a placeholder.
-
-    A DICOM slide must have the level-0 size the pipeline read (``dimensions``).
-    """
-    ds = dicom_source_image(slide_path) if slide_path is not None and Path(slide_path).exists() else None
-    if ds is None:
-        return placeholder_source_image(slide_path, dimensions, mpp), True
-    found = (int(ds.get("TotalPixelMatrixColumns", 0)), int(ds.get("TotalPixelMatrixRows", 0)))
-    if found != tuple(int(v) for v in dimensions):
-        raise WSIPipelineError(
-            f"{slide_path}: expected a DICOM level 0 of {dimensions[0]} x {dimensions[1]} pixels, "
-            f"found {found[0]} x {found[1]}"
-        )
-    # Attributes some scanners leave out: empty patient/study attributes, the usual orientation, origin 0, 0.
-    for keyword in PLACEHOLDER_ATTRIBUTES:
-        if keyword not in ds:
-            setattr(ds, keyword, "")
-    if "ImageOrientationSlide" not in ds:
-        ds.ImageOrientationSlide = [0.0, -1.0, 0.0, -1.0, 0.0, 0.0]
-    if "TotalPixelMatrixOriginSequence" not in ds:
-        origin = Dataset()
-        origin.XOffsetInSlideCoordinateSystem = origin.YOffsetInSlideCoordinateSystem = 0.0
-        ds.TotalPixelMatrixOriginSequence = [origin]
-    return ds, False
 
 
 def _equipment() -> dict[str, Any]:
@@ -431,6 +259,80 @@ def parametric_map_file_names(channel_names: Sequence[str]) -> list[str]:
     return [f"heatmap_{k:02d}_{_slug(str(n))}.dcm" for k, n in enumerate(channel_names)]
 
 
+def _checked_arguments(
+    path: Path,
+    heatmap: np.ndarray | HeatmapFile,
+    channel_names: Sequence[str] | None,
+    level: int,
+    max_bytes: int,
+    dimension_organization: str,
+) -> tuple[np.ndarray | HeatmapFile, list[str]]:
+    """:func:`write_dicom_parametric_map`'s heatmap (an array, or the file) and its C class names, once
+    they agree, its level ``level`` exists and fits in ``max_bytes`` a class, and the dimension
+    organisation is known."""
+    if isinstance(heatmap, HeatmapFile):
+        if not 0 <= level < heatmap.level_count:
+            raise ValueError(f"{heatmap.path}: level {level} does not exist ({heatmap.level_count} levels)")
+        shape = heatmap.level_shapes[level]
+        names = list(channel_names) if channel_names is not None else list(heatmap.channel_names)
+    else:
+        heatmap = np.asarray(heatmap)
+        shape = heatmap.shape
+        if len(shape) != 3:
+            raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {shape}")
+        if level:
+            raise ValueError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
+        names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
+    if len(names) != shape[0]:
+        raise ValueError(
+            f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, found {len(names)}"
+        )
+    if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
+        raise ValueError(
+            f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', found {dimension_organization!r}"
+        )
+    plane_bytes = shape[1] * shape[2] * 2
+    if plane_bytes > max_bytes:
+        raise WSIPipelineError(
+            f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
+            f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
+            f"write a reduced level (level={level + 1})"
+        )
+    return heatmap, names
+
+
+def _plane_geometry(src: Dataset, scale: float) -> dict[str, Any]:
+    """The Parametric Map's pixel spacing, orientation and position on the slide ``src`` (keywords of
+    ``ParametricMap``), for heatmap pixels of ``scale`` level-0 pixels each."""
+    (row_mm, col_mm) = (float(v) for v in src.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing)
+    # Centre of the heatmap's top-left pixel, in level-0 pixel indices (0 = centre of level-0 pixel 0).
+    offset = (scale - 1.0) / 2.0
+    to_slide = hd.spatial.PixelToReferenceTransformer.for_image(src, for_total_pixel_matrix=True)
+    p00, p10, p01 = to_slide(np.array([[0, 0], [1, 0], [0, 1]]))  # (column, row) indices; the map is affine
+    position = p00 + offset * (p10 - p00) + offset * (p01 - p00)
+    return {
+        "pixel_measures": hd.PixelMeasuresSequence(pixel_spacing=(row_mm * scale, col_mm * scale), slice_thickness=1.0),
+        "plane_orientation": hd.PlaneOrientationSequence(
+            coordinate_system="SLIDE", image_orientation=src.ImageOrientationSlide
+        ),
+        "plane_positions": [
+            hd.PlanePositionSequence(coordinate_system="SLIDE", image_position=position, pixel_matrix_position=(1, 1))
+        ],
+    }
+
+
+def _probability_mapping(name: str) -> hd.pm.RealWorldValueMapping:
+    """Stored values to the probability of class ``name``: ``value = stored / 65535``."""
+    return hd.pm.RealWorldValueMapping(
+        lut_label=name[:16],
+        lut_explanation=f"probability of {name}"[:64],
+        unit=NO_UNITS,
+        value_range=(0, 65535),
+        slope=1 / 65535,
+        intercept=0,
+    )
+
+
 def write_dicom_parametric_map(
     path: str | os.PathLike[str],
     heatmap: np.ndarray | HeatmapFile,
@@ -471,51 +373,9 @@ def write_dicom_parametric_map(
             order without per-frame metadata: smaller, newer in the standard).
     """
     path = Path(path)
-    if isinstance(heatmap, HeatmapFile):
-        if not 0 <= level < heatmap.level_count:
-            raise ValueError(f"{heatmap.path}: level {level} does not exist ({heatmap.level_count} levels)")
-        shape = heatmap.level_shapes[level]
-        names = list(channel_names) if channel_names is not None else list(heatmap.channel_names)
-    else:
-        heatmap = np.asarray(heatmap)
-        shape = heatmap.shape
-        if len(shape) != 3:
-            raise TypeError(f"heatmap: expected a C x H x W array or a HeatmapFile, found shape {shape}")
-        if level:
-            raise ValueError(f"{path}: level {level} asked of a numpy heatmap, which has only level 0")
-        names = list(channel_names) if channel_names is not None else [f"channel_{k}" for k in range(shape[0])]
-    if len(names) != shape[0]:
-        raise ValueError(
-            f"{path}: expected {shape[0]} channel names for a heatmap of shape {shape}, found {len(names)}"
-        )
-    if dimension_organization not in ("TILED_FULL", "TILED_SPARSE"):
-        raise ValueError(
-            f"{path}: dimension_organization expected 'TILED_FULL' or 'TILED_SPARSE', found {dimension_organization!r}"
-        )
-    plane_bytes = shape[1] * shape[2] * 2
-    if plane_bytes > max_bytes:
-        raise WSIPipelineError(
-            f"{path}: a parametric map holds at most {max_bytes} bytes a class, found a "
-            f"{shape[2]} x {shape[1]} heatmap ({plane_bytes} bytes); "
-            f"write a reduced level (level={level + 1})"
-        )
+    heatmap, names = _checked_arguments(path, heatmap, channel_names, level, max_bytes, dimension_organization)
     src, _ = source_image(slide_path, dimensions, mpp)
-    scale = float(scale_level0) * 2**level
-    (row_mm, col_mm) = (float(v) for v in src.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing)
-    # Centre of the heatmap's top-left pixel, in level-0 pixel indices (0 = centre of level-0 pixel 0).
-    offset = (scale - 1.0) / 2.0
-    to_slide = hd.spatial.PixelToReferenceTransformer.for_image(src, for_total_pixel_matrix=True)
-    p00, p10, p01 = to_slide(np.array([[0, 0], [1, 0], [0, 1]]))  # (column, row) indices; the map is affine
-    position = p00 + offset * (p10 - p00) + offset * (p01 - p00)
-    geometry = {
-        "pixel_measures": hd.PixelMeasuresSequence(pixel_spacing=(row_mm * scale, col_mm * scale), slice_thickness=1.0),
-        "plane_orientation": hd.PlaneOrientationSequence(
-            coordinate_system="SLIDE", image_orientation=src.ImageOrientationSlide
-        ),
-        "plane_positions": [
-            hd.PlanePositionSequence(coordinate_system="SLIDE", image_position=position, pixel_matrix_position=(1, 1))
-        ],
-    }
+    geometry = _plane_geometry(src, float(scale_level0) * 2**level)
     series_uid = hd.UID()
     tmp = partial_name(path)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -523,14 +383,6 @@ def write_dicom_parametric_map(
     try:
         for k, (name, file_name) in enumerate(zip(names, parametric_map_file_names(names), strict=True)):
             stored = _spool_class(heatmap, level, k, tmp)
-            mapping = hd.pm.RealWorldValueMapping(
-                lut_label=name[:16],
-                lut_explanation=f"probability of {name}"[:64],
-                unit=NO_UNITS,
-                value_range=(0, 65535),
-                slope=1 / 65535,
-                intercept=0,
-            )
             pm = hd.pm.ParametricMap(
                 source_images=[src],
                 pixel_array=stored,  # 1 x H x W: one total pixel matrix
@@ -539,7 +391,7 @@ def write_dicom_parametric_map(
                 sop_instance_uid=hd.UID(),
                 instance_number=k + 1,
                 contains_recognizable_visual_features=False,
-                real_world_value_mappings=[mapping],
+                real_world_value_mappings=[_probability_mapping(name)],
                 voi_lut_transformations=[hd.VOILUTTransformation(window_center=32767.5, window_width=65536.0)],
                 transfer_syntax_uid=JPEGLSLossless,
                 content_label=f"HEATMAP{k}",

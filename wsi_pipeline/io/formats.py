@@ -6,10 +6,18 @@ Each :class:`OutputFormat` names its file, how it is made and what it needs:
   function ``writer(path, detections, classes)``;
 - ``overlay``: a writer-pool job drawn from the slide's thumbnail;
 - ``heatmap``: a sink the heatmap blender streams into while the slide runs
-  (written only for models with a heatmap output);
-- ``heatmap-file``: a writer-pool job made from the finished OME-TIFF
-  heatmap, ``writer(path, heatmap_path, channel_names, **slide)`` (so it
-  needs ``ome-tiff`` among the formats).
+  (written only for models with a heatmap output), the class ``sink`` made as
+  ``sink(path, width, height, channels, channel_names=..., physical_size_um=...)``,
+  called with the rows top to bottom, then closed (``close()``) or aborted
+  (``abort()``); a sink that offers ``spooled()`` has its file finished by a
+  writer process (``spooled().write()``) instead, and a format with a
+  ``reader`` is read back lazily as the run's heatmap;
+- ``heatmap-file``: a writer-pool job made from the finished heatmap file of
+  the format it is ``made_from``, ``writer(path, heatmap_path, channel_names,
+  **slide)`` (so it needs that format, ``ome-tiff``, among the formats).
+
+A new format is one entry in :data:`FORMATS`: its module is imported only
+when a run chooses it.
 
 Jobs whose format has ``slide_args`` also get the slide's level-0
 ``dimensions``, ``slide_path`` and ``mpp`` as keywords (DICOM references its
@@ -39,7 +47,7 @@ class OutputFormat:
     Attributes:
         name: the name ``--formats`` takes.
         filename: the file written in the slide's folder.
-        kind: :data:`DETECTIONS`, :data:`OVERLAY` or :data:`HEATMAP`.
+        kind: :data:`DETECTIONS`, :data:`OVERLAY`, :data:`HEATMAP` or :data:`HEATMAP_FILE`.
         writer: ``"module:function"`` of a writer-pool job (None for heatmap sinks);
             imported when a run uses it, so that its library is needed only then.
         requires: modules that must be importable for it.
@@ -54,6 +62,10 @@ class OutputFormat:
             both writes this one alone.
         holds_none: what stops the file from holding zero detections, where it cannot (the file
             is then not written for a slide without detections, and ``summary.json`` says why).
+        sink: ``"module:Class"`` of a :data:`HEATMAP` format's streaming writer (see above), imported
+            when a run uses it.
+        reader: ``"module:Class"`` of the lazy reader of a :data:`HEATMAP` format's finished file,
+            ``reader(path)``: the run's heatmap where it is not held in memory.
     """
 
     name: str
@@ -69,13 +81,24 @@ class OutputFormat:
     tiles: bool = False
     includes: tuple[str, ...] = ()
     holds_none: str | None = None
+    sink: str | None = None
+    reader: str | None = None
 
     def write_function(self) -> Callable:
         """The writer-pool job function (a module-level function: the pool pickles it)."""
         if self.writer is None:
             raise ValueError(f"format {self.name} is a {self.kind} sink, not a writer-pool job")
-        module, name = self.writer.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.writer)
+
+    def sink_class(self) -> Callable[..., Any]:
+        """The class of a heatmap format's streaming writer (its module imported now)."""
+        if self.sink is None:
+            raise ValueError(f"format {self.name} is a {self.kind} format, not a heatmap sink")
+        return _load(self.sink)
+
+    def reader_class(self) -> Callable[..., Any] | None:
+        """The class that reads a heatmap format's finished file back lazily, or None where none does."""
+        return _load(self.reader) if self.reader is not None else None
 
     def job(self, slide_args: dict[str, Any]) -> Callable:
         """:meth:`write_function` with the slide's keywords bound where the format takes them
@@ -85,14 +108,17 @@ class OutputFormat:
 
     def parts_writer(self) -> Any:
         """The format's :class:`~.detections.PartsWriter`, or None where it is written whole."""
-        if self.parts is None:
-            return None
-        module, name = self.parts.split(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.parts) if self.parts is not None else None
 
     def missing(self) -> list[str]:
         """The required modules that cannot be imported here."""
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+def _load(spec: str) -> Any:
+    """The object ``"module:name"`` names, its module imported."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FORMATS: dict[str, OutputFormat] = {
@@ -168,11 +194,19 @@ FORMATS: dict[str, OutputFormat] = {
             about="DICOM Microscopy Bulk Simple Annotations, for archives and DICOM viewers",
             holds_none="no detections: a DICOM Microscopy Bulk Simple Annotations object holds at least one",
         ),
-        OutputFormat("ome-tiff", "heatmap.ome.tif", HEATMAP, about="heatmap as a pyramidal OME-TIFF"),
+        OutputFormat(
+            "ome-tiff",
+            "heatmap.ome.tif",
+            HEATMAP,
+            about="heatmap as a pyramidal OME-TIFF",
+            sink="wsi_pipeline.io.ome_tiff:OmeTiffHeatmapWriter",
+            reader="wsi_pipeline.io.ome_tiff:HeatmapFile",
+        ),
         OutputFormat(
             "ome-zarr",
             "heatmap.ome.zarr",
             HEATMAP,
+            sink="wsi_pipeline.io.ome_zarr:OmeZarrHeatmapWriter",
             requires=("zarr", "ome_zarr"),
             extra="zarr",
             about="heatmap as OME-Zarr (NGFF 0.4), for QuPath 0.6+ and napari",

@@ -49,7 +49,7 @@ from ome_zarr.format import FormatV04, FormatV05
 from ome_zarr.writer import write_multiscales_metadata
 
 from wsi_pipeline.io.atomic import partial_name, replace_tree
-from wsi_pipeline.io.ome_tiff import HeatmapRowWriter, halve, pyramid_shapes, quantise
+from wsi_pipeline.io.heatmap_rows import HeatmapRowWriter, halve, pyramid_shapes, quantise
 
 NGFF_VERSIONS = ("0.4", "0.5")
 # Colours given to channels without one (hex RGB, as the omero metadata wants them).

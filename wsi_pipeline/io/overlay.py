@@ -192,71 +192,93 @@ def render_overlay(
         msg = "thumb_downsample and heatmap_scale_level0: expected > 0"
         raise ValueError(msg)
     out = thumbnail.copy()
-    th, tw = out.shape[:2]
-
     if heatmap is not None:
-        heatmap = np.asarray(heatmap, dtype=np.float32)
-        if heatmap.ndim == 2:
-            heatmap = heatmap[None]
-        if heatmap.ndim != 3:
-            msg = f"heatmap: expected C x H x W, found shape {heatmap.shape}"
-            raise ValueError(msg)
-        value = np.clip(heatmap.max(axis=0), 0.0, 1.0)
-        # Thumbnail pixel (x, y) centre is level-0 (x + 0.5) * thumb_downsample,
-        # i.e. heatmap pixel (x + 0.5) * thumb_downsample / heatmap_scale - 0.5.
-        s = thumb_downsample / heatmap_scale_level0
-        m = np.array([[s, 0, 0.5 * s - 0.5], [0, s, 0.5 * s - 0.5]], dtype=np.float64)
-        value = cv2.warpAffine(
-            value,
-            m,
-            (tw, th),
-            flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
-            borderMode=cv2.BORDER_CONSTANT,
-            borderValue=0.0,
-        )
-        colored = cv2.applyColorMap(np.rint(value * 255).astype(np.uint8), colormap)
-        colored = cv2.cvtColor(colored, cv2.COLOR_BGR2RGB)
-        shown = value > threshold
-        # Whole-image blend (OpenCV rounds and saturates), kept where the heatmap is shown.
-        blended = cv2.addWeighted(out, 1 - alpha, colored, alpha, 0.0)
-        np.copyto(out, blended, where=shown[:, :, None])
-
+        _blend_heatmap(out, heatmap, thumb_downsample / heatmap_scale_level0, alpha, threshold, colormap)
+    drawn: list[Color] = []
     if boxes is not None and len(boxes):
-        boxes = np.asarray(boxes)
-        if boxes.ndim != 2 or boxes.shape[1] != 4:
-            msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
-            raise ValueError(msg)
-        label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
-        drawn = [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
-        if contrast:
-            # What the classes are drawn on, from at most CONTRAST_SAMPLE boxes' centres (memory
-            # bounded whatever the number of boxes).
-            step = max(1, -(-len(boxes) // CONTRAST_SAMPLE))
-            sample = boxes[::step].astype(np.float64)
-            centres = (sample[:, :2] + sample[:, 2:]) / 2 / thumb_downsample
-            drawn = contrasting_colors(out, centres, label_ids[::step], drawn, tissue_color(thumbnail))
-        colors = np.array(drawn + [_DEFAULT_COLOR], np.uint8)
-        # A chunk of boxes at a time, in order (later boxes still drawn over earlier ones): the outline
-        # arrays of millions of boxes at once took gigabytes.
-        for a in range(0, len(boxes), BOX_CHUNK):
-            corners = np.rint(boxes[a : a + BOX_CHUNK].astype(np.float64) / thumb_downsample).astype(np.int64)
-            part_labels = label_ids[a : a + BOX_CHUNK]
-            box_colors = colors[np.where(part_labels >= 0, part_labels, len(colors) - 1)]
-            if line_thickness == 1:
-                draw_box_outlines(out, corners, box_colors)
-                continue
-            for (x0, y0, x1, y1), color in zip(corners.tolist(), box_colors.tolist(), strict=True):
-                # cv2 draws the closing corner inclusive: stop one pixel short.
-                cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)), tuple(color), line_thickness)
-    else:
-        drawn = []
+        drawn = _draw_boxes(out, thumbnail, thumb_downsample, boxes, labels, class_colors, line_thickness, contrast)
     if not legend:
         return out
     n_classes = max(len(drawn), len(class_names or ()))
     names = list(class_names or []) + [f"class_{k}" for k in range(len(class_names or ()), n_classes)]
     legend_colors = drawn + [_class_color(class_colors, k) for k in range(len(drawn), n_classes)]
-    strip = legend_strip(tw, names, legend_colors, heatmap_names if heatmap is not None else None, colormap, threshold)
+    strip = legend_strip(
+        out.shape[1], names, legend_colors, heatmap_names if heatmap is not None else None, colormap, threshold
+    )
     return np.concatenate([out, strip], axis=0)
+
+
+def _blend_heatmap(
+    out: np.ndarray, heatmap: np.ndarray, scale: float, alpha: float, threshold: float, colormap: int
+) -> None:
+    """Blend the heatmap's channel maximum, coloured by ``colormap``, into the picture ``out`` in place
+    where it is above ``threshold``; ``scale``: heatmap pixels per picture pixel."""
+    th, tw = out.shape[:2]
+    heatmap = np.asarray(heatmap, dtype=np.float32)
+    if heatmap.ndim == 2:
+        heatmap = heatmap[None]
+    if heatmap.ndim != 3:
+        msg = f"heatmap: expected C x H x W, found shape {heatmap.shape}"
+        raise ValueError(msg)
+    value = np.clip(heatmap.max(axis=0), 0.0, 1.0)
+    # Thumbnail pixel (x, y) centre is level-0 (x + 0.5) * thumb_downsample,
+    # i.e. heatmap pixel (x + 0.5) * thumb_downsample / heatmap_scale - 0.5.
+    m = np.array([[scale, 0, 0.5 * scale - 0.5], [0, scale, 0.5 * scale - 0.5]], dtype=np.float64)
+    value = cv2.warpAffine(
+        value,
+        m,
+        (tw, th),
+        flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=0.0,
+    )
+    colored = cv2.applyColorMap(np.rint(value * 255).astype(np.uint8), colormap)
+    colored = cv2.cvtColor(colored, cv2.COLOR_BGR2RGB)
+    shown = value > threshold
+    # Whole-image blend (OpenCV rounds and saturates), kept where the heatmap is shown.
+    blended = cv2.addWeighted(out, 1 - alpha, colored, alpha, 0.0)
+    np.copyto(out, blended, where=shown[:, :, None])
+
+
+def _draw_boxes(
+    out: np.ndarray,
+    thumbnail: np.ndarray,
+    thumb_downsample: float,
+    boxes: np.ndarray,
+    labels: np.ndarray | None,
+    class_colors: Mapping[int, Color] | Sequence[Color] | None,
+    line_thickness: int,
+    contrast: bool,
+) -> list[Color]:
+    """Draw the boxes into the picture ``out`` in place, each in its class's colour (or, with
+    ``contrast``, a colour that stands out where it does not); the colour drawn of each class id."""
+    boxes = np.asarray(boxes)
+    if boxes.ndim != 2 or boxes.shape[1] != 4:
+        msg = f"boxes: expected an N x 4 array (x0, y0, x1, y1), found shape {boxes.shape}"
+        raise ValueError(msg)
+    label_ids = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels, np.int64)
+    drawn = [_class_color(class_colors, int(v)) for v in range(int(label_ids.max(initial=0)) + 1)]
+    if contrast:
+        # What the classes are drawn on, from at most CONTRAST_SAMPLE boxes' centres (memory
+        # bounded whatever the number of boxes).
+        step = max(1, -(-len(boxes) // CONTRAST_SAMPLE))
+        sample = boxes[::step].astype(np.float64)
+        centres = (sample[:, :2] + sample[:, 2:]) / 2 / thumb_downsample
+        drawn = contrasting_colors(out, centres, label_ids[::step], drawn, tissue_color(thumbnail))
+    colors = np.array(drawn + [_DEFAULT_COLOR], np.uint8)
+    # A chunk of boxes at a time, in order (later boxes still drawn over earlier ones): the outline
+    # arrays of millions of boxes at once took gigabytes.
+    for a in range(0, len(boxes), BOX_CHUNK):
+        corners = np.rint(boxes[a : a + BOX_CHUNK].astype(np.float64) / thumb_downsample).astype(np.int64)
+        part_labels = label_ids[a : a + BOX_CHUNK]
+        box_colors = colors[np.where(part_labels >= 0, part_labels, len(colors) - 1)]
+        if line_thickness == 1:
+            draw_box_outlines(out, corners, box_colors)
+            continue
+        for (x0, y0, x1, y1), color in zip(corners.tolist(), box_colors.tolist(), strict=True):
+            # cv2 draws the closing corner inclusive: stop one pixel short.
+            cv2.rectangle(out, (x0, y0), (max(x0, x1 - 1), max(y0, y1 - 1)), tuple(color), line_thickness)
+    return drawn
 
 
 def draw_box_outlines(image: np.ndarray, corners: np.ndarray, colors: np.ndarray) -> None:
