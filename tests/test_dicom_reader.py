@@ -210,7 +210,9 @@ def test_frames_past_the_end_of_the_file_are_refused(series, tmp_path):
 def test_a_damaged_frame_fails_the_read_naming_the_file(series, tmp_path):
     path = _copy_level(series, tmp_path)
     with DicomSlide(path) as s:
-        offset, n = int(s._levels[0].offsets[1]), int(s._levels[0].bytecounts[1])
+        frame = s.raw_tile(0, 1, 0)  # the stored bytes of frame (1, 0): found in the file
+    with open(path, "rb") as f:
+        offset, n = f.read().index(frame), len(frame)
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(b"\0" * n)

@@ -7,6 +7,7 @@ from helpers import smooth_rgb
 
 from wsi_pipeline.slide.image import ImageSlide
 from wsi_pipeline.tiling import TileGrid, TileLoader
+from wsi_pipeline.tiling.loader import chunk_bounds
 
 
 def _slide():
@@ -25,8 +26,7 @@ def _slide():
     ],
 )
 def test_chunk_bounds_cover_the_batch(workers, prefetch, n, expected):
-    loader = TileLoader(_slide(), [], batch_size=64, workers=workers, prefetch=prefetch)
-    assert loader._chunk_bounds(n) == expected
+    assert chunk_bounds(n, workers, prefetch) == expected
 
 
 def test_each_batch_is_read_by_one_worker_in_order():
@@ -73,7 +73,7 @@ def test_more_workers_than_batches_in_flight_split_batches():
         out[...] = tile.index
 
     loader = TileLoader(s, tiles, batch_size=16, workers=4, prefetch=1, read=read)
-    assert loader._chunk_bounds(16) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert chunk_bounds(16, loader.workers, loader.prefetch) == [(0, 4), (4, 8), (8, 12), (12, 16)]
     sizes = []
     for batch in loader:
         sizes.append(len(batch))

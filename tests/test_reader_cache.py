@@ -21,15 +21,26 @@ def _level_pixels(path, level):
 
 
 @pytest.mark.parametrize("photometric", ["ycbcr", "rgb"])
-def test_direct_jpeg_decode_matches_tifffile(tmp_path, photometric):
+def test_direct_jpeg_decode_matches_tifffile(tmp_path, monkeypatch, photometric):
+    import simplejpeg
+
     path = str(tmp_path / "t.tif")
     write_pyramid_tiff(path, smooth_rgb(700, 900, seed=2), levels=2, photometric=photometric)
+    decode_jpeg, direct = simplejpeg.decode_jpeg, []
+
+    def counting(*args, **kwargs):
+        direct.append(1)
+        return decode_jpeg(*args, **kwargs)
+
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", counting)
     with TiffSlide(path) as s:
-        assert all(lv.decoder == "simplejpeg" for lv in s._levels)
+        direct.clear()  # opening tries a tile of each level
         for level in range(2):
             ref = _level_pixels(path, level)
             h, w = ref.shape[:2]
             np.testing.assert_array_equal(s.read_region((0, 0), level, (w, h)), ref)
+        # every stored tile decoded straight by libjpeg-turbo (simplejpeg), none by the page's codec
+        assert len(direct) == s.cache_info().misses == 4 * 3 + 2 * 2
 
 
 def test_small_cache_evicts_reuses_slots_and_stays_exact(pyramid_tiff):
@@ -44,8 +55,10 @@ def test_small_cache_evicts_reuses_slots_and_stays_exact(pyramid_tiff):
             part = ref[y : y + 512, x : x + 512]
             want[: part.shape[0], : part.shape[1]] = part
             np.testing.assert_array_equal(got, want, err_msg=f"tile {t.index}")
-        assert s._cache.allocated <= limit
-        assert len(s._cache._tiles) <= 5
+        info = s.cache_info()
+        assert info.allocated_bytes <= limit
+        assert info.tiles <= 5
+        assert info.misses > len(list(grid))  # tiles were evicted and decoded again
 
 
 def test_threads_with_a_tiny_cache_read_exact_pixels(pyramid_tiff):
@@ -68,8 +81,9 @@ def test_threads_with_a_tiny_cache_read_exact_pixels(pyramid_tiff):
         for t in threads:
             t.join()
         # Over the bound by at most one slot per thread decoding at once.
-        assert s._cache.allocated <= (4 + 4) * TILE_BYTES
-        assert not s._cache._pins and not s._cache.inflight
+        info = s.cache_info()
+        assert info.allocated_bytes <= (4 + 4) * TILE_BYTES
+        assert info.pinned == info.decoding == 0
     assert errors == []
 
 
@@ -126,44 +140,31 @@ def test_read_tile_into_buffer_matches_read_region(pyramid_tiff):
             np.testing.assert_array_equal(out, s.read_region((t.x0_level0, t.y0_level0), 0, (512, 512)))
 
 
-def _count_decodes(slide: TiffSlide) -> list[tuple[int, int, int]]:
-    """Record every stored-tile decode of ``slide`` as (level, tx, ty) in the returned list."""
-    decoded = []
-    decode = slide._decode_tile
-
-    def counting(level, tx, ty, out=None):
-        decoded.append((level, tx, ty))
-        return decode(level, tx, ty, out)
-
-    slide._decode_tile = counting
-    return decoded
-
-
 def test_default_cache_is_a_band_of_rows_and_a_grid_decodes_each_tile_once(pyramid_tiff):
     with TiffSlide(pyramid_tiff) as s:
         across = s.tile_grid_shape(0)[2]  # 17 tiles of 256 px across 4100 px
-        assert s._cache.limit == (1536 // 256 + 1) * across * TILE_BYTES
-        decoded = _count_decodes(s)
+        assert s.cache_info().limit_bytes == (1536 // 256 + 1) * across * TILE_BYTES
         for t in TileGrid(s, 512, 64):
             read_tile(s, t)
-        assert len(decoded) == len(set(decoded)) == 17 * 12  # every stored tile, once
-        assert s._cache.allocated <= s._cache.limit
+        info = s.cache_info()
+        # The grid touches every stored tile: as many decodes as stored tiles is each once.
+        assert info.misses == 17 * 12 and info.hits > 0
+        assert info.allocated_bytes <= info.limit_bytes
     with TiffSlide(pyramid_tiff, cache_bytes=10 * TILE_BYTES) as s:
-        assert s._cache.limit == 10 * TILE_BYTES
+        assert s.cache_info().limit_bytes == 10 * TILE_BYTES
 
 
 def test_loader_with_many_batches_in_flight_still_decodes_each_tile_once(pyramid_tiff):
     from wsi_pipeline.tiling import TileLoader
 
     with TiffSlide(pyramid_tiff) as s:
-        default_limit = s._cache.limit
-        decoded = _count_decodes(s)
+        default_limit = s.cache_info().limit_bytes
         grid = TileGrid(s, 512, 64)
         with TileLoader(s, list(grid), batch_size=8, workers=4, prefetch=4) as loader:
-            assert s._cache.limit > default_limit  # the loader asked for the rows it keeps in flight
+            assert s.cache_info().limit_bytes > default_limit  # the loader asked for the rows it keeps in flight
             n = sum(len(b) for b in loader)
         assert n == len(grid)
-        assert len(decoded) == len(set(decoded)) == 17 * 12
+        assert s.cache_info().misses == 17 * 12  # every stored tile (the grid touches all), once
 
 
 @pytest.mark.parametrize("cache_tiles", [4, 10_000])

@@ -206,11 +206,13 @@ def _damage_a_tile(path, level: int = 0) -> tuple[int, int]:
     Returns the tile's (col, row).
     """
     with TiffSlide(path) as s:
-        lv = s._levels[level]
-        col, row = lv.tiles_across // 2, lv.tiles_down // 2
-        i = row * lv.tiles_across + col
-        offset, count = int(lv.offsets[i]), int(lv.bytecounts[i])
-        tables = lv.jpegtables
+        _, _, across, down = s.tile_grid_shape(level)
+    col, row = across // 2, down // 2
+    with tifffile.TiffFile(path) as tif:  # where the file stores the tile, and its shared JPEG tables
+        page = tif.series[0].levels[level].keyframe
+        i = row * across + col
+        offset, count = int(page.dataoffsets[i]), int(page.databytecounts[i])
+        tables = page.jpegtables
     buf = bytearray(path.read_bytes())
     rng = np.random.default_rng(0)
     for _ in range(200):

@@ -9,7 +9,7 @@ import sys
 
 from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
 from ..slide import BACKENDS, open_slide
-from ..tiling.slide_loader import storage_gpu_decoder
+from ..tiling.gpu_choice import storage_gpu_decoder
 
 
 def describe(path: str, backend: str = "auto") -> dict:

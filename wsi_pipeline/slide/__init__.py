@@ -12,7 +12,6 @@ Backends:
 
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
@@ -20,36 +19,23 @@ import numpy as np
 from ..errors import SlideError, SlideOpenError
 from ..special_files import refusal, special_kind
 from .base import Slide
-from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
-from .tiff_file import is_cmyk, is_tiff, open_tifffile
+from .image import ImageSlide
+from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
 
-log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "tifffile", "dicom", "openslide", "image")
-
-# OpenSlide formats that are plain tiled TIFF underneath and that the tifffile reader decodes to
-# the same pixels (tests/test_storage_kinds.py compares them with OpenSlide's), only faster.
-# Aperio SVS: its pyramid is tifffile's "Baseline" series; the thumbnail, label and macro pages are
-# series of their own, never read as levels.
-_TIFF_COMPATIBLE_VENDORS = {None, "generic-tiff", "aperio"}
+# The names of the readers of SLIDE_READERS ("tifffile", "dicom", "openslide", "image"), "auto" first.
+BACKENDS = ("auto", *reader_names())
 
 
 def _open_backend(path: str, backend: str) -> Slide:
-    if backend == "image":
-        return ImageSlide(path)
-    if backend == "tifffile":
-        from .tiff_backend import TiffSlide
+    reader = reader_named(backend)
+    if reader is None:
+        raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(_backend_choices())}")
+    return reader.open(path)
 
-        return TiffSlide(path)
-    if backend == "dicom":
-        from .dicom_backend import DicomSlide
 
-        return DicomSlide(path)
-    if backend == "openslide":
-        from .openslide_backend import OpenSlideSlide
-
-        return OpenSlideSlide(path)
-    raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+def _backend_choices() -> tuple[str, ...]:
+    """:data:`BACKENDS` as the registry holds them now (with the readers added since import)."""
+    return ("auto", *reader_names())
 
 
 def _check_file(path: str) -> None:
@@ -65,52 +51,11 @@ def _check_file(path: str) -> None:
         raise SlideOpenError(path, "file is empty (0 bytes)")
 
 
-def _dicom_refusal(path: str) -> str | SlideOpenError | None:
-    """Why the dicom reader does not read ``path`` (a reason, or the error it raises); None: it does."""
-    from .dicom_file import is_dicom_wsi, series_refusal
-
-    if not is_dicom_wsi(path):
-        return "not a DICOM WSI"
-    try:
-        refusal = series_refusal(path)
-    except SlideOpenError as exc:
-        refusal = exc
-    if refusal is not None:
-        log.info("%s: not read with the dicom reader: %s", path, refusal)
-    return refusal
-
-
 def detect_backend(path: str) -> str:
-    """The fastest backend that reads ``path`` ("tifffile", "dicom", "openslide" or "image")."""
+    """The fastest backend that reads ``path`` ("tifffile", "dicom", "openslide" or "image"): the
+    first of :data:`~.readers.SLIDE_READERS` that reads it."""
     _check_file(path)
-    ext = os.path.splitext(path)[1].lower()
-    if ext in PLAIN_IMAGE_EXTENSIONS:
-        return "image"
-    dicom_refusal = _dicom_refusal(path)
-    if dicom_refusal is None:
-        return "dicom"
-    vendor: str | None = None
-    try:
-        import openslide
-
-        vendor = openslide.OpenSlide.detect_format(path)
-    except Exception:
-        vendor = None
-    if os.path.isfile(path) and is_tiff(path) and vendor in _TIFF_COMPATIBLE_VENDORS:
-        with open_tifffile(path) as tif:
-            tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
-            if tiled and is_cmyk(tif.series[0].keyframe):  # OpenSlide alone turns inks into RGB
-                return "openslide"
-        return "tifffile" if tiled else "image"
-    if vendor is not None:
-        return "openslide"
-    if isinstance(dicom_refusal, SlideOpenError):
-        raise dicom_refusal
-    raise SlideOpenError(
-        path,
-        "no reader recognises this file (expected a whole-slide format OpenSlide reads, "
-        "a TIFF, or a PNG/JPEG/BMP image)",
-    )
+    return first_reader(path).name
 
 
 def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
@@ -128,8 +73,9 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     ((64, 48), 1, 'image')
     """
     path = os.fspath(path)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    choices = _backend_choices()
+    if backend not in choices:
+        raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(choices)}")
     try:
         _check_file(path)
         if backend == "auto":
@@ -152,4 +98,13 @@ def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str =
     return open_slide(source, backend)
 
 
-__all__ = ["Slide", "ImageSlide", "open_slide", "as_slide", "detect_backend", "BACKENDS"]
+__all__ = [
+    "Slide",
+    "ImageSlide",
+    "SlideReader",
+    "SLIDE_READERS",
+    "open_slide",
+    "as_slide",
+    "detect_backend",
+    "BACKENDS",
+]

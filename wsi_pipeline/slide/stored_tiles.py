@@ -21,7 +21,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import simplejpeg
@@ -76,6 +76,25 @@ def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
 _SLAB_BYTES = 8 * 1024 * 1024
 
 
+class TileCacheInfo(NamedTuple):
+    """A stored-tile reader's decoded-tile cache (:meth:`StoredTileSlide.cache_info`), as
+    :func:`functools.lru_cache`'s ``cache_info`` tells of its cache.
+
+    ``hits``: stored tiles read from the cache; ``misses``: stored tiles decoded into it (both since
+    the slide was opened); ``tiles``: the tiles it holds; ``limit_bytes``: its bound;
+    ``allocated_bytes``: the memory of its slots (over the bound by at most a slot per thread
+    decoding at once); ``pinned``: tiles being copied from; ``decoding``: tiles being decoded.
+    """
+
+    hits: int
+    misses: int
+    tiles: int
+    limit_bytes: int
+    allocated_bytes: int
+    pinned: int
+    decoding: int
+
+
 class _TileCache:
     """Bounded LRU of decoded stored tiles whose memory is reused, not freed.
 
@@ -98,6 +117,8 @@ class _TileCache:
         self._free: dict[tuple[int, int], list[np.ndarray]] = {}
         self.allocated = 0  # bytes of slabs and slots handed out
         self.inflight: dict[tuple[int, int], threading.Event] = {}
+        self.hits = 0
+        self.misses = 0
 
     def get(self, key: tuple[int, int]) -> np.ndarray | None:
         """The tile cached under ``key``, pinned; None if absent. Lock held by the caller."""
@@ -105,6 +126,7 @@ class _TileCache:
         if tile is not None:
             self._tiles.move_to_end(key)
             self._pins[key] = self._pins.get(key, 0) + 1
+            self.hits += 1
         return tile
 
     def unpin(self, key: tuple[int, int]) -> None:
@@ -160,6 +182,19 @@ class _TileCache:
         """Cache ``tile`` (a slot from :meth:`slot`) under ``key``, pinned. Lock held by the caller."""
         self._tiles[key] = tile
         self._pins[key] = self._pins.get(key, 0) + 1
+
+    def info(self) -> TileCacheInfo:
+        """Its counters and size now (:class:`TileCacheInfo`)."""
+        with self.lock:
+            return TileCacheInfo(
+                self.hits,
+                self.misses,
+                len(self._tiles),
+                self.limit,
+                self.allocated,
+                len(self._pins),
+                len(self.inflight),
+            )
 
     def clear(self) -> None:
         with self.lock:
@@ -245,6 +280,10 @@ class StoredTileSlide(Slide):
     def clear_cache(self) -> None:
         """Free the decoded tiles (e.g. once a grid read is over); reads after it decode again."""
         self._cache.clear()
+
+    def cache_info(self) -> TileCacheInfo:
+        """The decoded-tile cache's counters and size now (:class:`TileCacheInfo`)."""
+        return self._cache.info()
 
     def reserve_cache_band(self, level: int, height_px: int) -> int:
         """Let the cache hold a band ``height_px`` pixels tall across ``level`` (at most 1 GiB).
@@ -387,6 +426,7 @@ class StoredTileSlide(Slide):
                 if event is None:
                     event = threading.Event()
                     cache.inflight[key] = event
+                    cache.misses += 1
                     break
             # Another thread is decoding this tile: wait and use its result.
             event.wait()

@@ -3,7 +3,7 @@
 For a JPEG-tiled TIFF (:class:`~..slide.tiff_backend.TiffSlide`), a batch of
 grid tiles is read as follows: the stored tiles its patches touch (a 512 px
 patch on a 448 px step over 256 px stored tiles touches up to 3 x 3 of them;
-neighbouring patches share most; :func:`stored_tiles_touched`) are fetched
+neighbouring patches share most; :func:`~.mosaic.stored_tiles_touched`) are fetched
 as standalone JPEG streams (``raw_tile_jpeg``: pread + JPEGTables spliced
 in), decoded ONCE each, laid out as one mosaic on the device, and every
 patch is gathered from the mosaic in one indexing kernel: the overlap of
@@ -51,7 +51,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +59,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, TileReadError
+from .gpu_choice import storage_gpu_decoder
 
 # torch by way of gpu_codecs, which raises BackendUnavailableError where it is not installed
 from .gpu_codecs import _image_ops_loaded, nvimgcodec_decode, nvimgcodec_module, nvjpeg_decode, torch
 from .grid import Tile, reflect_index
 from .jpeg_processes import JpegHelpers, cpu_share_tile
+from .mosaic import MosaicLayout, mosaic_layout, stored_tiles_touched
 from .resample import resample_patches
 
 log = logging.getLogger(__name__)
@@ -76,10 +78,8 @@ def gpu_decode_plan(slide: Any, tiles: Sequence[Tile]) -> tuple[str | None, str]
     GPU decoding needs a reader's stored JPEG streams (:meth:`Slide.raw_tiles_jpeg`: the tifffile
     reader's TIFF and SVS levels), a grid that reads one level (resampled on the device where the
     grid's resolution is not a stored level's), and the storage
-    :func:`~.slide_loader.storage_gpu_decoder` takes, with its decoder installed.
+    :func:`~.gpu_choice.storage_gpu_decoder` takes, with its decoder installed.
     """
-    from .slide_loader import storage_gpu_decoder
-
     if not tiles:
         return None, "no tiles to read"
     levels = {t.level for t in tiles}
@@ -100,37 +100,6 @@ def gpu_decode_refusal(slide: Any, tiles: Sequence[Tile]) -> str | None:
     """Why ``tiles`` of ``slide`` cannot be assembled on the GPU (:func:`gpu_decode_plan`), or None."""
     decoder, why = gpu_decode_plan(slide, tiles)
     return why if decoder is None else None
-
-
-def stored_tiles_touched(
-    xs0: Iterable[int], ys0: Iterable[int], size: int, tile_w: int, tile_h: int, level_w: int, level_h: int
-) -> list[tuple[int, int]]:
-    """The stored tiles ``(tx, ty)`` that patches touch, row-major, clipped to the level.
-
-    ``xs0``, ``ys0``: the patches' level-pixel origins; ``size``: their side
-    in pixels; ``tile_w``, ``tile_h``: the stored tiles'; ``level_w``,
-    ``level_h``: the level's. A patch wholly past the level's edge touches none.
-    """
-    x0, y0 = np.asarray(list(xs0), np.int64), np.asarray(list(ys0), np.int64)
-    if x0.shape != y0.shape:
-        raise ValueError(f"expected as many x as y origins, found {x0.shape[0]} and {y0.shape[0]}")
-    x1, y1 = np.minimum(x0 + size, level_w), np.minimum(y0 + size, level_h)
-    x0, y0 = np.maximum(x0, 0), np.maximum(y0, 0)
-    inside = (x0 < x1) & (y0 < y1)
-    if not inside.any():
-        return []
-    tx0, tx1 = x0[inside] // tile_w, (x1[inside] - 1) // tile_w  # inclusive stored-tile ranges
-    ty0, ty1 = y0[inside] // tile_h, (y1[inside] - 1) // tile_h
-    # Mark each patch's rectangle of stored tiles on a grid around them, one offset at a time
-    # (a patch spans a few stored tiles per axis); the grid's nonzero cells come out row-major.
-    ox, oy = int(tx0.min()), int(ty0.min())
-    touched = np.zeros((int(ty1.max()) - oy + 1, int(tx1.max()) - ox + 1), bool)
-    for dy in range(int((ty1 - ty0).max()) + 1):
-        for dx in range(int((tx1 - tx0).max()) + 1):
-            ok = (ty0 + dy <= ty1) & (tx0 + dx <= tx1)
-            touched[ty0[ok] + dy - oy, tx0[ok] + dx - ox] = True
-    ty, tx = np.nonzero(touched)
-    return list(zip((tx + ox).tolist(), (ty + oy).tolist(), strict=True))
 
 
 @dataclass
@@ -226,7 +195,7 @@ class GpuTileDecoder:
         return [int(math.floor(t.x0_level0 / ds)) for t in tiles], [int(math.floor(t.y0_level0 / ds)) for t in tiles]
 
     def stored_tiles(self, tiles: Sequence[Tile]) -> list[tuple[int, int]]:
-        """The stored tiles ``(tx, ty)`` that ``tiles`` touch (:func:`stored_tiles_touched`)."""
+        """The stored tiles ``(tx, ty)`` that ``tiles`` touch (:func:`~.mosaic.stored_tiles_touched`)."""
         if not tiles:
             return []
         level = self._check(tiles)
@@ -479,29 +448,42 @@ class GpuTileDecoder:
             out = torch.empty((len(tiles), out_size, out_size, 3), dtype=torch.uint8, device=self.device)
             out[...] = self.background
             return out, None
-        tx0, tx1 = min(tx for tx, _ in needed), max(tx for tx, _ in needed)
-        ty0, ty1 = needed[0][1], needed[-1][1]
-        rows, cols = ty1 - ty0 + 1, tx1 - tx0 + 1
-        slots = {(tx, ty): (ty - ty0) * cols + (tx - tx0) for tx, ty in needed}
+        layout = mosaic_layout(needed)
+        kept = self._decode_stored(level, needed, layout, th, tw, previous_tiles, take_previous)
+        rows, cols = layout.rows, layout.cols
+        # Mosaic of the stored tiles, in level pixels from (tx0*tw, ty0*th).
+        mosaic = kept.pixels.view(rows, cols, th, tw, 3).permute(0, 2, 1, 3, 4).reshape(rows * th, cols * tw, 3)
+        mx0, my0 = layout.tx0 * tw, layout.ty0 * th
+        mosaic_box = (mx0, my0, mx0 + cols * tw, my0 + rows * th)
+        canvas, px0, py0 = self._patch_canvas(mosaic, mosaic_box, lw, lh, xs0, ys0, size)
+        offsets_x = [x - px0 for x in xs0]
+        offsets_y = [y - py0 for y in ys0]
+        return self._gather_patches(canvas, offsets_x, offsets_y, size, out_size), kept
+
+    def _decode_stored(
+        self,
+        level: int,
+        needed: list[tuple[int, int]],
+        layout: MosaicLayout,
+        th: int,
+        tw: int,
+        previous_tiles: Sequence[Tile],
+        take_previous: Callable[[], StoredTiles | None] | None,
+    ) -> StoredTiles:
+        """The ``needed`` stored tiles in their slots of a new mosaic: those the previous batch does
+        not touch decoded first, then ``take_previous`` called, the shared ones copied from its
+        mosaic, and those it does not hold (it failed, or holds another level) decoded."""
+        slots = layout.slots
         previous = set(self.stored_tiles(previous_tiles)) if previous_tiles else set()
         shared = [c for c in needed if c in previous]
         # Slots no patch touches stay uninitialised: no patch pixel inside the
-        # level lies in them, and the canvas below masks everything outside it.
-        stored = torch.empty((rows * cols, th, tw, 3), dtype=torch.uint8, device=self.device)
+        # level lies in them, and the canvas masks everything outside it.
+        stored = torch.empty((layout.rows * layout.cols, th, tw, 3), dtype=torch.uint8, device=self.device)
         self._decode_into(stored, level, [(slots[c], *c) for c in needed if c not in previous], th, tw)
         # Always taken (even when nothing is shared), so that batches publish in sequence order.
         prev = take_previous() if take_previous is not None else None
         if prev is not None and prev.level == level:
-            copy = [(slots[c], prev.slots[c]) for c in shared if c in prev.slots]
-            if copy:
-                if prev.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(prev.ready)
-                dst = torch.tensor([d for d, _ in copy], device=self.device)
-                src = torch.tensor([s for _, s in copy], device=self.device)
-                stored[dst] = prev.pixels[src]
-                if self.cuda:  # read on this stream: not to be reused before the copy is done
-                    prev.pixels.record_stream(torch.cuda.current_stream(self.device))
-                self._count(reused=len(copy))
+            self._copy_shared(stored, slots, shared, prev)
             shared = [c for c in shared if c not in prev.slots]
         del prev
         self._decode_into(stored, level, [(slots[c], *c) for c in shared], th, tw)
@@ -509,28 +491,59 @@ class GpuTileDecoder:
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        kept = StoredTiles(level, stored, slots, ready)
-        # Mosaic of the stored tiles, in level pixels from (tx0*tw, ty0*th).
-        mosaic = stored.view(rows, cols, th, tw, 3).permute(0, 2, 1, 3, 4).reshape(rows * th, cols * tw, 3)
-        mx0, my0 = tx0 * tw, ty0 * th
-        # Everything the patches touch, background outside the level.
+        return StoredTiles(level, stored, slots, ready)
+
+    def _copy_shared(
+        self, stored: torch.Tensor, slots: dict[tuple[int, int], int], shared: list[tuple[int, int]], prev: StoredTiles
+    ) -> None:
+        """Copy the ``shared`` stored tiles that ``prev`` holds from its mosaic into their ``slots`` of ``stored``."""
+        copy = [(slots[c], prev.slots[c]) for c in shared if c in prev.slots]
+        if copy:
+            if prev.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(prev.ready)
+            dst = torch.tensor([d for d, _ in copy], device=self.device)
+            src = torch.tensor([s for _, s in copy], device=self.device)
+            stored[dst] = prev.pixels[src]
+            if self.cuda:  # read on this stream: not to be reused before the copy is done
+                prev.pixels.record_stream(torch.cuda.current_stream(self.device))
+            self._count(reused=len(copy))
+
+    def _patch_canvas(
+        self,
+        mosaic: torch.Tensor,
+        mosaic_box: tuple[int, int, int, int],
+        lw: int,
+        lh: int,
+        xs0: list[int],
+        ys0: list[int],
+        size: int,
+    ) -> tuple[torch.Tensor, int, int]:
+        """Everything the patches (level-pixel origins ``xs0``, ``ys0``, side ``size``) touch, and
+        its level-pixel origin: the ``mosaic`` (spanning ``mosaic_box``, ``(x0, y0, x1, y1)`` in level
+        pixels) inside the level of ``lw`` x ``lh`` pixels, background outside it."""
+        mx0, my0, mx1, my1 = mosaic_box
         px0, py0 = min(xs0), min(ys0)
         px1, py1 = max(xs0) + size, max(ys0) + size
         canvas = torch.empty((py1 - py0, px1 - px0, 3), dtype=torch.uint8, device=self.device)
         canvas[...] = self.background
         sx0, sy0 = max(px0, mx0), max(py0, my0)
-        sx1, sy1 = min(px1, mx0 + cols * tw, lw), min(py1, my0 + rows * th, lh)
+        sx1, sy1 = min(px1, mx1, lw), min(py1, my1, lh)
         if sx0 < sx1 and sy0 < sy1:
             canvas[sy0 - py0 : sy1 - py0, sx0 - px0 : sx1 - px0] = mosaic[sy0 - my0 : sy1 - my0, sx0 - mx0 : sx1 - mx0]
         if py1 > lh or px1 > lw:  # past the level's edge: the image reflected, as the CPU reader fills it
             at_y = np.clip(reflect_index(np.arange(py0, py1), lh) - py0, 0, None)
             at_x = np.clip(reflect_index(np.arange(px0, px1), lw) - px0, 0, None)
             canvas = canvas[torch.from_numpy(at_y).to(self.device)][:, torch.from_numpy(at_x).to(self.device)]
-        offsets_x = [x - px0 for x in xs0]
-        offsets_y = [y - py0 for y in ys0]
+        return canvas, px0, py0
+
+    def _gather_patches(
+        self, canvas: torch.Tensor, offsets_x: list[int], offsets_y: list[int], size: int, out_size: int
+    ) -> torch.Tensor:
+        """The patches of side ``size`` at ``offsets_x``, ``offsets_y`` of ``canvas``, resampled to
+        ``out_size`` where it differs."""
         if size != out_size:
-            return resample_patches(canvas, offsets_x, offsets_y, size, out_size), kept
+            return resample_patches(canvas, offsets_x, offsets_y, size, out_size)
         ar = torch.arange(size, device=self.device)
         yy = torch.tensor(offsets_y, device=self.device)[:, None] + ar[None, :]
         xx = torch.tensor(offsets_x, device=self.device)[:, None] + ar[None, :]
-        return canvas[yy[:, :, None], xx[:, None, :]], kept
+        return canvas[yy[:, :, None], xx[:, None, :]]

@@ -37,10 +37,10 @@ from .gpu_decode import (
     StoredTiles,
     gpu_decode_plan,
     gpu_decode_refusal,
-    stored_tiles_touched,
 )
 from .grid import Tile
 from .jpeg_processes import JpegHelpers
+from .mosaic import stored_tiles_touched
 
 __all__ = [
     "JPEG_DECODERS",

@@ -50,6 +50,20 @@ class Batch:
         return len(self.tiles)
 
 
+def chunk_bounds(n: int, workers: int, prefetch: int) -> list[tuple[int, int]]:
+    """Split a batch of ``n`` tiles into contiguous (start, stop) runs, one task each.
+
+    One run per batch while the batches in flight (``prefetch``) already
+    keep every worker busy: a worker then reads neighbouring tiles one
+    after another (they share stored tiles, so the decode cache hits) and
+    the hand-off costs one task per batch, not one per tile. With more
+    ``workers`` than batches in flight, a batch is split so all can read.
+    """
+    parts = min(n, max(1, -(-workers // prefetch)))
+    edges = [round(k * n / parts) for k in range(parts + 1)]
+    return [(edges[k], edges[k + 1]) for k in range(parts)]
+
+
 class TileLoader:
     """Read ``tiles`` of ``slide`` in parallel and yield them as :class:`Batch` es.
 
@@ -154,19 +168,6 @@ class TileLoader:
                 return
             self._read_one(tile, out[i])
 
-    def _chunk_bounds(self, n: int) -> list[tuple[int, int]]:
-        """Split a batch of ``n`` tiles into contiguous (start, stop) runs, one task each.
-
-        One run per batch while the batches in flight (``prefetch``) already
-        keep every worker busy: a worker then reads neighbouring tiles one
-        after another (they share stored tiles, so the decode cache hits) and
-        the hand-off costs one task per batch, not one per tile. With more
-        workers than batches in flight, a batch is split so all can read.
-        """
-        parts = min(n, max(1, -(-self.workers // self.prefetch)))
-        edges = [round(k * n / parts) for k in range(parts + 1)]
-        return [(edges[k], edges[k + 1]) for k in range(parts)]
-
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise ClosedError("tile loader already closed")
@@ -185,7 +186,7 @@ class TileLoader:
             buf = self._acquire()
             futures = [
                 self._pool.submit(self._read_chunk, tiles[lo:hi], buf[lo:hi])
-                for lo, hi in self._chunk_bounds(len(tiles))
+                for lo, hi in chunk_bounds(len(tiles), self.workers, self.prefetch)
             ]
             pending.append((seq, buf, tiles, futures))
             return True
