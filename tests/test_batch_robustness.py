@@ -62,14 +62,16 @@ class _Result:
 
 
 class _SlowWrittenResult(_Result):
-    """A result whose files take 2 s to write; the batch folder's ``events.log`` says when they are."""
+    """A result whose files are written only once the batch folder's ``events.log`` shows the run of
+    slide ``after`` (at most 30 s later: a child that never runs it fails the test's order of events,
+    within the slides' time limit); the log then says they are."""
 
-    def __init__(self, counts, name: str, log: Path):
+    def __init__(self, counts, name: str, log: Path, after: str):
         super().__init__(counts)
-        self.name, self.log = name, log
+        self.name, self.log, self.after = name, log, after
 
     def wait_written(self):
-        time.sleep(2)
+        _wait_for_event(self.log, f"run {self.after}", 30)
         _event(self.log, f"written {self.name}")
 
 
@@ -78,14 +80,25 @@ def _event(log: Path, what: str) -> None:
         f.write(f"{what}\n")
 
 
+def _wait_for_event(log: Path, what: str, timeout_s: float) -> bool:
+    """Poll ``log`` until it holds the line ``what`` (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if what in log.read_text().split("\n"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 class FakePipeline:
     """Writes every output file (summary with the batch's entries); by slide file name: ``hang*``
     sleeps for good, ``crash*`` kills its process, ``ctrlc*`` raises KeyboardInterrupt, ``full*``
-    fails with a full disk, ``slowwrite*`` takes 2 s to write its files (``wait_written=False``).
-    Each run is noted in the batch folder's ``events.log``."""
+    fails with a full disk, ``slowwrite*`` writes its files (``wait_written=False``) only once the
+    slide ``written_after`` has run. Each run is noted in the batch folder's ``events.log``."""
 
-    def __init__(self):
+    def __init__(self, written_after: str | None = None):
         self.closed = False
+        self.written_after = written_after
 
     def run(self, path, out_dir, progress=False, keep_heatmap=None, extra_summary=None, wait_written=True):
         name = Path(path).name
@@ -108,7 +121,7 @@ class FakePipeline:
             json.dumps({"counts": {"nucleus": 1}, "heatmap_scores": {}, **(extra_summary or {})})
         )
         if name.startswith("slowwrite") and not wait_written:
-            return _SlowWrittenResult({"nucleus": 1}, name, log)
+            return _SlowWrittenResult({"nucleus": 1}, name, log, self.written_after)
         return _Result({"nucleus": 1}, [f"{path}: level 0 is 0.499 um/px"] if name.startswith("warn") else [])
 
     def close(self):
@@ -118,8 +131,11 @@ class FakePipeline:
 class FakeFactory:
     """Picklable: the child process that runs the slides builds its own :class:`FakePipeline`."""
 
+    def __init__(self, written_after: str | None = None):
+        self.written_after = written_after
+
     def __call__(self):
-        return FakePipeline()
+        return FakePipeline(self.written_after)
 
 
 class BrokenFactory:
@@ -143,7 +159,6 @@ class PlanningFakePipeline(FakePipeline):
 
     def plan(self, path):
         log = Path(path).parent.parent / "out" / "events.log"
-        time.sleep(0.2)  # long enough for the run it overlaps to start first
         _event(log, f"plan {Path(path).name} on {threading.current_thread().name.split('_')[0]}")
         return _FakePlan(path, log)
 
@@ -158,9 +173,9 @@ class PlanningFakePipeline(FakePipeline):
         return super().run(path, out_dir, **kwargs)
 
 
-class PlanningFakeFactory:
+class PlanningFakeFactory(FakeFactory):
     def __call__(self):
-        return PlanningFakePipeline()
+        return PlanningFakePipeline(self.written_after)
 
 
 def _slides(folder: Path, *names: str) -> list[Path]:
@@ -183,11 +198,11 @@ def _key(config: RunConfig) -> RunKey:
 def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path, first):
     """The child runs the next slide while the previous one's files are written: when that next slide
     kills it, the previous slide is run again and done, the crashing one failed, the rest done, and
-    no half-written folder is left (the first slide's files written slowly: the child surely dies
-    before it reports the first slide)."""
+    no half-written folder is left (the first slide's files written only once the crashing slide has
+    started: the child dies while they are written)."""
     paths = _slides(tmp_path / "in", f"{first}.tiff", "crash.tiff", "good2.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
-    report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
+    report = run_batch(paths, tmp_path / "out", FakeFactory("crash.tiff"), config, _key(config), progress=False)
     good1, crash, good2 = report.outcomes
     assert good1.status == "done" and good2.status == "done", (good1, good2)
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
@@ -195,11 +210,12 @@ def test_a_crash_in_the_slide_run_ahead_costs_only_that_slide(tmp_path, first):
 
 
 def test_the_child_runs_two_slides_ahead_while_files_are_written(tmp_path):
-    """While the first slide's files take 2 s to write, the child already runs the next two
-    slides (the parent asks for the second only once the first is written); all end done."""
+    """The first slide's files are written only once c has run: the child runs the next two slides
+    (b, c) while they are written (the parent asks for the second only once the first is written,
+    so d runs after); all end done."""
     paths = _slides(tmp_path / "in", "slowwrite.tiff", "b.tiff", "c.tiff", "d.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
-    report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
+    report = run_batch(paths, tmp_path / "out", FakeFactory("c.tiff"), config, _key(config), progress=False)
     assert [o.status for o in report.outcomes] == ["done"] * 4
     events = (tmp_path / "out" / "events.log").read_text().split("\n")
     assert events.index("run c.tiff") < events.index("written slowwrite.tiff") < events.index("run d.tiff")
@@ -211,18 +227,18 @@ def test_the_child_plans_the_slide_after_those_it_runs_ahead(tmp_path):
     slide after the two run ahead while another slide runs; every plan is run, and closed, once."""
     paths = _slides(tmp_path / "in", "slowwrite.tiff", "b.tiff", "c.tiff", "d.tiff", "e.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
-    report = run_batch(paths, tmp_path / "out", PlanningFakeFactory(), config, _key(config), progress=False)
+    factory = PlanningFakeFactory("c.tiff")
+    report = run_batch(paths, tmp_path / "out", factory, config, _key(config), progress=False)
     assert [o.status for o in report.outcomes] == ["done"] * 5
     events = (tmp_path / "out" / "events.log").read_text().split("\n")
     for p in paths:
         assert events.count(f"plan {p.name} on plan-slide") == 1, events
         assert events.count(f"planned {p.name}") == events.count(f"closed plan {p.name}") == 1, events
         assert events.index(f"plan {p.name} on plan-slide") < events.index(f"planned {p.name}")
-    # e is named (to be planned) only once the parent asks for b, after slowwrite's files are
-    # written: it is planned while d, named then too, already runs.
-    assert (
-        events.index("written slowwrite.tiff") < events.index("run d.tiff") < events.index("plan e.tiff on plan-slide")
-    )
+    # d and e are named (to be run ahead and planned) only once the parent asks for b, after
+    # slowwrite's files are written.
+    written = events.index("written slowwrite.tiff")
+    assert written < events.index("run d.tiff") and written < events.index("plan e.tiff on plan-slide"), events
 
 
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import CancelledError
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,9 +46,7 @@ def test_array_arguments_arrive_equal_and_their_files_are_removed(tmp_path, monk
             pool.submit(j, f"job{k}", _echo, tmp_path / f"out{k}", *arrays)
             fut_jobs.append(j)
         for j in fut_jobs:
-            j.wait()
-            ((_, fut),) = j._futures
-            path, got = fut.result()
+            ((path, got),) = j.results()
             assert len(got) == len(arrays)
             for (a, writable), expected in zip(got, arrays, strict=True):
                 assert a.dtype == expected.dtype and a.shape == expected.shape
@@ -82,13 +82,12 @@ def test_orphaned_argument_folders_are_removed_and_held_ones_kept(tmp_path, monk
     old = time.time() - 3600
     os.utime(orphan, (old, old))
     held_pool = WriterPool(1)
-    held_pool._file_args((np.zeros(FILE_BYTES, np.uint8),))
-    held = held_pool._arg_dir
+    _write_an_array_file(held_pool, tmp_path)
+    (held,) = set(tmp_path.glob("wsi-pipeline-args-*")) - {orphan, young}
     os.utime(held, (old, old))
     other = WriterPool(1)
     try:
-        args = other._file_args((np.zeros(FILE_BYTES, np.uint8),))
-        writer_pool._discard_files(args)
+        _write_an_array_file(other, tmp_path)  # its folder, made now, looks for orphaned ones first
         assert not orphan.exists()  # nobody held its lock
         assert young.exists()  # too new to judge
         assert held.is_dir() and (held / "lock").exists()  # its pool is alive
@@ -101,12 +100,20 @@ def test_orphaned_argument_folders_are_removed_and_held_ones_kept(tmp_path, monk
 FILE_BYTES = writer_pool.FILE_ARG_BYTES
 
 
+def _write_an_array_file(pool: WriterPool, tmp_path) -> None:
+    """Run a job whose array argument is large enough to reach its process through a file of the
+    pool's folder (made with the first such job)."""
+    jobs = WriteJobs()
+    pool.submit(jobs, "array", _echo, tmp_path / "out", np.zeros(FILE_BYTES, np.uint8))
+    jobs.wait()
+
+
 def test_a_pool_left_unclosed_removes_its_folder_when_collected(tmp_path, monkeypatch):
     import gc
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     pool = WriterPool(1)
-    pool._file_args((np.zeros(FILE_BYTES, np.uint8),))
+    _write_an_array_file(pool, tmp_path)
     (folder,) = tmp_path.glob("wsi-pipeline-args-*")
     del pool
     gc.collect()
@@ -130,9 +137,7 @@ def test_arrays_go_in_the_pickle_where_the_temporary_folder_cannot_take_them(tmp
     try:
         jobs = WriteJobs()
         pool.submit(jobs, "job", _echo, tmp_path / "out", *arrays)
-        jobs.wait()
-        ((_, fut),) = jobs._futures
-        _, got = fut.result()
+        ((_, got),) = jobs.results()
         for (a, _), expected in zip(got, arrays, strict=True):
             np.testing.assert_array_equal(a, expected)
         if problem == "full":
@@ -168,7 +173,7 @@ def test_a_writer_process_that_dies_fails_its_job_and_a_new_one_takes_the_next(t
         with pytest.raises(WSIPipelineError, match=r"writing doomed\.csv: the writer process died \(exit code -9\)"):
             doomed.wait()
         after.wait()
-        assert first._futures[0][1].result() != after._futures[0][1].result()  # a new process
+        assert first.results() != after.results()  # a new process
     finally:
         pool.close()
 
@@ -186,16 +191,39 @@ def test_a_jobs_failure_is_raised_as_it_was_raised_there():
         pool.close()
 
 
-def test_closing_lets_begun_jobs_end_and_cancels_the_others():
+def _pid_when_released(started: Path, release: Path) -> int:
+    """A job that says it has begun (file ``started``), then waits (at most a minute) for file ``release``."""
+    started.touch()
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def _wait_until(condition, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_closing_lets_begun_jobs_end_and_cancels_the_others(tmp_path):
     pool = WriterPool(1)
     begun, queued = WriteJobs(), WriteJobs()
-    pool.submit(begun, "begun", _pid, 0.5)
-    deadline = time.monotonic() + 60
-    while not begun._futures[0][1].running() and time.monotonic() < deadline:
-        time.sleep(0.01)  # the job has reached its process
+    started, release = tmp_path / "started", tmp_path / "release"
+    pool.submit(begun, "begun", _pid_when_released, started, release)
+    assert _wait_until(started.exists)  # the job has reached its process
     pool.submit(queued, "queued", _pid)
-    pool.close()
-    assert isinstance(begun._futures[0][1].result(), int)
+    closing = threading.Thread(target=pool.close)
+    closing.start()
+    try:
+        assert _wait_until(queued.done)  # cancelled by close, which now waits for the begun job
+        assert not begun.done()
+    finally:
+        release.touch()
+        closing.join(60)
+    assert not closing.is_alive()
+    assert isinstance(begun.results()[0], int)
     with pytest.raises(CancelledError):
         queued.wait()
 
@@ -206,8 +234,7 @@ def test_jobs_run_in_the_caller_where_processes_cannot_be_handed_pipes(monkeypat
     try:
         jobs = WriteJobs()
         pool.submit(jobs, "here", _pid)
-        jobs.wait()
-        assert jobs._futures[0][1].result() == os.getpid()
+        assert jobs.results() == [os.getpid()]
         assert pool.parts(10**6) == 1
     finally:
         pool.close()

@@ -29,15 +29,13 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import slide_warnings
 from .config import RunConfig
-from .errors import ClosedError, ConfigError, SlideError
+from .errors import ClosedError, ConfigError
 from .geometry import TilingGeometry, check_tiling
 from .inference.backend import cuda_may_be_present
 from .inference.card import ModelCard, load_card
@@ -49,10 +47,9 @@ from .io.writer_pool import DEFAULT_PROCESSES as DEFAULT_WRITER_PROCESSES
 from .io.writer_pool import WriterPool, check_not_importing_main
 from .outputs import OUTPUT_FILES, SlideOutputs
 from .result import PendingResult, Result
-from .slide import Slide, as_slide
+from .slide import Slide
+from .slide_plan import SlidePlan, make_plan, plan_geometry
 from .stages import StageTimer, peak_gpu_memory_mb, peak_host_memory_mb
-from .stitch import blend
-from .stitch.blend import BlendGeometry, band_bytes
 from .stitch.merge_runner import MergeProcess
 from .stitch.policies import merge_policy
 from .stitch.stitcher import Stitcher
@@ -67,7 +64,6 @@ from .summary import (
     tiles_info,
     tissue_info,
 )
-from .tiling import TileGrid, tissue_mask
 from .tiling.grid import Tile, read_tile
 from .tiling.jpeg_processes import SHARE_PERIOD, JpegHelpers, default_helpers
 from .tiling.slide_loader import choose_tile_decode, import_gpu_loader_ahead, make_slide_loader
@@ -83,42 +79,6 @@ DEFAULT_MODEL = shipped_card()
 # a smaller image (a camera frame) merges on a thread, with no process to start or cross.
 MERGE_PROCESS_MIN_TILES = 256
 Progress = Callable[[int], None]
-
-
-@dataclass
-class SlidePlan:
-    """A run's first steps, made ahead (:meth:`Pipeline.plan`): the slide opened, its tiling, tissue mask
-    and the tiles to run. Give it to :meth:`Pipeline.run` of the pipeline that made it (once), or
-    :meth:`close` it.
-
-    ``seconds``: what the steps took (``open``, ``tissue_mask``), counted in the run's summary.
-    """
-
-    slide: Slide
-    owns: bool  # the plan opened the slide: the run (or close) closes it
-    is_array: bool
-    geometry: TilingGeometry
-    grid: TileGrid
-    method: str
-    mask: Any
-    tiles: list[Tile]
-    seconds: dict[str, float] = field(default_factory=dict)
-    made_by: Any = None  # the pipeline that made it: its card and settings decided the tiling
-    warnings: list[str] = field(default_factory=list)  # about the slide, while the plan was made
-    file_stamp: tuple[int, ...] | None = None  # the slide file's (size, mtime, inode) before it was opened
-
-    def close(self) -> None:
-        if self.owns:
-            self.slide.close()
-
-
-def _file_stamp(path: str | os.PathLike[str]) -> tuple[int, ...] | None:
-    """(size, mtime, inode) of a slide file, or None where there is none to stat."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 class Pipeline:
@@ -260,7 +220,7 @@ class Pipeline:
                 plan.close()
                 msg = f"{plan.slide.path}: a plan made by another pipeline (its card and settings tiled it)"
                 raise ConfigError(msg)
-            if plan.file_stamp is not None and _file_stamp(plan.slide.path) != plan.file_stamp:
+            if plan.file_changed():
                 # Replaced or rewritten while queued: the structure parsed at its opening is stale.
                 log.info("%s: changed since it was opened ahead: opened again", plan.slide.path)
                 plan.close()
@@ -304,62 +264,11 @@ class Pipeline:
         return plan
 
     def _plan(self, source: str | os.PathLike[str] | Slide | np.ndarray, timer: StageTimer) -> SlidePlan:
-        cfg, card = self.config, self.card
-        owns = not isinstance(source, Slide)
-        stamp = _file_stamp(source) if isinstance(source, str | os.PathLike) else None
-        said: list[str] = []
-        with slide_warnings.recording(said):
-            with timer("open"):
-                slide = as_slide(source)
-            try:
-                slide.on_damaged_tile = cfg.on_damaged_tile
-                with timer("tissue_mask"):
-                    geometry = self._geometry(slide)
-                    grid = TileGrid(slide, geometry=geometry)
-                    method = cfg.tissue if cfg.tissue != "auto" else ("otsu" if card.mpp is not None else "all")
-                    mask = tissue_mask(slide, method, mask_path=cfg.mask)
-                    tiles = grid.select(mask.tile_fractions(grid), cfg.min_tissue)
-            except BaseException:
-                if owns:
-                    slide.close()
-                raise
-        return SlidePlan(
-            slide,
-            owns,
-            isinstance(source, np.ndarray),
-            geometry,
-            grid,
-            method,
-            mask,
-            tiles,
-            made_by=self,
-            warnings=said,
-            file_stamp=stamp,
-        )
+        return make_plan(source, self.card, self.config, timer, made_by=self)
 
     def _geometry(self, slide: Slide) -> TilingGeometry:
-        """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp."""
-        cfg, card = self.config, self.card
-        geometry = TilingGeometry.for_slide(
-            slide,
-            card.input.size_hw[0],
-            cfg.overlap,
-            level=cfg.level,
-            mpp=cfg.mpp,
-            preferred_mpp=card.mpp if cfg.level is None and cfg.mpp is None else None,
-            heatmap_stride=card.heatmap.stride if card.heatmap is not None else None,
-        )
-        if card.heatmap is not None:
-            need = band_bytes(BlendGeometry.from_tiling(geometry), len(card.heatmap.classes))
-            if need > blend.MAX_BAND_BYTES:
-                w, h = slide.dimensions
-                raise SlideError(
-                    slide.path,
-                    f"{w} x {h} px: the heatmap is blended in bands as wide as the slide, and this slide's "
-                    f"band would need {need / 2**30:.1f} GiB (at most {blend.MAX_BAND_BYTES / 2**30:.1f} GiB): "
-                    "a slide this wide for its height is refused",
-                )
-        return geometry
+        """The slide's tiling (:func:`~.slide_plan.plan_geometry` for this pipeline's card and settings)."""
+        return plan_geometry(slide, self.card, self.config)
 
     def _run_slide(
         self,
@@ -374,87 +283,36 @@ class Pipeline:
         """Run the plan's tiles through the model into a stitcher; the step that completes the run
         (given ``wait_written``: the stitching's end, the summary and the files)."""
         cfg, card = self.config, self.card
-        slide, is_array, geometry, grid = plan.slide, plan.is_array, plan.geometry, plan.grid
-        method, mask, tiles = plan.method, plan.mask, plan.tiles
+        slide, geometry, grid, tiles = plan.slide, plan.geometry, plan.grid, plan.tiles
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             self.writers.start()  # the writer processes start while the slide runs
         if keep_heatmap is None:
             keep_heatmap = out is None
-        log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
-        tissue_warning = mask.selection_warning(len(tiles), len(grid), cfg.min_tissue, method)
-        if tissue_warning:
-            log.warning("%s: %s", slide.path, tissue_warning)
-        extra_summary = {"tissue_warning": tissue_warning, "warnings": list(plan.warnings), **extra_summary}
-
-        outputs = SlideOutputs(geometry, card, cfg, slide, mask, out, keep_heatmap)
-        policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
-        merge = None
-        if len(tiles) >= MERGE_PROCESS_MIN_TILES:
-            merge = self.merging.merge(policy)
-        try:
-            stitcher = Stitcher(
-                geometry,
-                policy,
-                cfg.score_threshold,
-                outputs.heatmap_sink,
-                outputs.heatmap_weights,
-                outputs.heatmap_channels,
-                # On a GPU, a slide's heatmaps are blended where the model made them.
-                heatmap_device=self.executor.backend.device if self.executor.is_cuda and not is_array else None,
-                source=str(card.card_path or card.name),
-                merge=merge,
-            )
-        except BaseException:
-            if merge is not None:
-                merge.abandon()
-            raise
+        extra_summary = {"tissue_warning": _tissue_warning(plan, cfg), "warnings": list(plan.warnings), **extra_summary}
+        outputs = SlideOutputs(geometry, card, cfg, slide, plan.mask, out, keep_heatmap)
+        stitcher, box_merge = self._start_stitcher(plan, outputs)
         run_info: dict[str, Any] = {
             "slide_reader": slide_reader_info(slide, geometry.level),
-            "box_merge": "process" if merge is not None else "thread",
+            "box_merge": box_merge,
             "tile_decode": {"where": "cpu", "why": "an array in memory"},
             "heatmap_blended_on": None
             if stitcher.blender is None
             else ("host" if stitcher.heatmap_device is None else str(stitcher.heatmap_device)),
         }
-        bar = None
-        if progress is True:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(tiles), desc=Path(str(slide.path)).name, unit="tile", leave=False)
-            report: Progress | None = bar.update
-        else:
-            report = progress or None
         try:
-            with timer("read_and_infer"):
-                if is_array:
-                    self._infer_array(slide, tiles, stitcher, report)
-                else:
-                    self._infer_slide(slide, tiles, stitcher, report, timer, run_info)
-            # This run's peak, read before the next run (which may start before this one completes) resets it.
-            peak_gpu_mb = peak_gpu_memory_mb()
+            peak_gpu_mb = self._infer(plan, stitcher, progress, timer, run_info)
         except BaseException:
             stitcher.close()
             outputs.abort()
             raise
-        finally:
-            if bar is not None:
-                bar.close()
 
         def complete(wait_written: bool) -> Result:
             try:
                 with timer("stitch"):
                     dets = make_detections(*stitcher.finish())
-                run_info["detections_over_cap"] = stitcher.over_cap
-                if stitcher.over_cap:
-                    log.warning(
-                        "%s: %d detections dropped: tiles gave more than the card's %d a tile "
-                        "(max_detections_per_tile), the lowest scores were dropped",
-                        slide.path,
-                        stitcher.over_cap,
-                        card.detections_cap,
-                    )
+                _note_detections_over_cap(stitcher, run_info, slide, card)
                 with timer("write"):
                     heatmap = outputs.close_heatmap() if out is None else None
                     return self._result(
@@ -462,7 +320,7 @@ class Pipeline:
                         outputs,
                         dets,
                         heatmap,
-                        tissue_info(method, mask, slide.mpp),
+                        tissue_info(plan.method, plan.mask, slide.mpp),
                         tiles_info(grid, len(tiles)),
                         {**run_info, **extra_summary},
                         timer,
@@ -476,6 +334,65 @@ class Pipeline:
                 raise
 
         return complete
+
+    def _start_stitcher(self, plan: SlidePlan, outputs: SlideOutputs) -> tuple[Stitcher, str]:
+        """The slide's stitcher into ``outputs``' heatmap sink, and where its boxes merge: in the
+        pipeline's merging process (``process``) for slides of at least ``MERGE_PROCESS_MIN_TILES``
+        tiles, else on a thread (``thread``)."""
+        cfg, card = self.config, self.card
+        policy = merge_policy(cfg.merge, cfg.nms_iou, cfg.nms_metric, cfg.drop_edge_boxes)
+        merge = None
+        if len(plan.tiles) >= MERGE_PROCESS_MIN_TILES:
+            merge = self.merging.merge(policy)
+        try:
+            stitcher = Stitcher(
+                plan.geometry,
+                policy,
+                cfg.score_threshold,
+                outputs.heatmap_sink,
+                outputs.heatmap_weights,
+                outputs.heatmap_channels,
+                # On a GPU, a slide's heatmaps are blended where the model made them.
+                heatmap_device=self.executor.backend.device if self.executor.is_cuda and not plan.is_array else None,
+                source=str(card.card_path or card.name),
+                merge=merge,
+            )
+        except BaseException:
+            if merge is not None:
+                merge.abandon()
+            raise
+        return stitcher, "process" if merge is not None else "thread"
+
+    def _infer(
+        self,
+        plan: SlidePlan,
+        stitcher: Stitcher,
+        progress: bool | Progress,
+        timer: StageTimer,
+        run_info: dict[str, Any],
+    ) -> float | None:
+        """The plan's tiles read and through the model into ``stitcher``, timed as ``read_and_infer``,
+        reported to ``progress``; this run's peak GPU memory (MB), read before the next run resets it."""
+        slide, tiles = plan.slide, plan.tiles
+        bar = None
+        if progress is True:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(tiles), desc=Path(str(slide.path)).name, unit="tile", leave=False)
+            report: Progress | None = bar.update
+        else:
+            report = progress or None
+        try:
+            with timer("read_and_infer"):
+                if plan.is_array:
+                    self._infer_array(slide, tiles, stitcher, report)
+                else:
+                    self._infer_slide(slide, tiles, stitcher, report, timer, run_info)
+            # The next run may start before this one completes.
+            return peak_gpu_memory_mb()
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _infer_slide(
         self,
@@ -634,6 +551,29 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _tissue_warning(plan: SlidePlan, cfg: RunConfig) -> str | None:
+    """Log the plan's tile selection; the warning about it, if its tissue selection looks wrong."""
+    slide, tiles, grid = plan.slide, plan.tiles, plan.grid
+    log.info("%s: %s, %d of %d tiles selected", slide.path, grid, len(tiles), len(grid))
+    warning = plan.mask.selection_warning(len(tiles), len(grid), cfg.min_tissue, plan.method)
+    if warning:
+        log.warning("%s: %s", slide.path, warning)
+    return warning
+
+
+def _note_detections_over_cap(stitcher: Stitcher, run_info: dict[str, Any], slide: Slide, card: ModelCard) -> None:
+    """Record in ``run_info`` (and log) the detections dropped past the card's cap a tile."""
+    run_info["detections_over_cap"] = stitcher.over_cap
+    if stitcher.over_cap:
+        log.warning(
+            "%s: %d detections dropped: tiles gave more than the card's %d a tile "
+            "(max_detections_per_tile), the lowest scores were dropped",
+            slide.path,
+            stitcher.over_cap,
+            card.detections_cap,
+        )
 
 
 def _round(v: float | None) -> float | None:

@@ -138,7 +138,7 @@ def start_slide(
     With ``wait_written=False`` this returns once the slide's tiles are through the model, while its
     stitching ends and its files are written on the pipeline's threads: the next slide's inference
     can run while ``finish`` (in another thread) waits for them. ``plan``: the slide's
-    :class:`~.pipeline.SlidePlan`, made ahead (None: made now).
+    :class:`~..slide_plan.SlidePlan`, made ahead (None: made now).
     Never raises for a bad slide (its ``finish`` returns the failure)."""
     folder = slides_dir(out_dir)
     started = StartedSlide(

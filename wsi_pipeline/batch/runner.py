@@ -414,12 +414,7 @@ def run_batch(
 
         check_address(dask)
     with lock_output_folder(out):
-        try:
-            slides_dir(out).mkdir(exist_ok=True)
-        except OSError as exc:
-            raise OutputFolderError(
-                f"{slides_dir(out)}: cannot make the folder of the slides' outputs: {exc.strerror or exc}"
-            ) from None
+        _make_slides_folder(out)
         clean_leftovers(out)
         manifest = Manifest(out)
         # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
@@ -428,38 +423,12 @@ def run_batch(
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
             log.info("%s: already done with these settings, skipped", o.path)
-        # The slide runner builds its pipeline before any slide is marked pending: a model or
-        # backend that cannot start is the command's usage error, not every slide's failure.
-        runner = None
-        if todo and not dask:
-            runner = make_runner(pipeline_factory, config, progress)
-            try:
-                runner.prepare()
-            except BaseException:
-                runner.close()
-                raise
-        manifest.update_records(
-            {
-                **{
-                    o.name: dict(
-                        **path_record(o.path), status="done", run_key=key.value, counts=o.counts, warnings=o.warnings
-                    )
-                    for o in done
-                },
-                **{
-                    name: dict(**path_record(path), status="pending", run_key=key.value, error=None, warnings=[])
-                    for path, name in todo
-                },
-            }
-        )
+        runner = _start_runner(pipeline_factory, config, progress) if todo and not dask else None
+        _record_planned(manifest, key, done, todo)
 
         def record(o: SlideOutcome) -> None:
             outcomes[o.name] = o
-            if o.status == "failed":
-                log.error("%s: failed: %s", o.path, o.error)
-            else:
-                log.info("%s", o.describe())
-            manifest.update(o.name, **o.as_record(), run_key=key.value, finished=_now())
+            _record_outcome(manifest, key, o)
             if on_outcome is not None:
                 on_outcome(o)
 
@@ -469,25 +438,14 @@ def run_batch(
 
             bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
         try:
-            if dask and todo:
-                from .distributed import run_on_dask
-
-                results: Generator[SlideOutcome, None, None] = run_on_dask(dask, todo, out, config, key)
-            else:
-                results = _run_local(todo, out, runner, config, key, manifest)
+            results = _slide_outcomes(todo, out, runner, config, key, manifest, dask)
             with contextlib.closing(results):  # a stop ends the slide runner too
                 for o in results:
                     record(o)
                     if bar is not None:
                         bar.update(1)
         except KeyboardInterrupt:
-            # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
-            stopped = [
-                n
-                for _, n in todo
-                if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
-            ]
-            manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
+            _record_interrupted(manifest, todo, outcomes, dask)
             raise
         finally:
             if bar is not None:
@@ -500,6 +458,82 @@ def run_batch(
         clean_leftovers(out)
     order = names
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
+
+
+def _make_slides_folder(out: Path) -> None:
+    try:
+        slides_dir(out).mkdir(exist_ok=True)
+    except OSError as exc:
+        raise OutputFolderError(
+            f"{slides_dir(out)}: cannot make the folder of the slides' outputs: {exc.strerror or exc}"
+        ) from None
+
+
+def _start_runner(pipeline_factory: Callable[[], Any], config: RunConfig, progress: bool) -> Any:
+    """The slide runner, its pipeline built before any slide is marked pending: a model or backend
+    that cannot start is the command's usage error, not every slide's failure."""
+    runner = make_runner(pipeline_factory, config, progress)
+    try:
+        runner.prepare()
+    except BaseException:
+        runner.close()
+        raise
+    return runner
+
+
+def _record_planned(manifest: Manifest, key: RunKey, done: list[SlideOutcome], todo: list[tuple[Path, str]]) -> None:
+    """The manifest's records of the slides already done and of those to run (pending)."""
+    manifest.update_records(
+        {
+            **{
+                o.name: dict(
+                    **path_record(o.path), status="done", run_key=key.value, counts=o.counts, warnings=o.warnings
+                )
+                for o in done
+            },
+            **{
+                name: dict(**path_record(path), status="pending", run_key=key.value, error=None, warnings=[])
+                for path, name in todo
+            },
+        }
+    )
+
+
+def _record_outcome(manifest: Manifest, key: RunKey, o: SlideOutcome) -> None:
+    """A slide's end, logged and recorded in the manifest."""
+    if o.status == "failed":
+        log.error("%s: failed: %s", o.path, o.error)
+    else:
+        log.info("%s", o.describe())
+    manifest.update(o.name, **o.as_record(), run_key=key.value, finished=_now())
+
+
+def _slide_outcomes(
+    todo: list[tuple[Path, str]],
+    out: Path,
+    runner: Any,
+    config: RunConfig,
+    key: RunKey,
+    manifest: Manifest,
+    dask: str | None,
+) -> Generator[SlideOutcome, None, None]:
+    """The slides' outcomes as they end: from the cluster at ``dask``, else from the local ``runner``."""
+    if dask and todo:
+        from .distributed import run_on_dask
+
+        return run_on_dask(dask, todo, out, config, key)
+    return _run_local(todo, out, runner, config, key, manifest)
+
+
+def _record_interrupted(
+    manifest: Manifest, todo: list[tuple[Path, str]], outcomes: dict[str, SlideOutcome], dask: str | None
+) -> None:
+    """Mark the slides stopped by Ctrl-C as interrupted."""
+    # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
+    stopped = [
+        n for _, n in todo if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
+    ]
+    manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
 
 
 def _run_local(

@@ -302,16 +302,7 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _, path_list, levels, factory_bytes, progress = recv_conn.recv()
     sys.path[:] = path_list
-    handler = _PipeHandler(send_conn)
-    root = logging.getLogger()
-    root.addHandler(handler)
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-    logging.captureWarnings(True)
-    warnings.simplefilter("default")
-    from ..cli import format_warning
-
-    warnings.formatwarning = format_warning  # one line each, as the parent's own warnings
+    handler = _send_logs_to_parent(send_conn, levels)
     try:
         pipeline = pickle.loads(factory_bytes)()
     except BaseException as exc:
@@ -380,6 +371,21 @@ def _serve(recv_conn: Connection, send_conn: Connection) -> None:
         for t in finishing:
             t.join()
         pipeline.close()
+
+
+def _send_logs_to_parent(send_conn: Connection, levels: dict[str, int]) -> _PipeHandler:
+    """Send this process's log records and warnings to the parent, its loggers at the parent's ``levels``."""
+    handler = _PipeHandler(send_conn)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    logging.captureWarnings(True)
+    warnings.simplefilter("default")
+    from ..cli import format_warning
+
+    warnings.formatwarning = format_warning  # one line each, as the parent's own warnings
+    return handler
 
 
 def _close_plan(fut: Future) -> None:

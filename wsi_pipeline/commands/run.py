@@ -67,6 +67,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_input_arguments(p)
+    _add_tiling_arguments(p)
+    _add_inference_arguments(p)
+    _add_output_arguments(p)
+    _add_batch_arguments(p)
+    _add_feedback_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """The slides, the output folder and the model."""
     p.add_argument(
         "inputs",
         nargs="+",
@@ -85,6 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=BACKEND_CHOICES,
         help="default auto: TensorRT, torch on CUDA, ONNX Runtime; torch for a .pt2 model",
     )
+
+
+def _add_tiling_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the slide is read: tile, overlap, resolution, tissue selection."""
     p.add_argument("--tile", type=int, help="tile size in pixels (must match the model's input)")
     p.add_argument("--overlap", type=int, help="tile overlap in pixels (default 64)")
     res = p.add_mutually_exclusive_group()
@@ -98,6 +113,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mask", metavar="PATH", help="with --tissue file: mask image or GeoJSON polygons")
     p.add_argument("--min-tissue", type=float, help="minimum tissue fraction of a tile (default 0.05)")
+
+
+def _add_inference_arguments(p: argparse.ArgumentParser) -> None:
+    """How tiles run through the model and their boxes and heatmaps merge."""
     p.add_argument("--batch-size", type=int, help="tiles per batch (default: from device memory)")
     p.add_argument("--workers", type=int, help="tile reader threads for CPU decoding (default: CPU cores - 2, 2 to 4)")
     p.add_argument(
@@ -123,6 +142,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--blend", choices=BLEND_CHOICES, help="weights that blend overlapping tiles' heatmaps (default gaussian)"
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Each slide's output files."""
     p.add_argument(
         "--formats",
         metavar="NAMES",
@@ -133,6 +156,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         + ". docs/outputs.md says which to pick",
     )
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
+
+
+def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
+    """How the batch treats its slides: damaged tiles, settings file, cluster, time limit, resume."""
     p.add_argument(
         "--on-damaged-tile",
         choices=DAMAGED_TILE_CHOICES,
@@ -156,6 +183,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "restored from an archive with their modification times)",
     )
     p.add_argument("--force", action="store_true", help="redo slides already done")
+
+
+def _add_feedback_arguments(p: argparse.ArgumentParser) -> None:
+    """What stderr shows while the slides run."""
     p.add_argument(
         "--progress",
         choices=PROGRESS_CHOICES,
@@ -173,7 +204,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-progress", dest="progress", action="store_const", const="none", default="auto", help=argparse.SUPPRESS
     )  # the earlier spelling of --progress none
-    p.set_defaults(func=run)
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:

@@ -186,6 +186,12 @@ class WriteJobs:
     def done(self) -> bool:
         return all(f.done() for _, f in self._futures)
 
+    def results(self) -> list[Any]:
+        """What each job returned (a file's path, say), in the order submitted, once every job has
+        ended; raises as :meth:`wait`."""
+        self.wait()
+        return [fut.result() for _, fut in self._futures]
+
     def writer_peaks(self) -> dict[int, float]:
         """Each writer process's (pid) largest peak resident memory (MB) over these jobs, where measured."""
         peaks: dict[int, float] = {}

@@ -50,9 +50,6 @@ def detection_counts(
     All predictions passed count (threshold them first). ``true_ignore[i]``
     flags truth boxes of tile i to treat as crowd (see module docstring).
     """
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
     labels_seen = sorted({int(v) for a in (*pred_labels, *true_labels) for v in np.asarray(a).reshape(-1)})
     cats = [{"id": c + 1, "name": str(c)} for c in labels_seen] or [{"id": 1, "name": "0"}]
     images, gts, dts = [], [], []
@@ -87,6 +84,22 @@ def detection_counts(
                     "score": float(s),
                 }
             )
+    max_dets = max(1, max((len(np.asarray(p).reshape(-1, 4)) for p in pred_boxes), default=1))
+    counts = _match_counts(images, gts, dts, cats, iou_threshold, max_dets)
+    if per_class:
+        return {k: DetectionCounts(*v) for k, v in sorted(counts.items())}
+    tot = np.sum(list(counts.values()), axis=0) if counts else np.zeros(3, int)
+    return DetectionCounts(int(tot[0]), int(tot[1]), int(tot[2]))
+
+
+def _match_counts(
+    images: list[dict], gts: list[dict], dts: list[dict], cats: list[dict], iou_threshold: float, max_dets: int
+) -> dict[int, list[int]]:
+    """[TP, FP, FN] per class (0-based label) of COCO-style annotations, matched by pycocotools at
+    ``iou_threshold``; crowd truth boxes and the predictions they absorb count in none."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
         coco_gt = COCO()
         coco_gt.dataset = {"images": images, "annotations": gts, "categories": cats}
@@ -96,7 +109,7 @@ def detection_counts(
         coco_dt.createIndex()
         ev = COCOeval(coco_gt, coco_dt, iouType="bbox")
         ev.params.iouThrs = np.array([iou_threshold])
-        ev.params.maxDets = [max(1, max((len(np.asarray(p).reshape(-1, 4)) for p in pred_boxes), default=1))]
+        ev.params.maxDets = [max_dets]
         ev.params.areaRng = [[0, 1e10]]
         ev.params.areaRngLbl = ["all"]
         ev.evaluate()
@@ -112,10 +125,7 @@ def detection_counts(
         c[1] += int((~matched & ~dt_ignored).sum())
         gt_matched = e["gtMatches"][0] > 0
         c[2] += int((~gt_matched & ~gt_ignored).sum())
-    if per_class:
-        return {k: DetectionCounts(*v) for k, v in sorted(counts.items())}
-    tot = np.sum(list(counts.values()), axis=0) if counts else np.zeros(3, int)
-    return DetectionCounts(int(tot[0]), int(tot[1]), int(tot[2]))
+    return counts
 
 
 def dice(pred: np.ndarray, truth: np.ndarray) -> float:

@@ -164,6 +164,79 @@ def make_batch(samples: list[TileSample], rng: np.random.Generator, preset: Pres
     return ((x - mean) / std, as_t(heats), as_t(sizes), as_t(offsets), as_t(masks), as_t(regions) if regions else None)
 
 
+def batch_losses(
+    net: torch.nn.Module,
+    x: torch.Tensor,
+    heat: torch.Tensor,
+    size: torch.Tensor,
+    offset: torch.Tensor,
+    mask: torch.Tensor,
+    regions: torch.Tensor | None,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batch's losses (:func:`make_batch`'s targets): centre heatmap (focal), box size (L1 of
+    the log, px), centre offset (L1) at the objects' centres, and regions (BCE + Dice; zero without)."""
+    center_logits, size_px, off_pred, region_logits = net(x)
+    n_pos = mask.sum().clamp(min=1)
+    m = mask.unsqueeze(1)
+    l_heat = focal_loss(center_logits, heat)
+    l_size = (torch.abs(torch.log(size_px) - torch.log(size.clamp(min=1))) * m).sum() / n_pos
+    l_off = (torch.abs(off_pred - offset) * m).sum() / n_pos
+    l_reg = (
+        F.binary_cross_entropy_with_logits(region_logits, regions) + dice_loss(region_logits, regions)
+        if regions is not None
+        else torch.zeros((), device=device)
+    )
+    return l_heat, l_size, l_off, l_reg
+
+
+def warmup_cosine(opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate over ``steps``: a linear warm-up over the first 5 %, then a cosine down to 2 %."""
+    warmup = max(steps // 20, 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1))) * 0.98 + 0.02
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
+def fit(
+    net: torch.nn.Module,
+    samples: list[TileSample],
+    rng: np.random.Generator,
+    preset: Preset,
+    num_classes: int,
+    steps: int,
+    device: str = "cpu",
+    log=print,
+) -> None:
+    """Train ``net`` for ``steps`` batches of ``samples`` (AdamW, :func:`warmup_cosine`), logging the
+    mean losses every 100 steps."""
+    opt = torch.optim.AdamW(net.parameters(), lr=preset.lr, weight_decay=1e-4)
+    sched = warmup_cosine(opt, steps)
+    net.train()
+    t1 = time.perf_counter()
+    running = np.zeros(4)
+    for step in range(steps):
+        batch = [None if t is None else t.to(device) for t in make_batch(samples, rng, preset, num_classes)]
+        l_heat, l_size, l_off, l_reg = batch_losses(net, *batch, device=device)
+        loss = l_heat + l_size + l_off + l_reg
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        running += [l_heat.item(), l_size.item(), l_off.item(), l_reg.item()]
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            r = running / 100
+            running[:] = 0
+            log(
+                f"step {step + 1}/{steps} heat {r[0]:.3f} size {r[1]:.3f} off {r[2]:.3f} "
+                f"region {r[3]:.3f} lr {sched.get_last_lr()[0]:.5f} {time.perf_counter() - t1:.0f} s"
+            )
+
+
 def refuse_to_replace(kind: str, out_dir: Path, force: bool) -> None:
     """UsageError when ``out_dir`` already holds the ``kind`` model or its card and not ``force``."""
     model_path = Path(out_dir) / f"{PRESETS[kind].name}.onnx"
@@ -210,46 +283,7 @@ def train(
     log(f"rendered {len(samples)} tiles from {len(seeds)} scenes in {time.perf_counter() - t0:.0f} s")
 
     net = CenterNetSmall(len(class_names), len(preset.region_classes), widths or preset.widths).to(device)
-    opt = torch.optim.AdamW(net.parameters(), lr=preset.lr, weight_decay=1e-4)
-    warmup = max(steps // 20, 1)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1))) * 0.98 + 0.02
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    net.train()
-    t1 = time.perf_counter()
-    running = np.zeros(4)
-    for step in range(steps):
-        x, heat, size, offset, mask, regions = (
-            None if t is None else t.to(device) for t in make_batch(samples, rng, preset, len(class_names))
-        )
-        center_logits, size_px, off_pred, region_logits = net(x)
-        n_pos = mask.sum().clamp(min=1)
-        m = mask.unsqueeze(1)
-        l_heat = focal_loss(center_logits, heat)
-        l_size = (torch.abs(torch.log(size_px) - torch.log(size.clamp(min=1))) * m).sum() / n_pos
-        l_off = (torch.abs(off_pred - offset) * m).sum() / n_pos
-        l_reg = (
-            F.binary_cross_entropy_with_logits(region_logits, regions) + dice_loss(region_logits, regions)
-            if regions is not None
-            else torch.zeros((), device=device)
-        )
-        loss = l_heat + l_size + l_off + l_reg
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        running += [l_heat.item(), l_size.item(), l_off.item(), l_reg.item()]
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            r = running / 100
-            running[:] = 0
-            log(
-                f"step {step + 1}/{steps} heat {r[0]:.3f} size {r[1]:.3f} off {r[2]:.3f} "
-                f"region {r[3]:.3f} lr {sched.get_last_lr()[0]:.5f} {time.perf_counter() - t1:.0f} s"
-            )
+    fit(net, samples, rng, preset, len(class_names), steps, device, log)
     net.eval().cpu()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_path = out_dir / f"{preset.name}.onnx"
