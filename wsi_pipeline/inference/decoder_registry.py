@@ -19,8 +19,8 @@ from ..errors import ModelError
 from ..validation import is_instance
 
 if TYPE_CHECKING:
-    from .card import ModelCard
-    from .decoders import BatchDetections, TileDetections
+    from .card_spec import ModelCard
+    from .tile_detections import BatchDetections, TileDetections
 
 # A decoder's parameters: ``{name: (accepted types, default)}``.
 ParamTable = Mapping[str, tuple[type | tuple[type, ...], Any]]
@@ -35,8 +35,8 @@ class DecoderEntry:
     Args:
         name: the card's ``decoder.type``.
         params: ``{param: (accepted types, default)}``; a card's unknown or mistyped param is refused.
-        decode: a batch's raw outputs -> one :class:`~.decoders.TileDetections` per tile.
-        decode_batch: the same detections as one :class:`~.decoders.BatchDetections`.
+        decode: a batch's raw outputs -> one :class:`~.tile_detections.TileDetections` per tile.
+        decode_batch: the same detections as one :class:`~.tile_detections.BatchDetections`.
         compacts_on_device: a CUDA executor sorts the rows the decoder keeps to the front on the
             device and copies back only those (the params must name ``boxes [B,N,4]``, ``scores
             [B,N]`` and ``labels [B,N]`` outputs; ``label_offset`` and ``num_detections`` are

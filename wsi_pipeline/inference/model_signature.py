@@ -16,7 +16,7 @@ from ..errors import ModelError
 from .card_fields import Dim
 
 if TYPE_CHECKING:
-    from .card import ModelCard
+    from .card_spec import ModelCard
 
 # ONNX TensorProto element types -> card dtype names.
 _ONNX_ELEM_TYPES = {1: "float32", 2: "uint8", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}

@@ -23,7 +23,7 @@ from wsi_pipeline.stitch.merge_runner import PolicyRun, ThreadedMerge
 from wsi_pipeline.stitch.policies import MergePolicy
 
 if TYPE_CHECKING:  # types only: the stitcher reads a tile's row, col and index, a result's boxes and heatmap
-    from wsi_pipeline.inference.decoders import BatchDetections, TileDetections
+    from wsi_pipeline.inference.tile_detections import BatchDetections, TileDetections
     from wsi_pipeline.tiling.grid import Tile
 
 
@@ -105,10 +105,10 @@ class Stitcher:
     def add_batch(self, tiles: Sequence[Tile], dets: BatchDetections | Sequence[TileDetections]) -> None:
         """A batch's detections (tile pixels), tiles in grid order: heatmaps and boxes a grid row's run at a time.
 
-        ``dets``: a :class:`~wsi_pipeline.inference.decoders.BatchDetections`
+        ``dets``: a :class:`~wsi_pipeline.inference.tile_detections.BatchDetections`
         (as the executor gives it), or one TileDetections per tile.
         """
-        from wsi_pipeline.inference.decoders import BatchDetections
+        from wsi_pipeline.inference.tile_detections import BatchDetections
 
         batch = dets if isinstance(dets, BatchDetections) else BatchDetections.from_tiles(dets)
         if len(batch) != len(tiles):
