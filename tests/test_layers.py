@@ -9,7 +9,7 @@ import pytest
 
 import wsi_pipeline
 from wsi_pipeline import config
-from wsi_pipeline.inference import backend, card
+from wsi_pipeline.inference import backend, card_spec
 from wsi_pipeline.slide import damage
 
 PACKAGE = Path(wsi_pipeline.__path__[0])
@@ -32,12 +32,15 @@ def _imported_modules(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_the_settings_take_each_list_of_names_from_its_owner():
-    assert config.MAX_TILE is card.MAX_TILE and config.MIN_MPP is card.MIN_MPP and config.MAX_MPP is card.MAX_MPP
+    limits = (card_spec.MAX_TILE, card_spec.MIN_MPP, card_spec.MAX_MPP)
+    assert (config.MAX_TILE, config.MIN_MPP, config.MAX_MPP) == limits
     assert config.DAMAGED_TILE_CHOICES is damage.DAMAGED_TILE_CHOICES
     assert config.BACKEND_CHOICES == ("auto", *backend.BACKENDS)
 
 
-@pytest.mark.parametrize("owner", ["inference/card.py", "inference/backend.py", "slide/damage.py"])
+@pytest.mark.parametrize(
+    "owner", ["inference/card.py", "inference/card_spec.py", "inference/backend.py", "slide/damage.py"]
+)
 def test_an_owner_of_names_does_not_import_the_settings(owner):
     assert not [m for m, _ in _imported_modules(PACKAGE / owner) if m == "wsi_pipeline.config"]
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .inference.backend import BACKEND_CHOICES
-from .inference.card import MAX_MPP, MAX_TILE, MIN_MPP
+from .inference.card_spec import MAX_MPP, MAX_TILE, MIN_MPP
 from .io.formats import DEFAULT_FORMATS, parse_formats
 from .slide.damage import DAMAGED_TILE_CHOICES
 from .stitch.policies import MERGE_POLICIES
