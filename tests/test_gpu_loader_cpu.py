@@ -513,13 +513,14 @@ def test_the_interpreter_waits_at_exit_for_the_warm_up_under_way(tmp_path):
 
     mark = tmp_path / "warmed"
     script = (
-        "import time, torch\n"
+        "import threading, time, torch\n"
         "from wsi_pipeline.tiling import gpu_loader, slide_loader\n"
         "torch.cuda.is_available = lambda: True\n"
-        f"def slow():\n    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n    return 1.5\n"
+        "started = threading.Event()\n"
+        f"def slow():\n    started.set()\n    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n    return 1.5\n"
         "gpu_loader.warm_up_nvjpeg = slow\n"
         "slide_loader.import_gpu_loader_ahead()\n"
-        "time.sleep(0.2)\n"
+        "assert started.wait(60)\n"  # the script ends while the warm-up is under way
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert mark.exists()
