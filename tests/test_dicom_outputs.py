@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import tracemalloc
 
-import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
 from helpers import write_dicom_wsi
-from helpers.dicom_conformance import DCIODVFY, dciodvfy_errors, standard_problems
 
 from wsi_pipeline.errors import WSIPipelineError
-from wsi_pipeline.io import dicom
 from wsi_pipeline.io.detections import make_detections
-from wsi_pipeline.io.dicom import (
-    NoAnnotationsError,
-    parametric_map_file_names,
-    write_dicom_annotations,
-    write_dicom_parametric_map,
-)
-from wsi_pipeline.io.dicom_source import PLACEHOLDER_ATTRIBUTES, placeholder_uids
 from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
+
+_WHY = "the DICOM validators come with the dev extra"
+hd = pytest.importorskip("highdicom", reason=_WHY)
+_conformance = pytest.importorskip("helpers.dicom_conformance", reason=_WHY)
+DCIODVFY, dciodvfy_errors, standard_problems = (
+    _conformance.DCIODVFY,
+    _conformance.dciodvfy_errors,
+    _conformance.standard_problems,
+)
+dicom = pytest.importorskip("wsi_pipeline.io.dicom", reason=_WHY)
+NoAnnotationsError = dicom.NoAnnotationsError
+parametric_map_file_names = dicom.parametric_map_file_names
+write_dicom_annotations = dicom.write_dicom_annotations
+write_dicom_parametric_map = dicom.write_dicom_parametric_map
+_source = pytest.importorskip("wsi_pipeline.io.dicom_source", reason=_WHY)
+PLACEHOLDER_ATTRIBUTES, placeholder_uids = _source.PLACEHOLDER_ATTRIBUTES, _source.placeholder_uids
 
 CLASSES = [{"name": "nucleus", "color": "#ff0000"}, {"name": "mitosis", "color": [0, 0, 255]}]
 SCT_SCORE = ("246262008", "SCT")

@@ -6,16 +6,18 @@ import tracemalloc
 
 import numpy as np
 import pytest
-import zarr
-from ome_zarr.io import parse_url
-from ome_zarr.reader import Reader
-from ome_zarr_models.v04.image import Image as NgffImage04
-from ome_zarr_models.v05.image import Image as NgffImage05
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.io.heatmap_rows import pyramid_shapes
 from wsi_pipeline.io.ome_tiff import HeatmapFile, OmeTiffHeatmapWriter
-from wsi_pipeline.io.ome_zarr import OmeZarrHeatmapWriter
+
+_WHY = "the OME-Zarr validators come with the dev extra"
+zarr = pytest.importorskip("zarr", reason=_WHY)
+parse_url = pytest.importorskip("ome_zarr.io", reason=_WHY).parse_url
+Reader = pytest.importorskip("ome_zarr.reader", reason=_WHY).Reader
+NgffImage04 = pytest.importorskip("ome_zarr_models.v04.image", reason=_WHY).Image
+NgffImage05 = pytest.importorskip("ome_zarr_models.v05.image", reason=_WHY).Image
+OmeZarrHeatmapWriter = pytest.importorskip("wsi_pipeline.io.ome_zarr", reason=_WHY).OmeZarrHeatmapWriter
 
 
 def _heatmap(c: int, h: int, w: int, seed: int = 0) -> np.ndarray:

@@ -11,12 +11,8 @@ import sys
 import uuid
 import zipfile
 
-import geopandas as gpd
 import numpy as np
-import pandas as pd
-import pyarrow.parquet as pq
 import pytest
-import shapely
 from helpers import random_detections
 
 from wsi_pipeline import Pipeline
@@ -33,8 +29,14 @@ from wsi_pipeline.io.detections import make_detections, polygon_rows, read_geojs
 from wsi_pipeline.io.formats import DEFAULT_FORMATS, FORMATS, output_files, parse_formats
 from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
 from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
-from wsi_pipeline.review.results import load_run
 from wsi_pipeline.synthetic import write_synthetic_slide
+
+_WHY = "the format validators come with the dev extra"
+gpd = pytest.importorskip("geopandas", reason=_WHY)
+pd = pytest.importorskip("pandas", reason=_WHY)
+pq = pytest.importorskip("pyarrow.parquet", reason=_WHY)
+shapely = pytest.importorskip("shapely", reason=_WHY)
+load_run = pytest.importorskip("wsi_pipeline.review.results", reason=_WHY, exc_type=ImportError).load_run
 
 CLASSES = [{"name": "spot", "color": "#ff8000"}, {"name": "scratch", "color": [0, 0, 255]}]
 

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline import demo
-from wsi_pipeline.review import load_run
+
+load_run = pytest.importorskip(
+    "wsi_pipeline.review", reason="the review module needs the notebooks extra", exc_type=ImportError
+).load_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
