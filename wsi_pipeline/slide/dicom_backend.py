@@ -12,21 +12,14 @@ RGB: no transform), never the decoder's guess.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
-import imagecodecs
 import numpy as np
-import simplejpeg
 
-from ..errors import TileReadError
 from .base import checked_mpp
 from .dicom_file import DicomLevel, read_level, series_level_files
 from .stored_tiles import StoredTileSlide, _fill
-
-# libjpeg's colour spaces (J_COLOR_SPACE): what the stream holds, for each stored photometric.
-_JCS = {"RGB": 2, "YCBCR": 3}
 
 
 class DicomSlide(StoredTileSlide):
@@ -47,7 +40,6 @@ class DicomSlide(StoredTileSlide):
                 self._fds.append(os.open(p, os.O_RDONLY))
                 self._levels.append(read_level(p, self._fds[-1]))
             self._init_levels()
-            self._decoders = [self._direct_decoder(i) for i in range(len(self._levels))]
             self._kinds = [self._stored_jpeg_kind(i, lv.photometric) for i, lv in enumerate(self._levels)]
         except BaseException:
             for fd in self._fds:
@@ -98,25 +90,11 @@ class DicomSlide(StoredTileSlide):
             "jpeg_baseline": None if kind is None else kind.baseline,
         }
 
-    def _reference_decode(self, level: int, data: bytes, out: np.ndarray | None = None) -> np.ndarray:
-        """A frame decoded by libjpeg told the stream's colour space (from the photometric)."""
-        jcs = _JCS[self._levels[level].photometric]
-        return imagecodecs.jpeg8_decode(data, colorspace=jcs, outcolorspace=2, out=out)
+    def _tile_name(self, level: int, tx: int, ty: int) -> str:
+        return f"frame ({tx}, {ty}) of {os.path.basename(self._levels[level].path)}"
 
-    def _direct_decoder(self, level: int) -> str:
-        """ "simplejpeg" (which reports corrupt data) where it decodes the level's first frame to the
-        pixels libjpeg gives when told the colour space, else "imagecodecs" (told it each time)."""
-        lv = self._levels[level]
-        nonempty = np.flatnonzero(lv.bytecounts)
-        if not len(nonempty):
-            return "simplejpeg"
-        i = int(nonempty[0])
-        data = os.pread(self._fds[level], int(lv.bytecounts[i]), int(lv.offsets[i]))
-        with contextlib.suppress(Exception):  # a frame that does not decode: reads report it
-            ref = self._reference_decode(level, data)
-            if np.array_equal(simplejpeg.decode_jpeg(data, strict=False), ref):
-                return "simplejpeg"
-        return "imagecodecs"
+    def _stored_colour(self, level: int) -> str | None:
+        return self._levels[level].photometric.lower()
 
     def _decode_tile(self, level: int, tx: int, ty: int, out: np.ndarray | None = None) -> np.ndarray:
         """Frame (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB (background without a frame)."""
@@ -127,27 +105,7 @@ class DicomSlide(StoredTileSlide):
         if not data:
             _fill(out, self.background_rgb)
             return out
-        if self._decoders[level] == "simplejpeg" and self._decode_jpeg_checked(level, tx, ty, data, out):
-            return out
-        try:
-            img = self._reference_decode(level, data)
-        except Exception as exc:  # imagecodecs raises its own error types
-            raise TileReadError(
-                self.path,
-                f"cannot decode frame ({tx}, {ty}) of {os.path.basename(lv.path)}: {exc}",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            ) from exc
-        if img.shape != out.shape:
-            raise TileReadError(
-                self.path,
-                f"frame ({tx}, {ty}) of {os.path.basename(lv.path)} decoded to shape {img.shape}, "
-                f"expected {lv.tile_h}x{lv.tile_w}x3",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            )
-        out[...] = img
-        return out
+        return self._decode_jpeg_checked(level, tx, ty, data, out)
 
     def close(self) -> None:
         if not self._closed:

@@ -43,12 +43,47 @@ class JpegKind:
         return {"grey": "grey", "cmyk": "CMYK"}.get(self.colour, self.colour)
 
 
-def _frame(stream: bytes) -> tuple[int | None, list[tuple[int, int, int]], int | None, bool]:
-    """(SOF marker, components as (id, h, v), Adobe transform, JFIF present) from the headers
-    before the first scan. Raises ValueError where the headers are malformed."""
+@dataclass(frozen=True)
+class JpegHeader:
+    """What a JPEG stream's segments before its first scan say.
+
+    ``sof``: the frame marker (None without one); ``precision``: bits per sample; ``components``:
+    (id, h, v) per component; ``adobe_transform``: the last Adobe APP14 transform flag (None
+    without one); ``jfif``: whether a JFIF APP0 is present; ``colour_segments``: (start, end) byte
+    spans of the JFIF and Adobe segments, which decide the colour space of an untold decoder;
+    ``scan_at``: the byte where the first scan (or the end of the headers) begins.
+    """
+
+    sof: int | None
+    precision: int
+    components: tuple[tuple[int, int, int], ...]
+    adobe_transform: int | None
+    jfif: bool
+    colour_segments: tuple[tuple[int, int], ...]
+    scan_at: int
+
+    def untold_colour(self) -> str | None:
+        """The colour space libjpeg (and decoders that follow it: nvJPEG, nvImageCodec) gives a
+        3-component stream when not told one: JFIF, then the Adobe transform flag, then component
+        ids R, G, B, else YCbCr. None for other component counts."""
+        if len(self.components) != 3:
+            return None
+        if self.jfif:
+            return "ycbcr"
+        if self.adobe_transform is not None:
+            return "rgb" if self.adobe_transform == 0 else "ycbcr"
+        ids = [c for c, _, _ in self.components]
+        return "rgb" if ids == [ord("R"), ord("G"), ord("B")] else "ycbcr"
+
+
+def read_header(stream: bytes) -> JpegHeader:
+    """The :class:`JpegHeader` of ``stream`` (tables spliced in or not: only headers are read).
+
+    Raises ValueError where the headers are malformed.
+    """
     if len(stream) < 4 or stream[0] != 0xFF or stream[1] != 0xD8:
         raise ValueError("not a JPEG stream (no SOI marker)")
-    i, sof, comps, transform, jfif = 2, None, [], None, False
+    i, sof, precision, comps, transform, jfif, spans = 2, None, 8, (), None, False, []
     n = len(stream)
     while i + 4 <= n:
         if stream[i] != 0xFF:
@@ -67,17 +102,50 @@ def _frame(stream: bytes) -> tuple[int | None, list[tuple[int, int, int]], int |
             raise ValueError(f"segment 0x{marker:02x} at byte {i} runs past the stream's end")
         body = stream[i + 4 : i + 2 + length]
         if marker in _SOF_MARKERS and len(body) >= 6:
-            sof = marker
-            count = body[5]
+            sof, precision, count = marker, body[0], body[5]
             if len(body) < 6 + 3 * count:
                 raise ValueError("frame header shorter than its component count")
-            comps = [(body[6 + 3 * k], body[7 + 3 * k] >> 4, body[7 + 3 * k] & 15) for k in range(count)]
+            comps = tuple((body[6 + 3 * k], body[7 + 3 * k] >> 4, body[7 + 3 * k] & 15) for k in range(count))
         elif marker == 0xEE and body[:5] == b"Adobe" and len(body) >= 12:
             transform = body[11]
+            spans.append((i, i + 2 + length))
         elif marker == 0xE0 and body[:5] == b"JFIF\x00":
             jfif = True
+            spans.append((i, i + 2 + length))
         i += 2 + length
-    return sof, comps, transform, jfif
+    return JpegHeader(sof, precision, comps, transform, jfif, tuple(spans), min(i, n))
+
+
+def _adobe_segment(transform: int) -> bytes:
+    """An Adobe APP14 segment (version 100, no flags) with ``transform`` (0: none, 1: YCbCr)."""
+    return b"\xff\xee\x00\x0eAdobe\x00\x64\x00\x00\x00\x00" + bytes([transform])
+
+
+def told_stream(stream: bytes, colour: str, header: JpegHeader | None = None) -> bytes:
+    """``stream`` whose markers say ``colour`` (``"rgb"`` or ``"ycbcr"``) to any decoder.
+
+    The container decides a stored JPEG's colour space (TIFF Photometric, DICOM Photometric
+    Interpretation), as libtiff and OpenSlide decode it, whatever the stream's own markers say.
+    A decoder that takes no colour space (simplejpeg, which reports corrupt data; nvJPEG) follows
+    the markers instead (:meth:`JpegHeader.untold_colour`): where they disagree, the JFIF and Adobe
+    segments are dropped and an Adobe segment with the container's transform put after SOI. The
+    stream is returned as it is where they agree (the usual case) or it is not 3-component.
+    Hand-written because no JPEG decoder binding exposes both libjpeg's ``jpeg_color_space`` and
+    its corrupt-data warnings. Raises ValueError for malformed headers or samples of other
+    than 8 bits.
+    """
+    header = read_header(stream) if header is None else header
+    if header.precision != 8:
+        raise ValueError(f"{header.precision}-bit JPEG stream; expected 8-bit samples")
+    untold = header.untold_colour()
+    if untold is None or untold == colour:
+        return stream
+    pieces, pos = [stream[:2], _adobe_segment(0 if colour == "rgb" else 1)], 2
+    for start, end in header.colour_segments:
+        pieces.append(stream[pos:start])
+        pos = end
+    pieces.append(stream[pos:])
+    return b"".join(pieces)
 
 
 def jpeg_kind(stream: bytes, photometric: str | None = None) -> JpegKind:
@@ -86,10 +154,10 @@ def jpeg_kind(stream: bytes, photometric: str | None = None) -> JpegKind:
     ``photometric``: what the container says (TIFF ``"YCBCR"``/``"RGB"``/``"MINISBLACK"``, DICOM
     ``"YBR_FULL_422"``/``"YBR_FULL"``/``"RGB"``), which decides the colour space as the
     container's readers (libtiff, OpenSlide, tifffile) apply it; without it the stream's markers
-    decide as libjpeg does (Adobe transform flag, then JFIF, then component identifiers R, G, B,
-    else YCbCr for three components). Raises ValueError for a stream without a frame header.
+    decide as libjpeg does (:meth:`JpegHeader.untold_colour`). Raises ValueError for a stream without a frame header.
     """
-    sof, comps, transform, jfif = _frame(stream)
+    header = read_header(stream)
+    sof, comps = header.sof, header.components
     if sof is None or not comps:
         raise ValueError("JPEG stream has no frame header before its first scan")
     baseline = sof in (0xC0, 0xC1)
@@ -105,15 +173,7 @@ def jpeg_kind(stream: bytes, photometric: str | None = None) -> JpegKind:
         return JpegKind("rgb", subsampling, baseline, "tag")
     if p.startswith("YCBCR") or p.startswith("YBR"):
         return JpegKind("ycbcr", subsampling, baseline, "tag")
-    if transform is not None:
-        colour = "ycbcr" if transform == 1 else "rgb"
-    elif jfif:
-        colour = "ycbcr"
-    elif [c for c, _, _ in comps[:3]] == [ord("R"), ord("G"), ord("B")]:
-        colour = "rgb"
-    else:
-        colour = "ycbcr"
-    return JpegKind(colour, subsampling, baseline, "markers")
+    return JpegKind(header.untold_colour() or "ycbcr", subsampling, baseline, "markers")
 
 
-__all__ = ["JpegKind", "jpeg_kind"]
+__all__ = ["JpegHeader", "JpegKind", "jpeg_kind", "read_header", "told_stream"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextlib
 import math
 import os
 import threading
@@ -26,9 +27,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import simplejpeg
 
-from ..errors import SlideError, SlideOpenError
+from ..errors import SlideError, SlideOpenError, TileReadError
 from .base import Slide
-from .jpeg_kind import JpegKind, jpeg_kind
+from .jpeg_kind import JpegKind, jpeg_kind, read_header, told_stream
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # With the default size the cache holds at most the stored-tile rows of a band
@@ -53,6 +54,30 @@ def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
 def _with_tables(tables: bytes | None, data: bytes) -> bytes:
     """A TIFF JPEG tile as a self-contained JPEG stream (:func:`_stream_parts`)."""
     return b"".join(_stream_parts(tables, data))
+
+
+def _ends_with_eoi(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Whether each stream ``buf[starts[k] : starts[k] + counts[k]]`` ends with the JPEG EOI marker
+    (FF D9), allowing the one 0x00 pad byte DICOM adds to an odd-length frame."""
+    ends = starts + counts
+    ok = np.zeros(len(starts), bool)
+    for pad in (0, 1):
+        fit = counts >= 2 + pad
+        e = np.where(fit, ends - pad, 2)
+        tail = (buf[np.maximum(e - 2, 0)] == 0xFF) & (buf[np.maximum(e - 1, 0)] == 0xD9)
+        if pad:
+            tail &= buf[np.maximum(ends - 1, 0)] == 0
+        ok |= fit & tail
+    return ok
+
+
+def _same_headers(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray, ref: np.ndarray | None) -> np.ndarray:
+    """Whether each stream of ``buf`` begins with the header bytes ``ref`` (all False without one)."""
+    if ref is None or not len(ref):
+        return np.zeros(len(starts), bool)
+    fit = counts >= len(ref)
+    idx = np.minimum(starts[:, None] + np.arange(len(ref))[None, :], len(buf) - 1)
+    return fit & (buf[idx] == ref[None, :]).all(axis=1)
 
 
 def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
@@ -322,6 +347,11 @@ class StoredTileSlide(Slide):
         copy from the page cache; a read per tile costs a call and Python
         work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
         helpers had every other few tiles of each row, BENCHMARKS.md.)
+        A stream whose headers are those of the level's first stored tile
+        is used as it is; any other is checked and told the container's
+        colour space one by one (:meth:`_told_jpeg`); one without its
+        end-of-image marker is reported as damaged, as the CPU decoder
+        reports it.
         """
         lv = self._jpeg_level(level)
         if not tiles:
@@ -339,25 +369,65 @@ class StoredTileSlide(Slide):
         buf = np.frombuffer(os.pread(self._level_fd(level), span, start), np.uint8)
         if len(buf) < span:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
+        rel = np.where(has, offsets - start, 0)
+        for k in np.flatnonzero(has & ~_ends_with_eoi(buf, rel, counts)):
+            self._report_truncated(level, *tiles[k])
+        same = _same_headers(buf, rel, counts, self._jpeg_reference(level))
         tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
-        parts = [
-            piece
-            for o, n in zip((offsets - start).tolist(), counts.tolist(), strict=True)
-            if n
-            for piece in _stream_parts(tables, buf[o : o + n])
-        ]
-        # _stream_parts adds the tables' body (all but their SOI and EOI) to a tile of 2 bytes or more.
-        body = len(tables) - 4 if tables is not None and len(tables) >= 4 else 0
-        lengths = counts + np.where(counts >= 2, body, 0)
+        parts: list = []
+        lengths = np.zeros(len(tiles), np.int64)
+        for k, (o, n) in enumerate(zip(rel.tolist(), counts.tolist(), strict=True)):
+            if not n:
+                continue
+            if same[k]:
+                pieces = _stream_parts(tables, buf[o : o + n])
+            else:
+                tx, ty = tiles[k]
+                whole = _with_tables(lv.jpegtables, buf[o : o + n].tobytes())
+                pieces = (np.frombuffer(self._told_jpeg(level, tx, ty, whole), np.uint8),)
+            parts.extend(pieces)
+            lengths[k] = sum(len(p) for p in pieces)
         return np.concatenate(parts), lengths
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
-        """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in).
+        """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in), told the
+        container's colour space (:meth:`_told_jpeg`); a stream without its end-of-image marker is
+        reported as damaged.
 
         TIFF JPEG tiles usually share their tables in the JPEGTables tag;
         a standalone decoder (such as a GPU one) needs them inside the stream.
         """
-        return _with_tables(self._jpeg_level(level).jpegtables, self.raw_tile(level, tx, ty))
+        data = self.raw_tile(level, tx, ty)
+        if not data:
+            return data
+        arr = np.frombuffer(data, np.uint8)
+        if not _ends_with_eoi(arr, np.zeros(1, np.int64), np.array([len(arr)], np.int64))[0]:
+            self._report_truncated(level, tx, ty)
+        return self._told_jpeg(level, tx, ty, _with_tables(self._jpeg_level(level).jpegtables, data))
+
+    def _report_truncated(self, level: int, tx: int, ty: int) -> None:
+        origin = self._tile_origin_level0(level, tx, ty)
+        self._damage.report(level, tx, ty, origin, "the JPEG stream ends without its end-of-image marker (truncated)")
+
+    def _jpeg_reference(self, level: int) -> np.ndarray | None:
+        """The header bytes (up to the first scan) of ``level``'s first stored tile where that tile
+        needs no telling (:meth:`_told_jpeg` leaves it as it is); None otherwise. Tiles with the same
+        header bytes are used as they are. Cached per level."""
+        refs = self.__dict__.setdefault("_jpeg_references", {})
+        if level not in refs:
+            refs[level] = None
+            lv = self._levels[level]
+            nonempty = np.flatnonzero(lv.bytecounts)
+            if len(nonempty):
+                i = int(nonempty[0])
+                data = os.pread(self._level_fd(level), min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
+                with contextlib.suppress(ValueError):
+                    header = read_header(data)
+                    whole = _with_tables(lv.jpegtables, data)
+                    colour = self._stored_colour(level)
+                    if colour is None or told_stream(whole, colour) is whole:
+                        refs[level] = np.frombuffer(data[: header.scan_at], np.uint8).copy()
+        return refs[level]
 
     def _stored_jpeg_kind(self, level: int, photometric: str) -> JpegKind | None:
         """The kind of JPEG ``level``'s first stored tile holds, told by the container's
@@ -388,12 +458,45 @@ class StoredTileSlide(Slide):
         lv, ds = self._levels[level], self._level_downsamples[level]
         return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
 
-    def _decode_jpeg_checked(self, level: int, tx: int, ty: int, data: bytes, out: np.ndarray) -> bool:
-        """Decode a JPEG tile into ``out`` with simplejpeg, reporting corrupt data as damage.
+    def _stored_colour(self, level: int) -> str | None:
+        """The colour space the container gives ``level``'s JPEG tiles (``"rgb"``, ``"ycbcr"``), which
+        decides it whatever a stream's markers say (:func:`~.jpeg_kind.told_stream`); None where
+        the container does not say."""
+        return None
 
-        False where it does not decode to a whole tile (the general path then decodes or reports it).
+    def _tile_name(self, level: int, tx: int, ty: int) -> str:
+        """How stored tile (tx, ty) of ``level`` is named in messages."""
+        return f"stored tile ({tx}, {ty}) of level {level}"
+
+    def _told_jpeg(self, level: int, tx: int, ty: int, jpeg: bytes) -> bytes:
+        """A stored tile's self-contained stream, checked (8-bit samples, readable headers) and told
+        the container's colour space (:func:`~.jpeg_kind.told_stream`); TileReadError where it
+        cannot be decoded as the level's pixels."""
+        where = f"cannot decode {self._tile_name(level, tx, ty)}"
+        try:
+            header = read_header(jpeg)
+        except ValueError as exc:
+            raise TileReadError(
+                self.path, f"{where}: unreadable JPEG headers ({exc})", self._tile_origin_level0(level, tx, ty), level
+            ) from exc
+        if header.precision != 8:
+            raise TileReadError(
+                self.path,
+                f"{where}: a {header.precision}-bit JPEG stream; expected 8-bit samples as the container says",
+                self._tile_origin_level0(level, tx, ty),
+                level,
+            )
+        colour = self._stored_colour(level)
+        return jpeg if colour is None else told_stream(jpeg, colour, header)
+
+    def _decode_jpeg_checked(self, level: int, tx: int, ty: int, data: bytes, out: np.ndarray) -> np.ndarray:
+        """Decode a JPEG tile into ``out`` with simplejpeg (libjpeg-turbo) in the container's colour
+        space, reporting corrupt data as damage (:mod:`.damage`).
+
+        Raises TileReadError where the stream is not an 8-bit JPEG of the tile's size or does not
+        decode at all.
         """
-        jpeg = _with_tables(self._levels[level].jpegtables, data)
+        jpeg = self._told_jpeg(level, tx, ty, _with_tables(self._levels[level].jpegtables, data))
         damage = None
         try:
             img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True)
@@ -401,13 +504,25 @@ class StoredTileSlide(Slide):
             damage = str(exc)
             try:
                 img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False)
-            except ValueError:
-                return False
+            except ValueError as exc2:
+                raise TileReadError(
+                    self.path,
+                    f"cannot decode {self._tile_name(level, tx, ty)}: {exc2}",
+                    self._tile_origin_level0(level, tx, ty),
+                    level,
+                ) from exc2
         if img.shape != out.shape:
-            return False
+            lv = self._levels[level]
+            raise TileReadError(
+                self.path,
+                f"{self._tile_name(level, tx, ty)} is a {img.shape[1]}x{img.shape[0]} JPEG; "
+                f"expected {lv.tile_w}x{lv.tile_h} as the level's tiles",
+                self._tile_origin_level0(level, tx, ty),
+                level,
+            )
         if damage is not None:
             self._damage.report(level, tx, ty, self._tile_origin_level0(level, tx, ty), damage)
-        return True
+        return out
 
     def _get_tile(self, level: int, tx: int, ty: int) -> tuple[tuple[int, int], np.ndarray]:
         """(key, decoded stored tile), pinned in the cache: unpin the key once copied from.

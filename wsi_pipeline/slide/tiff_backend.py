@@ -23,9 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import cv2
-import imagecodecs
 import numpy as np
-import simplejpeg
 import tifffile
 
 from ..errors import SlideError, SlideOpenError, TileReadError
@@ -33,7 +31,7 @@ from ..io.ome_xml import read_ome_pixels
 from .base import checked_mpp, composite_rgba
 from .jpeg_kind import JpegKind
 from .resolution import tiff_page_mpp
-from .stored_tiles import StoredTileSlide, _fill, _with_tables
+from .stored_tiles import StoredTileSlide, _fill
 from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
 
 # TIFF compression 33003: Aperio's JPEG 2000 of YCbCr samples (33005 holds RGB).
@@ -53,8 +51,8 @@ class _Level:
     bytecounts: np.ndarray
     jpegtables: bytes | None
     # How stored tiles are decoded when not through page.decode: "simplejpeg"
-    # (reports corrupt data), ("imagecodecs", kwargs), or None.
-    decoder: str | tuple[str, dict] | None = None
+    # (reports corrupt data) or None.
+    decoder: str | None = None
     # The kind of JPEG the level's tiles hold (None: not JPEG, or no tile stored).
     jpeg_kind: JpegKind | None = None
 
@@ -203,49 +201,28 @@ class TiffSlide(StoredTileSlide):
             raise SlideError(self.path, f"level {level} is {_tag_name(lv.page.compression)}, not JPEG")
         return lv
 
-    def _direct_decoder(self, lv: _Level) -> str | tuple[str, dict] | None:
-        """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper.
-
-        The direct call skips tifffile's segment bookkeeping, reshape and
-        padding. Only for 3-sample interleaved JPEG levels, and only where the
-        first stored tile decodes to exactly the pixels ``page.decode`` gives:
-        "simplejpeg" (libjpeg-turbo, which reports corrupt data, so damaged
-        tiles are caught), else ("imagecodecs", keyword arguments), else None
-        (``page.decode``).
-        """
+    def _direct_decoder(self, lv: _Level) -> str | None:
+        """How ``lv``'s stored tiles are decoded without tifffile's per-tile wrapper: "simplejpeg"
+        (libjpeg-turbo, told the Photometric tag's colour space, damaged tiles reported) for 8-bit,
+        3-sample interleaved JPEG tagged RGB or YCbCr (the tiles OpenSlide also decodes straight
+        with libjpeg), else None (``page.decode``)."""
         page = lv.page
-        colorspace_for = getattr(tifffile.tifffile, "jpeg_decode_colorspace", None)
         if (
-            colorspace_for is None
-            or page.compression != tifffile.COMPRESSION.JPEG
-            or page.samplesperpixel != 3
-            or page.planarconfig != 1
-            or page.extrasamples
+            page.compression == tifffile.COMPRESSION.JPEG
+            and page.samplesperpixel == 3
+            and page.planarconfig == 1
+            and not page.extrasamples
+            and page.bitspersample == 8
+            and page.photometric in (tifffile.PHOTOMETRIC.RGB, tifffile.PHOTOMETRIC.YCBCR)
         ):
-            return None
-        nonempty = np.flatnonzero(lv.bytecounts)
-        if not len(nonempty):
-            return None
-        i = int(nonempty[0])
-        data = os.pread(self._fd, int(lv.bytecounts[i]), int(lv.offsets[i]))
-        try:
-            ref, _, _ = page.decode(data, i, jpegtables=lv.jpegtables)
-            ref = ref.reshape(lv.tile_h, lv.tile_w, 3)
-        except Exception:  # a tile that does not decode: let the general path report it
-            return None
-        try:
-            if np.array_equal(simplejpeg.decode_jpeg(_with_tables(lv.jpegtables, data), strict=False), ref):
-                return "simplejpeg"
-        except ValueError:
-            pass
-        colorspace, outcolorspace = colorspace_for(page.photometric, page.planarconfig, page.extrasamples, page.is_jfif)
-        kwargs = {"tables": lv.jpegtables, "colorspace": colorspace, "outcolorspace": outcolorspace}
-        try:
-            if np.array_equal(imagecodecs.jpeg8_decode(data, **kwargs), ref):
-                return ("imagecodecs", kwargs)
-        except Exception:
-            pass
+            return "simplejpeg"
         return None
+
+    def _stored_colour(self, level: int) -> str | None:
+        page = self._levels[level].page
+        if self._levels[level].decoder != "simplejpeg":
+            return None
+        return "ycbcr" if page.photometric == tifffile.PHOTOMETRIC.YCBCR else "rgb"
 
     def _decode_tile(self, level: int, tx: int, ty: int, out: np.ndarray | None = None) -> np.ndarray:
         """Stored tile (tx, ty) of ``level`` decoded: ``tile_h x tile_w x 3`` uint8 RGB.
@@ -261,15 +238,9 @@ class TiffSlide(StoredTileSlide):
         if not data:
             _fill(out, self.background_rgb)
             return out
+        if lv.decoder == "simplejpeg":
+            return self._decode_jpeg_checked(level, tx, ty, data, out)
         try:
-            if lv.decoder == "simplejpeg":
-                if self._decode_jpeg_checked(level, tx, ty, data, out):
-                    return out
-            elif lv.decoder is not None:
-                try:
-                    return imagecodecs.jpeg8_decode(data, out=out, **lv.decoder[1])
-                except Exception:  # an odd tile: the general path decodes or reports it
-                    pass
             seg, _, _ = lv.page.decode(data, i, jpegtables=lv.jpegtables)
         except TileReadError:
             raise
