@@ -60,6 +60,9 @@ class SlideReaderInfo(TypedDict):
     # compression, photometric, samples_per_pixel, planar, extra_samples, jpeg_kind ("YCbCr 4:2:0",
     # "RGB", ...), jpeg_baseline; None where the reader gives no stored tiles
     storage: dict[str, Any] | None
+    # where the reader's levels differ from OpenSlide's rule for the format, and why (a page set
+    # apart as not a level, levels sorted); empty where they are OpenSlide's
+    level_notes: list[str]
 
 
 class TileDecodeInfo(TypedDict, total=False):
@@ -158,7 +161,13 @@ def mm2_per_level0_px(mpp: Sequence[float] | None) -> float | None:
 def slide_reader_info(slide: Any, level: int) -> SlideReaderInfo:
     """The ``slide_reader`` entry of a run that reads ``level`` of ``slide``."""
     storage = slide.stored_tile_format(level)
-    return {"name": slide.backend, "vendor": slide.vendor, "level": int(level), "storage": storage}
+    return {
+        "name": slide.backend,
+        "vendor": slide.vendor,
+        "level": int(level),
+        "storage": storage,
+        "level_notes": list(slide.level_notes),
+    }
 
 
 def tiles_info(grid: Any, n_read: int) -> TilesInfo:

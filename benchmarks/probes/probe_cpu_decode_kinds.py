@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from wsi_pipeline.slide import open_slide  # noqa: E402
-from wsi_pipeline.slide.stored_tiles import _with_tables  # noqa: E402
+from wsi_pipeline.slide.jpeg_kind import with_tables as _with_tables  # noqa: E402
 from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
 from wsi_pipeline.synthetic.storage import write_storage  # noqa: E402
 

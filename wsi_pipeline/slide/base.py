@@ -84,6 +84,15 @@ class Slide(abc.ABC):
     def vendor(self) -> str | None:
         return self._vendor
 
+    # Where the levels differ from OpenSlide's rule for the format, and why (see .tiff_levels).
+    level_notes: tuple[str, ...] = ()
+
+    @property
+    def associated_image_names(self) -> tuple[str, ...]:
+        """The names of the slide's associated images (``"thumbnail"``, ``"label"``, ``"macro"``, ...),
+        as OpenSlide names them; empty where the format has none."""
+        return ()
+
     @property
     def properties(self) -> Mapping[str, str]:
         return dict(self._properties)

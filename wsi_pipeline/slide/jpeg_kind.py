@@ -15,6 +15,9 @@ before choosing the decoder. Only the segment headers before the first scan are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 # SOF markers of the DCT processes (baseline, extended, progressive; Huffman and arithmetic).
 _SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -176,4 +179,54 @@ def jpeg_kind(stream: bytes, photometric: str | None = None) -> JpegKind:
     return JpegKind(header.untold_colour() or "ycbcr", subsampling, baseline, "markers")
 
 
-__all__ = ["JpegHeader", "JpegKind", "jpeg_kind", "read_header", "told_stream"]
+def stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
+    """The pieces of a TIFF JPEG tile as a self-contained stream: the level's JPEGTables spliced in.
+
+    tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
+    ``data``: bytes or a uint8 array (the pieces are slices of it).
+    """
+    if tables is None or len(tables) < 4 or len(data) < 2:
+        return (data,)
+    return data[:2], tables[2:-2], data[2:]
+
+
+def with_tables(tables: bytes | None, data: bytes) -> bytes:
+    """A TIFF JPEG tile as a self-contained JPEG stream (:func:`stream_parts`)."""
+    return b"".join(stream_parts(tables, data))
+
+
+def ends_with_eoi(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Whether each stream ``buf[starts[k] : starts[k] + counts[k]]`` ends with the JPEG EOI marker
+    (FF D9), allowing the one 0x00 pad byte DICOM adds to an odd-length frame."""
+    ends = starts + counts
+    ok = np.zeros(len(starts), bool)
+    for pad in (0, 1):
+        fit = counts >= 2 + pad
+        e = np.where(fit, ends - pad, 2)
+        tail = (buf[np.maximum(e - 2, 0)] == 0xFF) & (buf[np.maximum(e - 1, 0)] == 0xD9)
+        if pad:
+            tail &= buf[np.maximum(ends - 1, 0)] == 0
+        ok |= fit & tail
+    return ok
+
+
+def same_headers(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray, ref: np.ndarray | None) -> np.ndarray:
+    """Whether each stream of ``buf`` begins with the header bytes ``ref`` (all False without one)."""
+    if ref is None or not len(ref):
+        return np.zeros(len(starts), bool)
+    fit = counts >= len(ref)
+    idx = np.minimum(starts[:, None] + np.arange(len(ref))[None, :], len(buf) - 1)
+    return fit & (buf[idx] == ref[None, :]).all(axis=1)
+
+
+__all__ = [
+    "JpegHeader",
+    "JpegKind",
+    "ends_with_eoi",
+    "jpeg_kind",
+    "read_header",
+    "same_headers",
+    "stream_parts",
+    "told_stream",
+    "with_tables",
+]

@@ -49,6 +49,10 @@ class OpenSlideSlide(Slide):
         )
         self.background_rgb = _background_colour(props.get(openslide.PROPERTY_NAME_BACKGROUND_COLOR))
 
+    @property
+    def associated_image_names(self) -> tuple[str, ...]:
+        return tuple(self._osr.associated_images)
+
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         try:
             img = self._osr.read_region((x0_level0, y0_level0), level, (w, h))

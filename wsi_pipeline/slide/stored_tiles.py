@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-import contextlib
 import math
 import os
 import threading
@@ -25,11 +24,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import simplejpeg
 
-from ..errors import SlideError, SlideOpenError, TileReadError
-from .base import Slide
-from .jpeg_kind import JpegKind, jpeg_kind, read_header, told_stream
+from ..errors import SlideError, SlideOpenError
+from .stored_jpeg import StoredJpegTiles
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 # With the default size the cache holds at most the stored-tile rows of a band
@@ -38,46 +35,6 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 CACHE_BAND_PX = 1536
 # Upper bound of what :meth:`TiffSlide.reserve_cache_band` may set.
 MAX_RESERVED_CACHE_BYTES = 1024 * 1024 * 1024
-
-
-def _stream_parts(tables: bytes | np.ndarray | None, data: Any) -> tuple:
-    """The pieces of a TIFF JPEG tile as a self-contained stream: the level's JPEGTables spliced in.
-
-    tables: SOI ... EOI; tile: SOI ... EOI. Result: SOI + tables body + tile body.
-    ``data``: bytes or a uint8 array (the pieces are slices of it).
-    """
-    if tables is None or len(tables) < 4 or len(data) < 2:
-        return (data,)
-    return data[:2], tables[2:-2], data[2:]
-
-
-def _with_tables(tables: bytes | None, data: bytes) -> bytes:
-    """A TIFF JPEG tile as a self-contained JPEG stream (:func:`_stream_parts`)."""
-    return b"".join(_stream_parts(tables, data))
-
-
-def _ends_with_eoi(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Whether each stream ``buf[starts[k] : starts[k] + counts[k]]`` ends with the JPEG EOI marker
-    (FF D9), allowing the one 0x00 pad byte DICOM adds to an odd-length frame."""
-    ends = starts + counts
-    ok = np.zeros(len(starts), bool)
-    for pad in (0, 1):
-        fit = counts >= 2 + pad
-        e = np.where(fit, ends - pad, 2)
-        tail = (buf[np.maximum(e - 2, 0)] == 0xFF) & (buf[np.maximum(e - 1, 0)] == 0xD9)
-        if pad:
-            tail &= buf[np.maximum(ends - 1, 0)] == 0
-        ok |= fit & tail
-    return ok
-
-
-def _same_headers(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray, ref: np.ndarray | None) -> np.ndarray:
-    """Whether each stream of ``buf`` begins with the header bytes ``ref`` (all False without one)."""
-    if ref is None or not len(ref):
-        return np.zeros(len(starts), bool)
-    fit = counts >= len(ref)
-    idx = np.minimum(starts[:, None] + np.arange(len(ref))[None, :], len(buf) - 1)
-    return fit & (buf[idx] == ref[None, :]).all(axis=1)
 
 
 def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
@@ -248,7 +205,7 @@ def _region_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _REGION_POOL[1]
 
 
-class StoredTileSlide(Slide):
+class StoredTileSlide(StoredJpegTiles):
     """A slide read stored tile by stored tile through a bounded decoded-tile cache.
 
     Subclasses set ``_levels``: per level an object with ``width``,
@@ -336,115 +293,6 @@ class StoredTileSlide(Slide):
         n = int(lv.bytecounts[i])
         return os.pread(self._level_fd(level), n, int(lv.offsets[i])) if n else b""
 
-    def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`raw_tile_jpeg` of many stored tiles, back to back (see :meth:`Slide.raw_tiles_jpeg`).
-
-        Stored tiles usually lie in the file in row order: the byte span of
-        the ones asked for is read with one ``pread`` when it is at most
-        four times their bytes or 16 MiB (and at most 256 MiB), else each
-        tile on its own; the streams are then assembled from slices of that
-        read in one concatenation. (Bytes read past what is asked cost a
-        copy from the page cache; a read per tile costs a call and Python
-        work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
-        helpers had every other few tiles of each row, BENCHMARKS.md.)
-        A stream whose headers are those of the level's first stored tile
-        is used as it is; any other is checked and told the container's
-        colour space one by one (:meth:`_told_jpeg`); one without its
-        end-of-image marker is reported as damaged, as the CPU decoder
-        reports it.
-        """
-        lv = self._jpeg_level(level)
-        if not tiles:
-            return np.zeros(0, np.uint8), np.zeros(0, np.int64)
-        idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
-        offsets = lv.offsets[idx].astype(np.int64)
-        counts = lv.bytecounts[idx].astype(np.int64)
-        has = counts > 0
-        if not has.any():
-            return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
-        start = int(offsets[has].min())
-        span = int((offsets + counts)[has].max()) - start
-        if span > max(4 * int(counts.sum()), 1 << 24) or span > 1 << 28:
-            return super().raw_tiles_jpeg(level, tiles)
-        buf = np.frombuffer(os.pread(self._level_fd(level), span, start), np.uint8)
-        if len(buf) < span:
-            raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
-        rel = np.where(has, offsets - start, 0)
-        for k in np.flatnonzero(has & ~_ends_with_eoi(buf, rel, counts)):
-            self._report_truncated(level, *tiles[k])
-        same = _same_headers(buf, rel, counts, self._jpeg_reference(level))
-        tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
-        parts: list = []
-        lengths = np.zeros(len(tiles), np.int64)
-        for k, (o, n) in enumerate(zip(rel.tolist(), counts.tolist(), strict=True)):
-            if not n:
-                continue
-            if same[k]:
-                pieces = _stream_parts(tables, buf[o : o + n])
-            else:
-                tx, ty = tiles[k]
-                whole = _with_tables(lv.jpegtables, buf[o : o + n].tobytes())
-                pieces = (np.frombuffer(self._told_jpeg(level, tx, ty, whole), np.uint8),)
-            parts.extend(pieces)
-            lengths[k] = sum(len(p) for p in pieces)
-        return np.concatenate(parts), lengths
-
-    def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
-        """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in), told the
-        container's colour space (:meth:`_told_jpeg`); a stream without its end-of-image marker is
-        reported as damaged.
-
-        TIFF JPEG tiles usually share their tables in the JPEGTables tag;
-        a standalone decoder (such as a GPU one) needs them inside the stream.
-        """
-        data = self.raw_tile(level, tx, ty)
-        if not data:
-            return data
-        arr = np.frombuffer(data, np.uint8)
-        if not _ends_with_eoi(arr, np.zeros(1, np.int64), np.array([len(arr)], np.int64))[0]:
-            self._report_truncated(level, tx, ty)
-        return self._told_jpeg(level, tx, ty, _with_tables(self._jpeg_level(level).jpegtables, data))
-
-    def _report_truncated(self, level: int, tx: int, ty: int) -> None:
-        origin = self._tile_origin_level0(level, tx, ty)
-        self._damage.report(level, tx, ty, origin, "the JPEG stream ends without its end-of-image marker (truncated)")
-
-    def _jpeg_reference(self, level: int) -> np.ndarray | None:
-        """The header bytes (up to the first scan) of ``level``'s first stored tile where that tile
-        needs no telling (:meth:`_told_jpeg` leaves it as it is); None otherwise. Tiles with the same
-        header bytes are used as they are. Cached per level."""
-        refs = self.__dict__.setdefault("_jpeg_references", {})
-        if level not in refs:
-            refs[level] = None
-            lv = self._levels[level]
-            nonempty = np.flatnonzero(lv.bytecounts)
-            if len(nonempty):
-                i = int(nonempty[0])
-                data = os.pread(self._level_fd(level), min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
-                with contextlib.suppress(ValueError):
-                    header = read_header(data)
-                    whole = _with_tables(lv.jpegtables, data)
-                    colour = self._stored_colour(level)
-                    if colour is None or told_stream(whole, colour) is whole:
-                        refs[level] = np.frombuffer(data[: header.scan_at], np.uint8).copy()
-        return refs[level]
-
-    def _stored_jpeg_kind(self, level: int, photometric: str) -> JpegKind | None:
-        """The kind of JPEG ``level``'s first stored tile holds, told by the container's
-        ``photometric`` (what libtiff, OpenSlide and tifffile decode by) and the stream's markers;
-        None where no tile is stored or its headers are unreadable."""
-        lv = self._levels[level]
-        nonempty = np.flatnonzero(lv.bytecounts)
-        if not len(nonempty):
-            return None
-        i = int(nonempty[0])
-        # The headers before the first scan: the shared tables (spliced in) and a tile's own segments.
-        data = os.pread(self._level_fd(level), min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
-        try:
-            return jpeg_kind(_with_tables(lv.jpegtables, data), photometric)
-        except ValueError:
-            return None
-
     def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
         """Stored tile (tx, ty) of ``level`` decoded into ``out`` (``tile_h x tile_w x 3`` uint8 RGB)
         as :meth:`read_region` decodes it, without the cache (a tile without data: background)."""
@@ -457,72 +305,6 @@ class StoredTileSlide(Slide):
     def _tile_origin_level0(self, level: int, tx: int, ty: int) -> tuple[int, int]:
         lv, ds = self._levels[level], self._level_downsamples[level]
         return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
-
-    def _stored_colour(self, level: int) -> str | None:
-        """The colour space the container gives ``level``'s JPEG tiles (``"rgb"``, ``"ycbcr"``), which
-        decides it whatever a stream's markers say (:func:`~.jpeg_kind.told_stream`); None where
-        the container does not say."""
-        return None
-
-    def _tile_name(self, level: int, tx: int, ty: int) -> str:
-        """How stored tile (tx, ty) of ``level`` is named in messages."""
-        return f"stored tile ({tx}, {ty}) of level {level}"
-
-    def _told_jpeg(self, level: int, tx: int, ty: int, jpeg: bytes) -> bytes:
-        """A stored tile's self-contained stream, checked (8-bit samples, readable headers) and told
-        the container's colour space (:func:`~.jpeg_kind.told_stream`); TileReadError where it
-        cannot be decoded as the level's pixels."""
-        where = f"cannot decode {self._tile_name(level, tx, ty)}"
-        try:
-            header = read_header(jpeg)
-        except ValueError as exc:
-            raise TileReadError(
-                self.path, f"{where}: unreadable JPEG headers ({exc})", self._tile_origin_level0(level, tx, ty), level
-            ) from exc
-        if header.precision != 8:
-            raise TileReadError(
-                self.path,
-                f"{where}: a {header.precision}-bit JPEG stream; expected 8-bit samples as the container says",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            )
-        colour = self._stored_colour(level)
-        return jpeg if colour is None else told_stream(jpeg, colour, header)
-
-    def _decode_jpeg_checked(self, level: int, tx: int, ty: int, data: bytes, out: np.ndarray) -> np.ndarray:
-        """Decode a JPEG tile into ``out`` with simplejpeg (libjpeg-turbo) in the container's colour
-        space, reporting corrupt data as damage (:mod:`.damage`).
-
-        Raises TileReadError where the stream is not an 8-bit JPEG of the tile's size or does not
-        decode at all.
-        """
-        jpeg = self._told_jpeg(level, tx, ty, _with_tables(self._levels[level].jpegtables, data))
-        damage = None
-        try:
-            img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True)
-        except ValueError as exc:  # corrupt data: decode again, ignoring what can be ignored
-            damage = str(exc)
-            try:
-                img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False)
-            except ValueError as exc2:
-                raise TileReadError(
-                    self.path,
-                    f"cannot decode {self._tile_name(level, tx, ty)}: {exc2}",
-                    self._tile_origin_level0(level, tx, ty),
-                    level,
-                ) from exc2
-        if img.shape != out.shape:
-            lv = self._levels[level]
-            raise TileReadError(
-                self.path,
-                f"{self._tile_name(level, tx, ty)} is a {img.shape[1]}x{img.shape[0]} JPEG; "
-                f"expected {lv.tile_w}x{lv.tile_h} as the level's tiles",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            )
-        if damage is not None:
-            self._damage.report(level, tx, ty, self._tile_origin_level0(level, tx, ty), damage)
-        return out
 
     def _get_tile(self, level: int, tx: int, ty: int) -> tuple[tuple[int, int], np.ndarray]:
         """(key, decoded stored tile), pinned in the cache: unpin the key once copied from.

@@ -9,10 +9,9 @@ codec) and reused by the overlapping patches of a grid. OpenSlide also caches ti
 own ARGB conversion; the benchmark ``benchmarks/bench_reader.py`` compares
 the two.
 
-Pyramids are found as tifffile's series levels: successive reduced pages
-(generic pyramidal TIFF) or SubIFDs (OME-TIFF). Each level's geometry and
-tile table are checked against the file before anything is allocated
-(:mod:`.tiff_file`).
+Pyramid levels and associated images are found by OpenSlide's rules
+(:mod:`.tiff_levels`). Each level's geometry and tile table are checked
+against the file before anything is allocated (:mod:`.tiff_file`).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from .jpeg_kind import JpegKind
 from .resolution import tiff_page_mpp
 from .stored_tiles import StoredTileSlide, _fill
 from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
+from .tiff_levels import tiff_pyramid
 
 # TIFF compression 33003: Aperio's JPEG 2000 of YCbCr samples (33005 holds RGB).
 APERIO_JP2000_YCBCR = 33003
@@ -110,23 +110,30 @@ class TiffSlide(StoredTileSlide):
     # -- opening ------------------------------------------------------------
     def _init_levels(self) -> None:
         tif = self._tif
-        if not tif.series:
-            raise SlideOpenError(self.path, "TIFF holds no image")
-        series = tif.series[0]
-        pages = [lvl.keyframe for lvl in series.levels] if series.levels else [series.keyframe]
+        try:
+            pyramid = tiff_pyramid(tif)
+        except ValueError as exc:
+            raise SlideOpenError(self.path, str(exc)) from exc
         file_size = os.path.getsize(self.path)
-        levels = [self._level(page, file_size) for page in pages]
+        levels = [self._level(page, file_size) for page in pyramid.levels]
         self._levels = levels
         self._set_level_geometry()
-        self._vendor = "aperio" if tif.is_svs else "ome-tiff" if tif.is_ome else "bigtiff" if tif.is_bigtiff else "tiff"
+        self._vendor = pyramid.vendor
+        self._associated = pyramid.associated
+        self.level_notes = tuple(pyramid.notes)
         compression = levels[0].page.compression
         props = {"tiff.compression": str(getattr(compression, "name", compression))}
         if levels[0].page.description:
             props["tiff.ImageDescription"] = levels[0].page.description[:4096]
-        if tif.is_svs:
+        if pyramid.vendor == "aperio":
             props.update((f"aperio.{k}", str(v)) for k, v in _aperio_fields(levels[0].page.description).items())
         self._properties = props
         self._mpp = self._find_mpp(levels[0].page)
+
+    @property
+    def associated_image_names(self) -> tuple[str, ...]:
+        """The names of the associated images (``"thumbnail"``, ``"label"``, ``"macro"``), as OpenSlide names them."""
+        return tuple(self._associated)
 
     def _level(self, page: tifffile.TiffPage, file_size: int) -> _Level:
         """A pyramid level from its TIFF page, once its geometry and tile table are checked."""
@@ -170,7 +177,7 @@ class TiffSlide(StoredTileSlide):
                     return checked_mpp(self.path, *size)
             except ValueError:  # unreadable OME-XML: the TIFF tags may still say
                 pass
-        if self._tif.is_svs:
+        if self._vendor == "aperio":
             # Aperio keeps the pixel size in its ImageDescription ("MPP = 0.2499"), as OpenSlide reads it.
             mpp_svs = _aperio_fields(page.description).get("MPP")
             return checked_mpp(self.path, mpp_svs, mpp_svs) if mpp_svs is not None else None

@@ -1,0 +1,187 @@
+"""The readers against OpenSlide on files laid out as other writers lay them out.
+
+Every layout of :mod:`helpers.slide_corpus` (Aperio and generic TIFF as scanners, converters and
+anonymisers write them) and every JPEG stream flavour is written, opened by the project's reader
+and by OpenSlide, and compared: the same levels, downsamples, mpp and associated image names, and
+each level's pixels within 2 levels on 99.9 % of pixels. The streams the GPU decoders are handed
+(``raw_tiles_jpeg``) decode, by a decoder that follows the streams' own markers as nvJPEG does, to
+the CPU reader's pixels. Damage (a truncated or overwritten tile) is seen in every flavour.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openslide
+import pytest
+import simplejpeg
+import tifffile
+from helpers import write_dicom_wsi
+from helpers.slide_corpus import FLAVOURS, aperio_layouts, encode_tile, generic_layouts, write_layout
+
+from wsi_pipeline.errors import TileReadError
+from wsi_pipeline.slide import open_slide
+
+LAYOUTS = {lay.name: lay for lay in aperio_layouts() + generic_layouts()}
+# Where OpenSlide refuses the file, the project reads it and says which pages it set apart.
+OPENSLIDE_REFUSES = {"aperio-tiled-label"}
+
+
+def _close_enough(got: np.ndarray, want: np.ndarray) -> float:
+    """The share of pixels whose channels differ by more than 2 levels."""
+    return float((np.abs(got.astype(int) - want.astype(int)).max(axis=-1) > 2).mean())
+
+
+def _assert_same_as_openslide(path: str) -> None:
+    with open_slide(path, "tifffile") as ours, openslide.OpenSlide(path) as ref:
+        assert ours.level_dimensions == tuple(ref.level_dimensions)
+        np.testing.assert_allclose(ours.level_downsamples, ref.level_downsamples, rtol=1e-9)
+        mpp = ref.properties.get(openslide.PROPERTY_NAME_MPP_X)
+        assert ours.mpp == (None if mpp is None else pytest.approx((float(mpp), float(mpp))))
+        assert sorted(ours.associated_image_names) == sorted(ref.associated_images)
+        for level, (w, h) in enumerate(ours.level_dimensions):
+            want = np.asarray(ref.read_region((0, 0), level, (w, h)))[..., :3]
+            assert _close_enough(ours.read_region((0, 0), level, (w, h)), want) <= 0.001, f"level {level}"
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layouts_read_as_openslide_reads_them(tmp_path, name):
+    path = str(tmp_path / f"{name}.svs")
+    write_layout(path, LAYOUTS[name])
+    if name in OPENSLIDE_REFUSES:
+        with pytest.raises(openslide.OpenSlideError):
+            openslide.OpenSlide(path)
+        with open_slide(path, "tifffile") as ours:
+            assert ours.level_dimensions == ((1000, 760), (250, 190))
+            assert any("not a level" in note for note in ours.level_notes)
+        return
+    _assert_same_as_openslide(path)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+@pytest.mark.parametrize("kind", ["aperio-reduced-flagged", "generic-pyramid"])
+def test_stream_flavours_read_as_openslide_reads_them(tmp_path, flavour, kind):
+    layouts = aperio_layouts(flavour) if kind.startswith("aperio") else generic_layouts(flavour)
+    path = str(tmp_path / f"{kind}.tif")
+    source = write_layout(path, next(lay for lay in layouts if lay.name == kind))
+    _assert_same_as_openslide(path)
+    with open_slide(path, "tifffile") as ours:  # and the pixels are the scene's, not a colour-space mix-up
+        assert np.abs(ours.read_region((0, 0), 0, (1000, 760)).astype(int) - source).mean() < 6
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_the_gpu_streams_decode_to_the_cpu_readers_pixels(tmp_path, flavour):
+    """Streams handed to a decoder that is told no colour space (nvJPEG follows the markers, as
+    libjpeg does untold) decode to what the CPU reader gives, mixed flavours in a level included."""
+    path = str(tmp_path / "s.tif")
+    layout = next(lay for lay in aperio_layouts(flavour) if lay.name == "aperio-mixed-streams")
+    write_layout(path, layout)
+    with open_slide(path, "tifffile") as s:
+        _, _, across, down = s.tile_grid_shape(0)
+        tiles = [(tx, ty) for ty in range(down) for tx in range(across)]
+        buf, lengths = s.raw_tiles_jpeg(0, tiles)
+        ends = np.cumsum(lengths)
+        for (tx, ty), end, n in zip(tiles, ends, lengths, strict=True):
+            untold = simplejpeg.decode_jpeg(buf[end - n : end].tobytes(), strict=True)
+            want = s.decode_stored_tile(0, tx, ty, np.empty_like(untold))
+            assert np.array_equal(untold, want), (tx, ty)
+            assert np.array_equal(simplejpeg.decode_jpeg(s.raw_tile_jpeg(0, tx, ty)), want)
+
+
+def _damage(path: str, how: str, tile: int = 5) -> None:
+    with tifffile.TiffFile(path) as tif:
+        off, n = tif.pages[0].dataoffsets[tile], tif.pages[0].databytecounts[tile]
+    with open(path, "r+b") as f:
+        if how == "truncated":  # the tile's second half zeroed, its EOI gone (as a short write leaves it)
+            f.seek(off + n // 2)
+            f.write(b"\0" * (n - n // 2))
+        else:  # a sector in the middle of the scan overwritten (a run short enough to leave a valid
+            # code sequence of the same length goes unseen by libjpeg, and so by OpenSlide too)
+            f.seek(off + n // 2 - 256)
+            f.write(bytes(np.random.default_rng(3).integers(0, 255, 512, dtype=np.uint8)))
+
+
+@pytest.mark.parametrize("how", ["truncated", "overwritten"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_damage_is_seen_in_every_flavour(tmp_path, flavour, how):
+    path = str(tmp_path / "s.tif")
+    write_layout(path, next(lay for lay in generic_layouts(flavour) if lay.name == "generic-one-level"))
+    _damage(path, how)
+    tx, ty = 5 % 5, 5 // 5  # tile 5 of 5 x 4 stored tiles
+    with open_slide(path, "tifffile") as s:
+        try:
+            s.read_region((0, 0), 0, (1000, 760))
+        except TileReadError as exc:  # not decodable at all: the read fails naming the tile
+            assert f"({tx}, {ty})" in str(exc)
+        else:
+            assert [(t.col, t.row) for t in s.damaged_tiles] == [(tx, ty)]
+    with open_slide(path, "tifffile") as s:
+        s.on_damaged_tile = "fail"
+        with pytest.raises(TileReadError, match=rf"\({tx}, {ty}\)"):
+            s.read_region((0, 0), 0, (1000, 760))
+    if how == "truncated":  # the streams for the GPU report it too
+        with open_slide(path, "tifffile") as s:
+            s.on_damaged_tile = "fail"
+            with pytest.raises(TileReadError, match=rf"\({tx}, {ty}\).*truncated"):
+                s.raw_tiles_jpeg(0, [(tx, ty)])
+
+
+def test_jpegtables_cut_in_half_fail_the_read(tmp_path):
+    path = str(tmp_path / "s.tif")
+    write_layout(path, next(lay for lay in aperio_layouts("rgb-012+tables") if lay.name == "aperio-one-level"))
+    with tifffile.TiffFile(path) as tif:
+        tag = tif.pages[0].tags[347]
+        off, n = tag.valueoffset, tag.count
+    with open(path, "r+b") as f:
+        f.seek(off + n // 2)
+        f.write(b"\0" * (n - n // 2))
+    with open_slide(path, "tifffile") as s:  # every tile decodes with a warning: all counted
+        s.read_region((0, 0), 0, (1000, 760))
+        assert len(s.damaged_tiles) == 20
+    with open_slide(path, "tifffile") as s, pytest.raises(TileReadError, match=r"stored tile \(0, 0\).*damaged"):
+        s.on_damaged_tile = "fail"
+        s.read_region((0, 0), 0, (512, 512))
+
+
+def _twelve_bit(stream: bytes) -> bytes:
+    """``stream`` whose frame header claims 12-bit samples (a 12-bit stream in an 8-bit page)."""
+    at = stream.index(b"\xff\xc0") + 4
+    return stream[:at] + b"\x0c" + stream[at + 1 :]
+
+
+def test_a_12_bit_stream_in_an_8_bit_page_is_refused_naming_the_tile(tmp_path):
+    path = str(tmp_path / "s.tif")
+    write_layout(path, next(lay for lay in generic_layouts("ycbcr-jfif") if lay.name == "generic-one-level"))
+    with tifffile.TiffFile(path) as tif:
+        off, n = tif.pages[0].dataoffsets[1], tif.pages[0].databytecounts[1]
+    with open(path, "r+b") as f:
+        f.seek(off)
+        stream = f.read(n)
+        f.seek(off)
+        f.write(_twelve_bit(stream))
+    with open_slide(path, "tifffile") as s:
+        s.read_region((0, 0), 0, (200, 200))  # tile (0, 0) is 8-bit
+        with pytest.raises(TileReadError, match=r"stored tile \(1, 0\) of level 0: a 12-bit JPEG stream"):
+            s.read_region((0, 0), 0, (1000, 760))
+        with pytest.raises(TileReadError, match=r"12-bit"):
+            s.raw_tiles_jpeg(0, [(1, 0)])
+
+
+@pytest.mark.parametrize(
+    ("photometric", "flavour"),
+    [("RGB", "rgb-012"), ("RGB", "rgb-jfif"), ("RGB", "rgb-123"), ("YBR_FULL_422", "ycbcr-adobe0")],
+)
+def test_dicom_frames_of_every_flavour_read_as_openslide_reads_them(tmp_path, monkeypatch, photometric, flavour):
+    import helpers
+
+    def frame_bytes(frame, _photometric):
+        return encode_tile(frame, flavour)
+
+    monkeypatch.setattr(helpers, "_dicom_frame_bytes", frame_bytes)
+    image = helpers.smooth_rgb(700, 900, seed=5)
+    paths = write_dicom_wsi(tmp_path, "s", image, levels=2, jpeg=photometric, associated=("LABEL", "OVERVIEW"))
+    with open_slide(str(paths[0]), "dicom") as ours, openslide.OpenSlide(str(paths[0])) as ref:
+        assert ours.level_dimensions == tuple(ref.level_dimensions)
+        for level, (w, h) in enumerate(ours.level_dimensions):
+            want = np.asarray(ref.read_region((0, 0), level, (w, h)))[..., :3]
+            assert _close_enough(ours.read_region((0, 0), level, (w, h)), want) <= 0.001
+        assert np.abs(ours.read_region((0, 0), 0, (900, 700)).astype(int) - image).mean() < 6
