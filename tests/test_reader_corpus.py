@@ -185,3 +185,52 @@ def test_dicom_frames_of_every_flavour_read_as_openslide_reads_them(tmp_path, mo
             want = np.asarray(ref.read_region((0, 0), level, (w, h)))[..., :3]
             assert _close_enough(ours.read_region((0, 0), level, (w, h)), want) <= 0.001
         assert np.abs(ours.read_region((0, 0), 0, (900, 700)).astype(int) - image).mean() < 6
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif("not __import__('torch').cuda.is_available()")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_the_gpu_loader_gives_the_cpu_readers_pixels_in_every_flavour(tmp_path, flavour, device):
+    """The decoder the GPU path picks for the level (nvJPEG for YCbCr, nvImageCodec for RGB on CUDA;
+    torchvision's CPU decoder on the CPU device) on a level of mixed stream flavours."""
+    pytest.importorskip("torchvision")
+    from wsi_pipeline.tiling.gpu_decode import gpu_decode_plan
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
+    from wsi_pipeline.tiling.grid import TileGrid, read_tile
+
+    path = str(tmp_path / "s.tif")
+    write_layout(path, next(lay for lay in aperio_layouts(flavour) if lay.name == "aperio-mixed-streams"))
+    with open_slide(path, "tifffile") as s:
+        tiles = list(TileGrid(s, 512, 64, level=0))
+        decoder = gpu_decode_plan(s, tiles)[0] if device == "cuda" else "nvjpeg"
+        if decoder is None:
+            pytest.skip(f"no GPU decoder for {flavour} here: {gpu_decode_plan(s, tiles)[1]}")
+        loader = GpuTileLoader(s, tiles, batch_size=4, device=device, jpeg_decoder=decoder)
+        got = {t.index: img for b in loader for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True)}
+        for t in tiles:  # another libjpeg build's upsampling and IDCT: close, not equal
+            assert np.abs(got[t.index].astype(int) - read_tile(s, t)).mean() < 2, (flavour, t.index)
+        assert loader.decoder.cpu_fallback_batches == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_truncated_tile_fails_the_gpu_loader_under_the_fail_policy(tmp_path, device):
+    pytest.importorskip("torchvision")
+    from wsi_pipeline.tiling.gpu_loader import GpuTileLoader
+    from wsi_pipeline.tiling.grid import TileGrid
+
+    path = str(tmp_path / "s.tif")
+    write_layout(path, next(lay for lay in generic_layouts("ycbcr-jfif") if lay.name == "generic-one-level"))
+    _damage(path, "truncated")
+    with open_slide(path, "tifffile") as s:
+        s.on_damaged_tile = "fail"
+        loader = GpuTileLoader(
+            s, list(TileGrid(s, 512, 64, level=0)), batch_size=4, device=device, jpeg_decoder="nvjpeg"
+        )
+        with pytest.raises(TileReadError, match=r"\(0, 1\)"):
+            for _ in loader:
+                pass
