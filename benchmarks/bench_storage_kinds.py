@@ -3,6 +3,7 @@
     python benchmarks/bench_storage_kinds.py [--slide-px 32768] [--rounds 3] [--json out.json]
     python benchmarks/bench_storage_kinds.py --backend ort --slide-px 8192      # the CPU machine
     python benchmarks/bench_storage_kinds.py --smoke      # seconds: synth and SVS, tiny, one round
+    python benchmarks/bench_storage_kinds.py --slides DIR [--kinds ""]   # your own slides beside synth
 
 Writes a synthetic pathology slide (``wsi-pipeline synth``, seed 7; YCbCr 4:2:0 JPEG in 256 px
 tiles) and copies its pixels into each storage kind of :mod:`wsi_pipeline.synthetic.storage`
@@ -13,6 +14,13 @@ pathology model at the card's resolution, and the SVS and synth's TIFF again at 
 reader, where and how the stored tiles were decoded (``summary.json``'s ``slide_reader`` and
 ``tile_decode``), tiles/s (median and best of ``--rounds`` after a warm-up), and the detections'
 agreement with synth's TIFF at the same resolution (counts, share matched at IoU >= 0.5).
+
+``--corpus`` adds the same pixels in layouts other writers make (tests/helpers/slide_corpus.py:
+e.g. ``aperio-reduced-flagged``, an SVS of RGB JPEG tiles with JPEGTables and component ids 0, 1,
+2 whose reduced pages are flagged NewSubfileType 1; ``aperio-no-thumbnail``), and ``--slides``
+runs each slide file or DICOM folder given (a folder of them: each entry) as its own row, named by
+its file name; both are run again at ``--coarse-mpp``. Their detections are compared with synth's
+only where they hold synth's pixels (the corpus rows).
 
 Peers and ceilings: the model alone on device (or host) data; with ``--monai`` (GPU, MONAI
 installed), MONAI's ``sliding_window_inference`` over synth's level 0 read whole. On the CPU
@@ -163,6 +171,37 @@ def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
     return paths
 
 
+def write_corpus(work: Path, synth: str, names: list[str]) -> dict[str, str]:
+    """Synth's pixels in the corpus layouts ``names`` (other writers' layouts, not the project's)."""
+    if not names:
+        return {}
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.slide_corpus import aperio_layouts, generic_layouts, write_layout
+
+    with open_slide(synth) as src:
+        image = src.read_region((0, 0), 0, src.dimensions)
+    h, w = image.shape[:2]
+    layouts = {lay.name: lay for lay in aperio_layouts(width=w, height=h) + generic_layouts()}
+    paths = {}
+    for name in names:
+        t0 = time.perf_counter()
+        paths[f"corpus:{name}"] = str(work / f"{name}.svs")
+        write_layout(paths[f"corpus:{name}"], layouts[name], image)
+        log(f"corpus:{name}: written in {time.perf_counter() - t0:.1f} s")
+    return paths
+
+
+def user_slides(given: list[str]) -> dict[str, str]:
+    """Each slide file or DICOM folder of ``given`` (a folder of slides: each of its entries)."""
+    out = {}
+    for g in given:
+        p = Path(g)
+        one = p.is_file() or any(p.glob("*.dcm"))
+        entries = [p] if one else sorted(e for e in p.iterdir() if not e.name.startswith("."))
+        out.update((e.name, str(e)) for e in entries)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slide-px", type=int, default=32768)
@@ -175,6 +214,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--monai", action="store_true")
     ap.add_argument("--work", help="folder for the slides (default: a new temporary one)")
+    ap.add_argument("--corpus", default="", help="corpus layouts to write synth's pixels in (comma-separated)")
+    ap.add_argument("--slides", nargs="*", default=[], help="slide files, DICOM folders or folders of slides to run")
     add_common_args(ap)
     args = ap.parse_args()
     if args.smoke:
@@ -185,9 +226,13 @@ def main() -> int:
     if synth is None:
         synth = str(synthetic_slide(work / "synth.tiff", args.slide_px))
     paths = write_kinds(work, synth, [k for k in args.kinds.split(",") if k])
+    paths.update(write_corpus(work, synth, [k for k in args.corpus.split(",") if k]))
+    extra = user_slides(args.slides)
+    paths.update(extra)
     runs = [(kind, None) for kind in paths]
     if args.coarse_mpp:
-        runs += [(kind, args.coarse_mpp) for kind in ("synth", "svs") if kind in paths]
+        coarse = ("synth", "svs", *(k for k in paths if k.startswith("corpus:")), *extra)
+        runs += [(kind, args.coarse_mpp) for kind in coarse if kind in paths]
     pipes: dict = {}
     rows = []
     for kind, mpp in runs:
@@ -211,13 +256,15 @@ def main() -> int:
         res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
     ref = {r["mpp"]: r for r in rows if r["kind"] == "synth" and "error" not in r}
     for r in rows:
-        if "error" in r or r["mpp"] not in ref:
+        if "error" in r:
+            continue
+        alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
+        r["over_model_alone"] = round(r["median"] / alone, 3)
+        if r["mpp"] not in ref or r["kind"] in extra:  # only rows of synth's pixels are compared
             continue
         a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]  # synth's own row is compared too: its boxes stay
         r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)
         r["matched_vs_synth"] = round(match_share(a, b), 4)
-        alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
-        r["over_model_alone"] = round(r["median"] / alone, 3)
     for r in rows:
         r.pop("_boxes", None)
     if args.monai and "gpu" in res:

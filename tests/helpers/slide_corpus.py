@@ -139,9 +139,10 @@ def _aperio_desc(w0: int, h0: int, w: int, h: int, tile: int, first: bool) -> st
     return head + size + " JPEG/RGB Q=90|AppMag = 40|StripeWidth = 992|ScanScope ID = SS1234|MPP = 0.2500"
 
 
-def aperio_layouts(flavour: str = "rgb-012+tables") -> list[Layout]:
-    """Aperio layouts: the classic order and what converters and anonymisers change in it."""
-    w0, h0, t = 1000, 760, 240
+def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: int = 760) -> list[Layout]:
+    """Aperio layouts: the classic order and what converters and anonymisers change in it
+    (level 0 of ``width`` x ``height``; sizes in the names' descriptions follow)."""
+    w0, h0, t = width, height, 240
 
     def lvl(ds: int, sub: int = 0, fl: str = flavour, **kw) -> Page:
         w, h = -(-w0 // ds), -(-h0 // ds)
@@ -151,9 +152,9 @@ def aperio_layouts(flavour: str = "rgb-012+tables") -> list[Layout]:
         text = f"Aperio Image Library v12.0.15 \r\n{what} {w0 // ds}x{h0 // ds}" if desc else None
         return Page(ds, False, None, "jpeg" if what != "label" else "lzw", sub, text)
 
-    thumb = Page(8, False, None, "jpeg", 0, "Aperio Image Library v12.0.15 \r\n1000x760 -> 125x95 - |AppMag = 40")
+    thumb = Page(8, False, None, "jpeg", 0, f"Aperio Image Library v12.0.15 \r\n{w0}x{h0} -> thumbnail |AppMag = 40")
     label, macro = assoc("label", 1, ds=4), assoc("macro", 9, ds=4)
-    return [
+    layouts = [
         Layout("aperio-classic", (lvl(1), thumb, lvl(4), lvl(16), label, macro)),
         Layout("aperio-reduced-flagged", (lvl(1), thumb, lvl(4, 1), lvl(16, 1), label, macro)),
         Layout("aperio-no-thumbnail", (lvl(1), lvl(4), lvl(16), label, macro)),
@@ -172,6 +173,7 @@ def aperio_layouts(flavour: str = "rgb-012+tables") -> list[Layout]:
             notes=("tiled label: OpenSlide reads it as a level; the project sets it apart",),
         ),
     ]
+    return [replace(lay, width=w0 + (lay.width - 1000), height=h0 + (lay.height - 760)) for lay in layouts]
 
 
 def generic_layouts(flavour: str = "ycbcr-jfif") -> list[Layout]:
@@ -211,9 +213,10 @@ def _tiled_streams(img: np.ndarray, tile: int, flavour: str, mixed: str | None) 
     return streams, tables
 
 
-def write_layout(path, layout: Layout) -> np.ndarray:
-    """Write ``layout`` to ``path``; returns level 0's pixels before compression."""
-    img = layout_image(layout)
+def write_layout(path, layout: Layout, image: np.ndarray | None = None) -> np.ndarray:
+    """Write ``layout`` to ``path`` (level 0: ``image``, else :func:`layout_image`); returns level
+    0's pixels before compression."""
+    img = layout_image(layout) if image is None else image
     h0, w0 = img.shape[:2]
     with tifffile.TiffWriter(path, bigtiff=layout.bigtiff) as tw:
         for i, page in enumerate(layout.pages):
