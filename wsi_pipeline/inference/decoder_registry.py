@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelError
+from ..plugins import DECODERS_GROUP, carry
 from ..validation import is_instance
 
 if TYPE_CHECKING:
@@ -68,6 +69,20 @@ def register_decoder(entry: DecoderEntry, *, replace: bool = False) -> DecoderEn
         raise ValueError(f"decoder {entry.name!r}: expected params for {missing}, found {sorted(entry.params)}")
     _REGISTRY[entry.name] = entry
     return entry
+
+
+def _added_decoders() -> list[DecoderEntry]:
+    """The entries registered from outside the package (what a helper process is handed)."""
+    return [e for e in _REGISTRY.values() if not e.decode.__module__.startswith("wsi_pipeline.")]
+
+
+def _restore_decoders(entries: list[DecoderEntry]) -> None:
+    for entry in entries:
+        if entry.name not in _REGISTRY:
+            register_decoder(entry)
+
+
+carry(_added_decoders, _restore_decoders, DECODERS_GROUP)
 
 
 def unregister_decoder(name: str) -> None:

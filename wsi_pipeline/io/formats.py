@@ -16,8 +16,9 @@ Each :class:`OutputFormat` names its file, how it is made and what it needs:
   the format it is ``made_from``, ``writer(path, heatmap_path, channel_names,
   **slide)`` (so it needs that format, ``ome-tiff``, among the formats).
 
-A new format is one entry in :data:`FORMATS`: its module is imported only
-when a run chooses it.
+A new format is one entry in :data:`FORMATS` (:func:`register_format`): its module is imported
+only when a run chooses it. Outside the package, the entry is made by a plugin module
+(:mod:`wsi_pipeline.plugins`).
 
 Jobs whose format has ``slide_args`` also get the slide's level-0
 ``dimensions``, ``slide_path`` and ``mpp`` as keywords (DICOM references its
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..plugins import FORMATS_GROUP, carry
 from ..summary import SUMMARY_FILE
 
 DETECTIONS, OVERLAY, HEATMAP, HEATMAP_FILE = "detections", "overlay", "heatmap", "heatmap-file"
@@ -231,6 +233,35 @@ FORMATS: dict[str, OutputFormat] = {
         ),
     )
 }
+
+_BUILT_IN = frozenset(FORMATS)
+
+
+def register_format(fmt: OutputFormat, *, replace: bool = False) -> OutputFormat:
+    """Add ``fmt`` to :data:`FORMATS`; ValueError where its name is taken (unless ``replace``)."""
+    if fmt.name in FORMATS and not replace:
+        raise ValueError(f"output format {fmt.name!r} is already registered")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    """Remove the format named ``name`` (nothing where there is none)."""
+    FORMATS.pop(name, None)
+
+
+def _added_formats() -> list[OutputFormat]:
+    """Every format in its place, where one was added from outside the package (what a helper
+    process is handed); nothing otherwise."""
+    return list(FORMATS.values()) if set(FORMATS) - _BUILT_IN else []
+
+
+def _restore_formats(formats: list[OutputFormat]) -> None:
+    FORMATS.clear()
+    FORMATS.update((f.name, f) for f in formats)
+
+
+carry(_added_formats, _restore_formats, FORMATS_GROUP)
 
 # What a run writes unless told otherwise (what every reader of a slide folder expects).
 DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")
