@@ -31,15 +31,54 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..errors import ConfigError
 from ..plugins import FORMATS_GROUP, carry
 from ..summary import SUMMARY_FILE
 
 DETECTIONS, OVERLAY, HEATMAP, HEATMAP_FILE = "detections", "overlay", "heatmap", "heatmap-file"
+
+
+class DetectionsWriter(Protocol):
+    """A :data:`DETECTIONS` format's ``writer``: a module-level function, run in a writer process.
+
+    ``detections``: the slide's records, :data:`~.detections.DETECTION_DTYPE` (``x0 y0 x1 y1``
+    level-0 pixels, ``score`` float32, ``label`` int32), sorted top to bottom;
+    :data:`~.detections.TILED_DETECTION_DTYPE` (with ``tile_row``, ``tile_col``) for a format with
+    ``tiles``. ``classes``: the card's classes, ``{"name": ..., "color": "#rrggbb"}`` each. A format
+    with ``slide_args`` also gets ``dimensions``, ``slide_path`` and ``mpp`` as keywords. The writer
+    writes ``path`` atomically itself (:func:`~.atomic.atomic_write`: a temporary name, renamed when
+    complete), so that a killed run leaves no half-written file under the final name.
+    """
+
+    def __call__(
+        self, path: str | os.PathLike[str], detections: np.ndarray, classes: Sequence[dict[str, Any]], /
+    ) -> None: ...
+
+
+class HeatmapSink(Protocol):
+    """A :data:`HEATMAP` format's ``sink``, made as ``sink(path, width, height, channels,
+    channel_names=[...], physical_size_um=(x, y) or None)`` (the heatmap plane's pixels) and fed on
+    a thread of its own while the slide runs.
+
+    Called with the rows top to bottom (``rows``: ``C x n x width float32``, ``y0_out`` the first
+    one's row), then :meth:`close` (the file written, atomically) or :meth:`abort` (the slide
+    failed: nothing left under the final name). A sink that also offers ``spooled()`` has its file
+    finished by a writer process instead: ``spooled().write()`` there.
+    """
+
+    def __call__(self, y0_out: int, rows: np.ndarray) -> None: ...
+
+    def close(self) -> Any: ...
+
+    def abort(self) -> None: ...
 
 
 @dataclass(frozen=True)
