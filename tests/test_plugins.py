@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 PLUGIN = "toy_plugin_ext"
 PLUGIN_SOURCE = """\
 import os
+import re
 import sys
 
 import toy_extensions
@@ -208,3 +210,24 @@ def test_an_extension_of_the_main_script_is_refused_before_any_slide_runs(setup,
     assert message.startswith("wsi_pipeline.readers: MainReader (main-reader) was registered by a call")
     assert "declare it in an importable module" in message and "--plugin MODULE" in message
     assert not list((out / "slides").iterdir())
+
+
+def test_the_architecture_docs_examples_run_as_plugins(setup, tmp_path):
+    """docs/ARCHITECTURE.md's three examples ("Extending it"), each written as the module its first
+    line names, declared with --plugin: the run lists, reads, decodes and writes with them."""
+    plugin_dir, card, slides = setup
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text.split("## Extending it", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n# (\S+)\n(.*?)```", section, re.S)
+    assert [path for path, _ in blocks] == ["my_package/top_one.py", "my_package/counts.py", "my_package/rawrgb.py"]
+    site = tmp_path / "site"
+    (site / "my_package").mkdir(parents=True)
+    (site / "my_package" / "__init__.py").write_text("")
+    for path, code in blocks:
+        (site / path).write_text(code)
+    out = tmp_path / "out"
+    modules = [p.removesuffix(".py").replace("/", ".") for p, _ in blocks]
+    args = ["-m", "wsi_pipeline", "run", str(slides), "--out", str(out), "--model", str(card), *CLI_OPTIONS]
+    done = _run([*args, *(a for m in modules for a in ("--plugin", m)), "--progress", "none"], site, tmp_path / "log")
+    assert done.returncode == 0, done.stderr
+    _check_outputs(out)

@@ -43,8 +43,12 @@ ENTRY_POINT_GROUPS = (DECODERS_GROUP, FORMATS_GROUP, READERS_GROUP)
 # The plugin modules imported in this process, in order (their names: what a helper process imports).
 _modules: dict[str, None] = {}
 _entry_points_loaded = False
-# {restore function: (added-entries function, entry point group)}, one per registry that was imported.
-_carriers: dict[Callable[[list[Any]], None], tuple[Callable[[], list[Any]], str]] = {}
+# {restore function: (added-entries function, entry point group, whole)}, one per registry imported.
+_carriers: dict[Callable[[list[Any]], None], tuple[Callable[[], list[Any]], str, bool]] = {}
+# The entries the plugin modules registered (kept, so that their ids stay theirs): a helper process
+# imports those modules itself, so they are not sent.
+_declared: list[Any] = []
+_declared_ids: set[int] = set()
 
 
 def load_plugins(modules: Iterable[str] = (), source: str = "plugins") -> tuple[str, ...]:
@@ -79,13 +83,24 @@ def _import(name: str, source: str) -> None:
     except Exception as exc:  # the module's own code failed while registering its entries
         raise PluginError(f"{source}: plugin {name!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
     _modules[name] = None
+    for added, _, _ in _carriers.values():
+        for entry in added():
+            if id(entry) not in _declared_ids:
+                _declared.append(entry)
+                _declared_ids.add(id(entry))
 
 
-def carry(added: Callable[[], list[Any]], restore: Callable[[list[Any]], None], group: str) -> None:
+def carry(
+    added: Callable[[], list[Any]], restore: Callable[[list[Any]], None], group: str, whole: bool = False
+) -> None:
     """A registry's hand-over to the processes a run starts: ``added()`` lists the entries it holds
     beyond the package's own, ``restore(entries)`` (a module-level function, sent by name) puts
-    them into the same registry there; ``group``: its entry point group (named in errors)."""
-    _carriers[restore] = (added, group)
+    them into the same registry there; ``group``: its entry point group (named in errors).
+
+    Only the entries registered other than by a plugin module are sent (the helper process imports
+    those modules itself), or with ``whole`` (a registry whose order matters) every entry ``added()``
+    gives, where one of them is such an entry."""
+    _carriers[restore] = (added, group, whole)
 
 
 class _EntryPickler(pickle.Pickler):
@@ -117,10 +132,13 @@ def child_state() -> dict[str, Any]:
     this process's ``sys.path``, its plugin modules and each registry's added entries, pickled.
     :class:`PluginError` where an added entry cannot be sent, saying how to declare it instead."""
     carried = []
-    for restore, (added, group) in list(_carriers.items()):
+    for restore, (added, group, whole) in list(_carriers.items()):
         entries = added()
-        if not entries:
+        undeclared = [e for e in entries if id(e) not in _declared_ids]
+        if not undeclared:
             continue
+        if not whole:
+            entries = undeclared
         blobs = []
         for entry in entries:
             try:

@@ -300,7 +300,7 @@ def _restore_formats(formats: list[OutputFormat]) -> None:
     FORMATS.update((f.name, f) for f in formats)
 
 
-carry(_added_formats, _restore_formats, FORMATS_GROUP)
+carry(_added_formats, _restore_formats, FORMATS_GROUP, whole=True)
 
 # What a run writes unless told otherwise (what every reader of a slide folder expects).
 DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")

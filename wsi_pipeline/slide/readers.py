@@ -219,7 +219,7 @@ def _restore_readers(readers: list[type[SlideReader]]) -> None:
     SLIDE_READERS[:] = readers
 
 
-carry(_added_readers, _restore_readers, READERS_GROUP)
+carry(_added_readers, _restore_readers, READERS_GROUP, whole=True)
 
 
 def unregister_reader(reader: type[SlideReader]) -> None:
