@@ -231,3 +231,18 @@ def test_the_architecture_docs_examples_run_as_plugins(setup, tmp_path):
     done = _run([*args, *(a for m in modules for a in ("--plugin", m)), "--progress", "none"], site, tmp_path / "log")
     assert done.returncode == 0, done.stderr
     _check_outputs(out)
+
+
+def test_info_reads_a_slide_with_a_plugins_reader(setup, tmp_path):
+    plugin_dir, _, slides = setup
+    log = tmp_path / "imported.txt"
+    slide = str(slides / "white.rawrgb")
+    done = _run(["-m", "wsi_pipeline", "info", slide, "--json"], plugin_dir, log)
+    assert done.returncode == 1 and "no reader recognises this file" in done.stderr
+    for reader in ("auto", "rawrgb"):
+        args = ["-m", "wsi_pipeline", "info", slide, "--plugin", PLUGIN, "--reader", reader, "--json"]
+        done = _run(args, plugin_dir, log)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["dimensions"] == [96, 64]
+    done = _run(["-m", "wsi_pipeline", "info", slide, "--reader", "rawrgb"], plugin_dir, log)
+    assert done.returncode == 2 and "--reader: expected one of auto, " in done.stderr
