@@ -63,7 +63,11 @@ def child_connections(argv: Sequence[str]) -> tuple[Connection, Connection]:
     recv_fd, send_fd, parent = (int(a) for a in argv[:3])
     watch_parent(parent)
     recv = Connection(recv_fd, writable=False)
-    apply_child_state(recv.recv())
+    try:
+        apply_child_state(recv.recv())
+    except Exception as exc:  # the caller imported the same modules: seldom, and then one line, not a traceback
+        print(f"error: {sys.argv[0]}: the run's plugins: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
     return recv, Connection(send_fd, readable=False)
 
 
