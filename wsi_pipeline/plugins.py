@@ -57,10 +57,10 @@ def load_plugins(modules: Iterable[str] = (), source: str = "plugins") -> tuple[
     module where one cannot be imported."""
     global _entry_points_loaded
     if not _entry_points_loaded:
-        _entry_points_loaded = True
         for group in ENTRY_POINT_GROUPS:
             for ep in importlib.metadata.entry_points(group=group):
                 _import(ep.module, f"entry point {ep.name!r} of group {group}")
+        _entry_points_loaded = True  # only once all are in: a broken one is reported every time
     for name in modules:
         _import(name, source)
     return tuple(_modules)
