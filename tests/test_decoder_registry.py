@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from helpers.toy_models import TOY_BOXES, TOY_LABELS, TOY_SCORES, build_toy_mode
 from wsi_pipeline import Pipeline
 from wsi_pipeline.errors import ModelError
 from wsi_pipeline.inference import DECODERS, decode
+from wsi_pipeline.inference.backend import create_backend
 from wsi_pipeline.inference.card import DecoderSpec, load_card, write_card
 from wsi_pipeline.inference.decoder_registry import (
     DECODER_REGISTRY,
@@ -20,7 +22,13 @@ from wsi_pipeline.inference.decoder_registry import (
     register_decoder,
     unregister_decoder,
 )
-from wsi_pipeline.inference.decoders import BATCH_DECODERS, BatchDetections, TileDetections, decode_batch
+from wsi_pipeline.inference.decoders import (
+    BATCH_DECODERS,
+    BatchDetections,
+    TileDetections,
+    card_heatmaps,
+    decode_batch,
+)
 from wsi_pipeline.inference.device_decode import DeviceDecoder
 from wsi_pipeline.inference.executor import Executor
 
@@ -121,6 +129,30 @@ def test_a_run_on_an_image_detects_with_the_registered_decoder(top_one_card):
 
 def test_a_card_naming_a_decoder_no_longer_registered_is_refused(top_one_card):
     unregister_decoder(TOP_ONE)
-    with pytest.raises(ModelError, match=r"field 'decoder\.type': expected one of .*'yolo'\], found 'top_one'"):
+    known = list(decoder_types())
+    assert TOP_ONE not in known and "yolo" in known
+    with pytest.raises(ModelError, match=re.escape(f"field 'decoder.type': expected one of {known}, found 'top_one'")):
         load_card(top_one_card.card_path)
     assert TOP_ONE not in DECODERS
+
+
+def test_the_cards_heatmap_is_attached_to_a_decoder_that_gives_none(tmp_path, top_one):
+    """The heatmap step of the decoder contract (``card_heatmaps``): the toy decoder leaves it out,
+    ``decode_batch`` and ``decode`` attach the card's heatmap after its activation, and a run blends it."""
+    toy = build_toy_model(tmp_path, "boxes_scores_labels")
+    card = load_card(write_card(dataclasses.replace(toy, decoder=DecoderSpec(TOP_ONE, {}))))
+    assert card.heatmap is not None
+    backend = create_backend(card, "ort")
+    try:
+        outputs = backend.infer(_white_tiles(card, 2))
+    finally:
+        backend.close()
+    expected = card_heatmaps(outputs, card, 2)
+    assert expected.shape == (2, 1, 4, 4) and (expected == 1.0).all()  # a white tile's brightness
+    assert _decode_top_one_batch(outputs, card).heatmaps is None
+    np.testing.assert_array_equal(decode_batch(outputs, card).heatmaps, expected)
+    assert [t.heatmap.tolist() for t in decode(outputs, card)] == expected.tolist()
+    image = _white_tiles(card, 1)[0]
+    with Pipeline.from_card(card.card_path, backend="ort", tissue="all", overlap=8) as p:
+        result = p.run(image)
+    assert result.heatmap is not None and np.asarray(result.heatmap).max() > 0.99

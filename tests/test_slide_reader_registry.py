@@ -15,6 +15,7 @@ from wsi_pipeline.slide.readers import (
     SlideReader,
     reader_names,
     register_reader,
+    slide_suffixes,
     unregister_reader,
 )
 
@@ -23,6 +24,7 @@ class RawRgbReader(SlideReader):
     """``.rawrgb``: width and height (little-endian uint32), then the RGB pixels row by row."""
 
     name = "rawrgb"
+    suffixes = (".rawrgb",)
 
     @classmethod
     def reads(cls, path, probe):
@@ -98,3 +100,25 @@ def test_openslides_vendor_is_asked_once_per_file(tmp_path, monkeypatch):
     with pytest.raises(SlideError, match="no reader recognises"):
         detect_backend(str(path))
     assert calls == [str(path)]
+
+
+def test_a_folders_slides_are_the_files_the_readers_list(tmp_path):
+    """The readers' suffixes decide which files of a folder are slides, as they decide which reader
+    opens a file named directly: a WebP image is both, a registered reader's files join them."""
+    from PIL import Image
+
+    from wsi_pipeline.batch.runner import expand_inputs
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    Image.fromarray(smooth_rgb(40, 50, seed=2)).save(folder / "photo.webp")
+    _write_rawrgb(folder / "frame.rawrgb", smooth_rgb(60, 80, seed=3))
+    (folder / "notes.txt").write_text("not a slide")
+    assert detect_backend(str(folder / "photo.webp")) == "image"
+    assert [p.name for p in expand_inputs([folder])] == ["photo.webp"]
+    register_reader(RawRgbReader)
+    try:
+        assert ".rawrgb" in slide_suffixes()
+        assert [p.name for p in expand_inputs([folder])] == ["frame.rawrgb", "photo.webp"]
+    finally:
+        unregister_reader(RawRgbReader)

@@ -26,12 +26,16 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from .errors import WSIPipelineError
+from .plugins import apply_child_state, child_state
 
 
 def start_child(module: str) -> tuple[subprocess.Popen, Connection, Connection]:
     """Start ``python -m module`` in a session of its own (Ctrl-C at the terminal reaches only the
     caller); returns (process, connection to it, connection from it). The child calls
-    :func:`child_connections` with its arguments."""
+    :func:`child_connections` with its arguments, which first imports this process's plugins
+    (:mod:`.plugins`; :class:`~.errors.PluginError`, before the child starts, where an
+    extension registered here cannot reach it)."""
+    plugins = child_state()
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
     cmd = [sys.executable, "-m", module, str(to_child_r), str(from_child_w), str(os.getpid())]
@@ -46,15 +50,25 @@ def start_child(module: str) -> tuple[subprocess.Popen, Connection, Connection]:
     finally:
         os.close(to_child_r)
         os.close(from_child_w)
-    return proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+    to_child = Connection(to_child_w, readable=False)
+    with contextlib.suppress(OSError):  # a child that died at once: its caller finds it out
+        to_child.send(plugins)
+    return proc, to_child, Connection(from_child_r, writable=False)
 
 
 def child_connections(argv: Sequence[str]) -> tuple[Connection, Connection]:
     """In a child :func:`start_child` started, given its arguments: (connection from the parent,
-    connection to it); the child exits once the parent has ended."""
+    connection to it); the child exits once the parent has ended. The parent's plugin modules and
+    registered extensions are imported first."""
     recv_fd, send_fd, parent = (int(a) for a in argv[:3])
     watch_parent(parent)
-    return Connection(recv_fd, writable=False), Connection(send_fd, readable=False)
+    recv = Connection(recv_fd, writable=False)
+    try:
+        apply_child_state(recv.recv())
+    except Exception as exc:  # the caller imported the same modules: seldom, and then one line, not a traceback
+        print(f"error: {sys.argv[0]}: the run's plugins: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    return recv, Connection(send_fd, readable=False)
 
 
 def exception_payload(exc: BaseException) -> bytes | str:

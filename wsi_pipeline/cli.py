@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 
 from .errors import UsageError, WSIPipelineError
+from .slide_warnings import format_warning
 
 # Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine", "card"]
@@ -64,11 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f".commands.{name}", __package__)
         module.register(sub)
     return parser
-
-
-def format_warning(message, category, filename, lineno, line=None) -> str:
-    """A warning as one line, "warning: MESSAGE" (no source location: the message names the file)."""
-    return f"warning: {message}\n"
 
 
 def main(argv: list[str] | None = None) -> int:

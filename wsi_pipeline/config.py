@@ -10,6 +10,7 @@ A config file holds the same names as ``wsi-pipeline run``'s flags (with
     mpp = 0.5
     min_tissue = 0.05
     formats = ["geojson.gz", "parquet", "ome-tiff", "overlay"]
+    plugins = ["my_package.my_decoder"]   # modules that register decoders, formats, readers
 
 Relative paths in a config file (``model``, ``mask``) are relative to the
 file's folder. Unknown keys, wrong types and impossible values (an overlap as
@@ -32,6 +33,7 @@ from .errors import ConfigError
 from .inference.backend import BACKEND_CHOICES
 from .inference.card_spec import MAX_MPP, MAX_TILE, MIN_MPP
 from .io.formats import DEFAULT_FORMATS, parse_formats
+from .plugins import load_plugins
 from .slide.damage import DAMAGED_TILE_CHOICES
 from .stitch.policies import MERGE_POLICIES
 from .stitch.weights import KINDS as BLEND_KINDS
@@ -92,6 +94,9 @@ class RunConfig:
     # Resume's fingerprint of a slide file: "sampled" (head, tail, 16 blocks; with its size, mtime and
     # inode), or "full" (its whole content read: for slides that an archive restores with their mtimes).
     slide_hash: str = "sampled"
+    # Modules that register decoders, formats or slide readers when imported (wsi_pipeline.plugins):
+    # imported here and in every process the run starts, with the installed packages' entry points.
+    plugins: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +159,8 @@ class RunConfig:
             raise bad("sigma_scale", "a positive fraction of the tile size", self.sigma_scale)
         if self.slide_timeout is not None and not (math.isfinite(self.slide_timeout) and self.slide_timeout >= 0):
             raise bad("slide_timeout", "seconds >= 0 (0: no limit)", self.slide_timeout)
+        self.plugins = _plugin_names(self.plugins, source)
+        load_plugins(self.plugins, source)  # before the names the plugins add (formats) are checked
         self.formats = parse_formats(self.formats, source)
         for key in PATH_KEYS + ("dask",):
             v = getattr(self, key)
@@ -167,7 +174,18 @@ class RunConfig:
                 raise bad("dask", f"local:N with N from 1 to {cpus} (this machine's CPUs)", self.dask)
 
     # Keys that change how a run goes but not what it produces.
-    _NOT_IN_RESULT = ("workers", "streams", "batch_size", "backend", "dask", "slide_timeout", "slide_hash", "extra")
+    # The plugins: what they add is named by the settings (formats) and the card (decoder).
+    _NOT_IN_RESULT = (
+        "workers",
+        "streams",
+        "batch_size",
+        "backend",
+        "dask",
+        "slide_timeout",
+        "slide_hash",
+        "plugins",
+        "extra",
+    )
 
     def result_key(self) -> dict[str, Any]:
         """The settings that determine the outputs (resume compares these)."""
@@ -204,6 +222,13 @@ class RunConfig:
         values = self.as_dict()
         values.update({k: v for k, v in changes.items() if v is not None})
         return RunConfig.from_mapping(values, "options")
+
+
+def _plugin_names(value: Any, source: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(n, str) for n in items):
+        raise ConfigError(f"{source}: plugins: expected module names, found {value!r}")
+    return tuple(dict.fromkeys(n.strip() for n in items if n.strip()))
 
 
 def _fits_path_limits(path: str) -> bool:

@@ -74,6 +74,11 @@ class ConfigError(WSIPipelineError):
     """A configuration value or file is invalid."""
 
 
+class PluginError(ConfigError):
+    """A plugin module that cannot be imported, or an extension registered in a way that cannot
+    reach the processes a run starts (:mod:`wsi_pipeline.plugins`)."""
+
+
 class BackendUnavailableError(WSIPipelineError):
     """An inference backend was asked for that this machine cannot run."""
 

@@ -39,4 +39,10 @@ def warn(message: str, stacklevel: int = 1) -> None:
     warnings.warn(message, stacklevel=stacklevel + 1)
 
 
-__all__ = ["recording", "warn"]
+def format_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one line, "warning: MESSAGE" (no source location: the message names the file);
+    the CLI's ``warnings.formatwarning``, and the slide process's."""
+    return f"warning: {message}\n"
+
+
+__all__ = ["format_warning", "recording", "warn"]

@@ -41,6 +41,7 @@ from ..errors import UsageError
 from ..file_identity import input_identity
 from ..inference.card import ModelCard
 from ..io.atomic import write_json
+from ..slide.readers import lists_slide
 from ..special_files import special_kind
 from ..summary import read_summary
 from .folder import (
@@ -62,24 +63,6 @@ from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")
 
-# Extensions of files a folder input contributes (lower case; ".ome.tif" is covered by ".tif").
-SLIDE_EXTENSIONS = (
-    ".svs",
-    ".tif",
-    ".tiff",
-    ".ndpi",
-    ".vms",
-    ".vmu",
-    ".scn",
-    ".mrxs",
-    ".svslide",
-    ".bif",
-    ".dcm",
-    ".png",
-    ".jpg",
-    ".jpeg",
-    ".bmp",
-)
 LIST_EXTENSIONS = (".txt", ".csv")
 _counter = itertools.count()
 __all__ = [
@@ -101,8 +84,8 @@ __all__ = [
 
 
 def _has_slide_extension(path: Path) -> bool:
-    name = path.name.lower()
-    return name.endswith(SLIDE_EXTENSIONS) and not name.endswith(".truth.geojson")
+    # Which files are slides is the readers' answer (each reader's suffixes), as for a file named directly.
+    return lists_slide(path)
 
 
 def _is_slide_file(path: Path) -> bool:
@@ -153,7 +136,8 @@ def _is_link_loop(path: Path) -> bool:
 def expand_inputs(
     inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
 ) -> list[Path]:
-    """Slide paths from files, folders (recursive, by :data:`SLIDE_EXTENSIONS`), globs and lists.
+    """Slide paths from files, folders (recursive: the files a slide reader lists,
+    :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists.
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
     folder); paths it names that do not exist are kept, to fail as slides.

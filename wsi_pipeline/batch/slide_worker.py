@@ -44,6 +44,7 @@ from typing import Any
 from ..child_process import child_connections, exception_from, exception_payload, start_child
 from ..config import RunConfig
 from ..errors import WSIPipelineError
+from ..slide_warnings import format_warning
 from .folder import remove_or_warn, slides_dir
 
 log = logging.getLogger("wsi_pipeline")
@@ -382,8 +383,6 @@ def _send_logs_to_parent(send_conn: Connection, levels: dict[str, int]) -> _Pipe
         logging.getLogger(name).setLevel(level)
     logging.captureWarnings(True)
     warnings.simplefilter("default")
-    from ..cli import format_warning
-
     warnings.formatwarning = format_warning  # one line each, as the parent's own warnings
     return handler
 

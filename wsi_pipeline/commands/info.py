@@ -7,8 +7,11 @@ import json
 import os
 import sys
 
+from ..errors import PluginError, UsageError
 from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
+from ..plugins import load_plugins
 from ..slide import BACKENDS, open_slide
+from ..slide.readers import reader_names
 from ..tiling.gpu_choice import storage_gpu_decoder
 
 
@@ -73,11 +76,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("slide", nargs="?", help="slide or image file (none: list the shipped models)")
     p.add_argument(
         "--reader",
-        choices=BACKENDS,
         default="auto",
-        help="slide reader: tifffile (tiled TIFF), dicom (DICOM WSI of JPEG frames), openslide (vendor "
-        "formats), image (PNG, JPEG ...); "
+        help=f"slide reader: {', '.join(BACKENDS)}: tifffile (tiled TIFF), dicom (DICOM WSI of JPEG frames), "
+        "openslide (vendor formats), image (PNG, JPEG ...), or one a plugin adds; "
         "auto: the fastest that reads the file (default auto)",
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        dest="plugins",
+        metavar="MODULE",
+        help="a module that registers slide readers when imported (repeatable)",
     )
     p.add_argument("--backend", choices=BACKENDS, action=_DeprecatedBackend, help="deprecated: --reader")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -96,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
         if not models["models"]:
             print("  none found")
         return 0
+    try:
+        load_plugins(args.plugins or (), "info")
+    except PluginError as exc:
+        raise UsageError(str(exc)) from exc
+    readers = ("auto", *reader_names())
+    if args.reader not in readers:
+        raise UsageError(f"--reader: expected one of {', '.join(readers)}, found {args.reader!r}")
     info = describe(args.slide, args.reader)
     if args.json:
         print(json.dumps(info, indent=2))

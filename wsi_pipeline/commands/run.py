@@ -167,6 +167,14 @@ def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
         "summary.json) or fail the slide",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with the same settings")
+    p.add_argument(
+        "--plugin",
+        action="append",
+        dest="plugins",
+        metavar="MODULE",
+        help="a module that registers decoders, output formats or slide readers when imported, "
+        "imported here and in every process of the run (repeatable; added to the config file's plugins)",
+    )
     p.add_argument("--dask", metavar="ADDRESS", help="run slides on a dask cluster: local:N or a scheduler address")
     p.add_argument(
         "--slide-timeout",
@@ -218,6 +226,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         if "level" in given:
             values["mpp"] = None
         values.update(given)
+        values["plugins"] = [*values.get("plugins", ()), *(args.plugins or ())]
         return RunConfig.from_mapping(values, "options")
     except ConfigError as exc:
         raise UsageError(str(exc)) from exc

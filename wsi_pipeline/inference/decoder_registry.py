@@ -11,21 +11,45 @@ this registry. The built-in decoders (``centernet``, ``boxes_scores_labels``,
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ModelError
+from ..plugins import DECODERS_GROUP, carry
 from ..validation import is_instance
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .card_spec import ModelCard
     from .tile_detections import BatchDetections, TileDetections
 
 # A decoder's parameters: ``{name: (accepted types, default)}``.
 ParamTable = Mapping[str, tuple[type | tuple[type, ...], Any]]
-Decoder = Callable[[Mapping[str, Any], "ModelCard"], "list[TileDetections]"]
-BatchDecoder = Callable[[Mapping[str, Any], "ModelCard"], "BatchDetections"]
+
+
+class BatchDecoder(Protocol):
+    """A decoder's batch function: one batch's raw model outputs -> its detections as arrays.
+
+    ``outputs``: ``{output name: array}``, each ``[B, ...]`` for a batch of ``B`` tiles (numpy on
+    the host); ``card``: the model card, its params read with :func:`decoder_params`. Returns a
+    :class:`~.tile_detections.BatchDetections`: ``boxes Mx4 float32`` xyxy in tile pixels of the
+    model input (origin top-left, x right, y down), ``scores M float32``, ``labels M int64`` (indices
+    into the card's classes), every tile's rows back to back and ``counts`` (``B int64``) saying how
+    many each; ``heatmaps``: :func:`~.decoders.card_heatmaps` (None: attached by
+    :func:`~.decoders.decode_batch`). The function must be defined at module level (it is sent to the
+    processes a run starts by its module's name).
+    """
+
+    def __call__(self, outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections: ...
+
+
+class Decoder(Protocol):
+    """A decoder's per-tile function: the same detections as its :class:`BatchDecoder`, one
+    :class:`~.tile_detections.TileDetections` per tile (``BatchDetections.tiles()`` gives them)."""
+
+    def __call__(self, outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]: ...
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,20 @@ def register_decoder(entry: DecoderEntry, *, replace: bool = False) -> DecoderEn
         raise ValueError(f"decoder {entry.name!r}: expected params for {missing}, found {sorted(entry.params)}")
     _REGISTRY[entry.name] = entry
     return entry
+
+
+def _added_decoders() -> list[DecoderEntry]:
+    """The entries registered from outside the package (what a helper process is handed)."""
+    return [e for e in _REGISTRY.values() if not e.decode.__module__.startswith("wsi_pipeline.")]
+
+
+def _restore_decoders(entries: list[DecoderEntry]) -> None:
+    for entry in entries:
+        if entry.name not in _REGISTRY:
+            register_decoder(entry)
+
+
+carry(_added_decoders, _restore_decoders, DECODERS_GROUP)
 
 
 def unregister_decoder(name: str) -> None:

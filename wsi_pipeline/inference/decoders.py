@@ -38,11 +38,14 @@ finite (:func:`detection_rows`); a label past the card's classes is a
 :class:`~wsi_pipeline.errors.ModelError`.
 
 A card's ``heatmap`` output ``[B, C, H/stride, W/stride]`` is returned per
-tile as ``CxHxW float32`` probabilities after the card's activation.
+tile as ``CxHxW float32`` probabilities after the card's activation
+(:func:`card_heatmaps`, which :func:`decode_batch` and :func:`decode` apply to a
+decoder's result that carries none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -116,8 +119,13 @@ def check_heatmap_shape(shape: Sequence[int], card: ModelCard, batch: int) -> No
         )
 
 
-def _heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> np.ndarray | None:
-    """The heatmap output after the card's activation, ``batch x C x H x W float32`` (its own memory)."""
+def card_heatmaps(outputs: Mapping[str, np.ndarray], card: ModelCard, batch: int) -> np.ndarray | None:
+    """The card's heatmap output after its activation, ``batch x C x H x W float32`` (its own memory),
+    checked against the card; None for a card without a heatmap.
+
+    The heatmap step of the decoder contract: a decoder puts it in its result's ``heatmaps`` (one
+    tile's in each :class:`TileDetections`' ``heatmap``); where a decoder leaves them None,
+    :func:`decode_batch` and :func:`decode` attach it themselves."""
     if card.heatmap is None:
         return None
     given = _get(outputs, card.heatmap.output, card)
@@ -230,7 +238,7 @@ def decode_centernet_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -
     scores = _as_batched(_get(outputs, p["scores"], card), 2)
     labels = _as_batched(_get(outputs, p["labels"], card), 2)
     _check_rows(card, boxes, scores, labels)
-    heatmaps = _heatmaps(outputs, card, boxes.shape[0])
+    heatmaps = card_heatmaps(outputs, card, boxes.shape[0])
     valid = detection_rows(boxes, scores, labels, p["score_threshold"])
     cap = card.detections_cap
     if p["iou_threshold"] is None:
@@ -290,7 +298,7 @@ def decode_boxes_scores_labels_batch(outputs: Mapping[str, np.ndarray], card: Mo
                 f"{card.model_path}: output {p['num_detections']!r}: expected "
                 f"[{boxes.shape[0]}], found {list(counts.shape)}"
             )
-    heatmaps = _heatmaps(outputs, card, boxes.shape[0])
+    heatmaps = card_heatmaps(outputs, card, boxes.shape[0])
     valid = detection_rows(boxes, scores, labels, p["score_threshold"])
     if counts is not None:
         valid &= np.arange(boxes.shape[1])[None, :] < counts[:, None]
@@ -328,7 +336,7 @@ def _decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Til
             f"{layout.format(width)} for {n_cls} classes, found "
             f"{list(_get(outputs, p['output'], card).shape)}"
         )
-    heatmaps = _heatmaps(outputs, card, raw.shape[0])
+    heatmaps = card_heatmaps(outputs, card, raw.shape[0])
     results = []
     cap = card.detections_cap
     for i in range(raw.shape[0]):
@@ -394,10 +402,19 @@ def get_decoder(card: ModelCard) -> Decoder:
 
 
 def decode(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[TileDetections]:
-    """Decode one batch of raw outputs with the card's decoder: one TileDetections per tile."""
-    return get_decoder(card)(outputs, card)
+    """Decode one batch of raw outputs with the card's decoder: one TileDetections per tile, each
+    with its heatmap where the card names one (:func:`card_heatmaps`)."""
+    tiles = get_decoder(card)(outputs, card)
+    if card.heatmap is not None and any(t.heatmap is None for t in tiles):
+        for t, heatmap in zip(tiles, card_heatmaps(outputs, card, len(tiles)), strict=True):
+            if t.heatmap is None:
+                t.heatmap = heatmap
+    return tiles
 
 
 def decode_batch(outputs: Mapping[str, np.ndarray], card: ModelCard) -> BatchDetections:
     """:func:`decode` as arrays for the whole batch (:class:`BatchDetections`): the same detections."""
-    return decoder_entry(card).decode_batch(outputs, card)
+    batch = decoder_entry(card).decode_batch(outputs, card)
+    if batch.heatmaps is None and card.heatmap is not None:
+        batch = dataclasses.replace(batch, heatmaps=card_heatmaps(outputs, card, len(batch.counts)))
+    return batch

@@ -16,8 +16,9 @@ Each :class:`OutputFormat` names its file, how it is made and what it needs:
   the format it is ``made_from``, ``writer(path, heatmap_path, channel_names,
   **slide)`` (so it needs that format, ``ome-tiff``, among the formats).
 
-A new format is one entry in :data:`FORMATS`: its module is imported only
-when a run chooses it.
+A new format is one entry in :data:`FORMATS` (:func:`register_format`): its module is imported
+only when a run chooses it. Outside the package, the entry is made by a plugin module
+(:mod:`wsi_pipeline.plugins`).
 
 Jobs whose format has ``slide_args`` also get the slide's level-0
 ``dimensions``, ``slide_path`` and ``mpp`` as keywords (DICOM references its
@@ -30,14 +31,54 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from ..errors import ConfigError
+from ..plugins import FORMATS_GROUP, carry
 from ..summary import SUMMARY_FILE
 
 DETECTIONS, OVERLAY, HEATMAP, HEATMAP_FILE = "detections", "overlay", "heatmap", "heatmap-file"
+
+
+class DetectionsWriter(Protocol):
+    """A :data:`DETECTIONS` format's ``writer``: a module-level function, run in a writer process.
+
+    ``detections``: the slide's records, :data:`~.detections.DETECTION_DTYPE` (``x0 y0 x1 y1``
+    level-0 pixels, ``score`` float32, ``label`` int32), sorted top to bottom;
+    :data:`~.detections.TILED_DETECTION_DTYPE` (with ``tile_row``, ``tile_col``) for a format with
+    ``tiles``. ``classes``: the card's classes, ``{"name": ..., "color": "#rrggbb"}`` each. A format
+    with ``slide_args`` also gets ``dimensions``, ``slide_path`` and ``mpp`` as keywords. The writer
+    writes ``path`` atomically itself (:func:`~.atomic.atomic_write`: a temporary name, renamed when
+    complete), so that a killed run leaves no half-written file under the final name.
+    """
+
+    def __call__(
+        self, path: str | os.PathLike[str], detections: np.ndarray, classes: Sequence[dict[str, Any]], /
+    ) -> None: ...
+
+
+class HeatmapSink(Protocol):
+    """A :data:`HEATMAP` format's ``sink``, made as ``sink(path, width, height, channels,
+    channel_names=[...], physical_size_um=(x, y) or None)`` (the heatmap plane's pixels) and fed on
+    a thread of its own while the slide runs.
+
+    Called with the rows top to bottom (``rows``: ``C x n x width float32``, ``y0_out`` the first
+    one's row), then :meth:`close` (the file written, atomically) or :meth:`abort` (the slide
+    failed: nothing left under the final name). A sink that also offers ``spooled()`` has its file
+    finished by a writer process instead: ``spooled().write()`` there.
+    """
+
+    def __call__(self, y0_out: int, rows: np.ndarray) -> None: ...
+
+    def close(self) -> Any: ...
+
+    def abort(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -231,6 +272,35 @@ FORMATS: dict[str, OutputFormat] = {
         ),
     )
 }
+
+_BUILT_IN = frozenset(FORMATS)
+
+
+def register_format(fmt: OutputFormat, *, replace: bool = False) -> OutputFormat:
+    """Add ``fmt`` to :data:`FORMATS`; ValueError where its name is taken (unless ``replace``)."""
+    if fmt.name in FORMATS and not replace:
+        raise ValueError(f"output format {fmt.name!r} is already registered")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def unregister_format(name: str) -> None:
+    """Remove the format named ``name`` (nothing where there is none)."""
+    FORMATS.pop(name, None)
+
+
+def _added_formats() -> list[OutputFormat]:
+    """Every format in its place, where one was added from outside the package (what a helper
+    process is handed); nothing otherwise."""
+    return list(FORMATS.values()) if set(FORMATS) - _BUILT_IN else []
+
+
+def _restore_formats(formats: list[OutputFormat]) -> None:
+    FORMATS.clear()
+    FORMATS.update((f.name, f) for f in formats)
+
+
+carry(_added_formats, _restore_formats, FORMATS_GROUP, whole=True)
 
 # What a run writes unless told otherwise (what every reader of a slide folder expects).
 DEFAULT_FORMATS = ("geojson", "csv", "ome-tiff", "overlay")

@@ -5,7 +5,9 @@
 that says yes reads the file. What several readers look at (OpenSlide's vendor, a TIFF's layout)
 is found once per file, when first asked, by the file's :class:`FormatProbe`.
 
-A new reader is a :class:`SlideReader` subclass, added with :func:`register_reader`.
+A new reader is a :class:`SlideReader` subclass, added with :func:`register_reader`. Which files
+of a folder are slides comes from the same readers (:func:`lists_slide`: each reader's
+``suffixes``, or its own :meth:`SlideReader.lists` where it looks into the file).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from typing import ClassVar
 
 from ..errors import SlideOpenError
+from ..plugins import READERS_GROUP, carry
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
 from .tiff_file import is_cmyk, is_tiff, open_tifffile
@@ -68,6 +71,15 @@ class SlideReader:
     # Where the name stands among the choices (BACKENDS, the CLI's --reader): the built-in
     # readers fastest first, readers added later after them.
     choice_order: ClassVar[int] = 100
+    # The endings of the file names it reads, lower case: a folder's files that are slides (".ome.tif"
+    # is covered by ".tif").
+    suffixes: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def lists(cls, path: str) -> bool:
+        """Whether a folder's file at ``path`` is a slide for this reader: its name ends with one of
+        ``suffixes`` (a reader that tells its files by their content may look into the file instead)."""
+        return bool(cls.suffixes) and path.lower().endswith(cls.suffixes)
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -86,6 +98,7 @@ class PlainImageReader(SlideReader):
 
     name = "image"
     choice_order = 3
+    suffixes = PLAIN_IMAGE_EXTENSIONS
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -101,6 +114,7 @@ class DicomReader(SlideReader):
 
     name = "dicom"
     choice_order = 1
+    suffixes = (".dcm",)
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -131,6 +145,7 @@ class TiledTiffReader(SlideReader):
 
     name = "tifffile"
     choice_order = 0
+    suffixes = (".svs", ".tif", ".tiff")
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -146,6 +161,8 @@ class TiledTiffReader(SlideReader):
 class UntiledTiffReader(PlainImageReader):
     """An untiled TIFF of those vendors, read as a plain image (in memory)."""
 
+    suffixes = (".tif", ".tiff")
+
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
         return probe.tiff_layout == "untiled"
@@ -157,6 +174,8 @@ class OpenSlideReader(SlideReader):
 
     name = "openslide"
     choice_order = 2
+    # OpenSlide's formats (https://openslide.org/formats/).
+    suffixes = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif", ".dcm")
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -189,6 +208,20 @@ def register_reader(reader: type[SlideReader], before: type[SlideReader] | None 
     SLIDE_READERS.insert(SLIDE_READERS.index(before) if before is not None else len(SLIDE_READERS), reader)
 
 
+def _added_readers() -> list[type[SlideReader]]:
+    """Every reader in its place, where one was registered from outside the package (what a helper
+    process is handed); nothing otherwise."""
+    added = any(not r.__module__.startswith("wsi_pipeline.") for r in SLIDE_READERS)
+    return list(SLIDE_READERS) if added else []
+
+
+def _restore_readers(readers: list[type[SlideReader]]) -> None:
+    SLIDE_READERS[:] = readers
+
+
+carry(_added_readers, _restore_readers, READERS_GROUP, whole=True)
+
+
 def unregister_reader(reader: type[SlideReader]) -> None:
     """Remove ``reader`` from :data:`SLIDE_READERS`."""
     SLIDE_READERS.remove(reader)
@@ -198,6 +231,17 @@ def reader_names() -> tuple[str, ...]:
     """The names of the registered readers, once each, in their ``choice_order``."""
     names = dict.fromkeys(r.name for r in sorted(SLIDE_READERS, key=lambda r: r.choice_order))
     return tuple(names)
+
+
+def lists_slide(path: str | os.PathLike[str]) -> bool:
+    """Whether a folder's file at ``path`` is a slide: a reader of :data:`SLIDE_READERS` lists it."""
+    path = os.fspath(path)
+    return any(r.lists(path) for r in SLIDE_READERS)
+
+
+def slide_suffixes() -> tuple[str, ...]:
+    """The file name endings the registered readers read, sorted, once each."""
+    return tuple(sorted({s for r in SLIDE_READERS for s in r.suffixes}))
 
 
 def reader_named(name: str) -> type[SlideReader] | None:
@@ -220,8 +264,8 @@ def first_reader(path: str) -> type[SlideReader]:
         raise refusal
     raise SlideOpenError(
         path,
-        "no reader recognises this file (expected a whole-slide format OpenSlide reads, "
-        "a TIFF, or a PNG/JPEG/BMP image)",
+        f"no reader recognises this file (expected a file the readers {', '.join(reader_names())} read: "
+        f"{' '.join(slide_suffixes())})",
     )
 
 
@@ -230,6 +274,8 @@ __all__ = [
     "SlideReader",
     "SLIDE_READERS",
     "register_reader",
+    "lists_slide",
+    "slide_suffixes",
     "unregister_reader",
     "reader_names",
     "reader_named",
