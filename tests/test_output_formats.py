@@ -418,6 +418,40 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)
 
 
+def test_a_slide_without_detections_keeps_every_tables_schema(slide_path, tmp_path):
+    """A slide with no detections writes the same CSV header and the same typed Parquet and
+    GeoParquet columns as one with, so that slides' tables concatenate without losing their types."""
+    runs = {}
+    for name, threshold in (("some", 0.5), ("none", 1.0)):
+        with Pipeline(backend="ort", formats="csv,geoparquet", score_threshold=threshold, writer_processes=0) as pipe:
+            runs[name] = pipe.run(slide_path, out_dir=tmp_path / name)
+    assert len(runs["some"].detections) > 0 and len(runs["none"].detections) == 0
+    some, none = tmp_path / "some", tmp_path / "none"
+    header = (some / "detections.csv").read_text().splitlines()[0]
+    assert (none / "detections.csv").read_text().splitlines() == [header]
+    csvs = [pd.read_csv(d / "detections.csv", dtype=detections_io.CSV_DTYPES) for d in (some, none)]
+    assert csvs[0].dtypes.to_dict() == csvs[1].dtypes.to_dict()
+    assert list(csvs[1].columns) == list(detections_io.CSV_DTYPES)
+    joined = pd.concat(csvs, ignore_index=True)
+    assert joined.dtypes.to_dict() == csvs[0].dtypes.to_dict() and len(joined) == len(csvs[0])
+    schemas = [pq.read_schema(d / "detections.parquet") for d in (some, none)]
+    assert schemas[0].equals(schemas[1], check_metadata=False)
+    tables = [pd.read_parquet(d / "detections.parquet") for d in (some, none)]
+    # ``class`` is categorical in both (Parquet keeps no dictionary for a column without values).
+    assert all(isinstance(t["class"].dtype, pd.CategoricalDtype) for t in tables)
+    assert tables[0].drop(columns="class").dtypes.to_dict() == tables[1].drop(columns="class").dtypes.to_dict()
+    assert str(tables[1]["x0"].dtype) == "float32" and str(tables[1]["tile_row"].dtype) == "int32"
+    frames = [gpd.read_parquet(d / "detections.parquet") for d in (some, none)]
+    assert list(frames[0].columns) == list(frames[1].columns) and frames[1].geometry.name == "geometry"
+    joined = pd.concat(frames).drop(columns="class")
+    assert joined.dtypes.to_dict() == frames[0].drop(columns="class").dtypes.to_dict()
+    api = [r.to_dataframe() for r in runs.values()]
+    assert api[0].dtypes.to_dict() == api[1].dtypes.to_dict()
+    assert str(api[1]["score"].dtype) == "float32" and str(api[1]["class"].dtype) == "string"
+    review = load_run(none)
+    assert review.detections.dtype == detections_io.DETECTION_DTYPE and len(review.detections) == 0
+
+
 def test_a_dicom_heatmap_needs_the_ome_tiff_it_is_made_from():
     with pytest.raises(ConfigError, match=r"formats: dicom-heatmap is made from ome-tiff; add ome-tiff"):
         RunConfig(formats="geojson,dicom-heatmap")

@@ -69,13 +69,15 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    labels = np.array(labels_present(dets), np.int32)
+    # Every class of the model in the dictionary, found or not: the same categories for every
+    # slide (one without detections too), so that slides' tables concatenate as categories.
+    labels = np.array(sorted(set(range(len(classes))) | set(labels_present(dets))), np.int32)
     names = pa.array([detection_class(classes, int(lab))["name"] for lab in labels], pa.string())
     classes_doc = [{"label": int(lab), "name": detection_class(classes, int(lab))["name"]} for lab in labels]
     tiles = has_tiles(dets)
     schema = _schema(geometry, tiles, classes_doc, _bbox(dets) if geometry else None)
     with atomic_write(path, "wb") as f, pq.ParquetWriter(f, schema, compression=COMPRESSION) as writer:
-        for start in range(0, len(dets), ROW_GROUP):
+        for start in range(0, max(len(dets), 1), ROW_GROUP):  # no detections: one empty row group
             d = dets[start : start + ROW_GROUP]
             cols = [pa.array(d[k]) for k in (*BOX_COLUMNS, "score", "label")]
             codes = np.searchsorted(labels, d["label"]).astype(np.int32)
@@ -84,8 +86,6 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
             if geometry:
                 cols.append(_wkb_boxes(d))
             writer.write_table(pa.Table.from_arrays(cols, schema=schema), row_group_size=ROW_GROUP)
-        if not len(dets):
-            writer.write_table(schema.empty_table())
 
 
 def _wkb_boxes(d: np.ndarray):
