@@ -78,7 +78,32 @@ def test_unavailable_backend_is_a_usage_error_with_advice_for_run(coarse_slide, 
     assert rc == 2, err
     assert "CUDA is not available" in err and "--backend ort" in err
     assert "--device" not in err
-    assert not (out / "manifest.json").exists()  # no slide was marked pending
+    assert not out.exists()  # found once the slides' process started: what the run made is gone
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--overlap", "600"],
+            "config (model nuclei_pathology, 512 px tiles): overlap: expected at least 0 and less than the "
+            "tile size 512, found 600",
+        ),
+        (["--tile", "256"], "tile: the model nuclei_pathology takes 512 px tiles, found tile = 256"),
+    ],
+)
+def test_a_usage_error_is_found_before_anything_is_written(coarse_slide, tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--progress", "none", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip().splitlines() == [f"error: {message}"], err
+    assert not out.exists()
+    # A folder an earlier run wrote keeps what it holds, and gets nothing new.
+    out.mkdir()
+    (out / "run.log").write_text("earlier\n")
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--progress", "none", *flags])
+    assert rc == 2
+    assert sorted(p.name for p in out.iterdir()) == ["run.log"] and (out / "run.log").read_text() == "earlier\n"
 
 
 def test_build_engine_without_tensorrt_names_no_option_it_lacks(monkeypatch, capsys):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
-from ..batch.folder import lock_output_folder, printable
+from ..batch.folder import LOCK_FILE, SLIDES_DIR, lock_output_folder, printable
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,
@@ -225,7 +226,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
-    from ..pipeline import DEFAULT_MODEL
+    from ..pipeline import DEFAULT_MODEL, check_card_config
 
     config = build_config(args)
     if config.dask:
@@ -241,30 +242,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The model file is checked where the pipeline is built (PipelineFactory), not here.
         card = load_card(config.model, verify_model=False)
+        check_card_config(card, config)  # the settings against the model, before anything is written
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
+    made = [p for p in (out, out / LOCK_FILE, out / LOG_FILE, out / SLIDES_DIR) if not p.exists()]
     with lock_output_folder(out):
-        mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
-        handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
-        log = logging.getLogger("wsi_pipeline")
-        log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
         try:
-            with warnings.catch_warnings():
-                # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
-                warnings.simplefilter("default")
-                report = run_batch(
-                    slides,
-                    out,
-                    PipelineFactory(config, card),
-                    config,
-                    key,
-                    force=args.force,
-                    progress=mode == "bar",
-                    dask=config.dask,
-                )
-        finally:
-            remove_logging(handlers)
+            report = _run_logged(args, slides, out, config, card, key)
+        except UsageError:
+            # Found once the slides' process started (a backend this machine lacks, a model file
+            # that does not match its card): what this run made goes, as for one found earlier.
+            remove_made(made)
+            raise
     print(report.table())
     n_failed = len(report.failed)
     print(
@@ -274,3 +264,36 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return report.exit_code
+
+
+def _run_logged(args: argparse.Namespace, slides: list, out: Path, config: RunConfig, card, key):
+    """The batch, with its log in ``out/run.log`` and on stderr."""
+    mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
+    handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
+    log = logging.getLogger("wsi_pipeline")
+    log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
+    try:
+        with warnings.catch_warnings():
+            # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
+            warnings.simplefilter("default")
+            return run_batch(
+                slides,
+                out,
+                PipelineFactory(config, card),
+                config,
+                key,
+                force=args.force,
+                progress=mode == "bar",
+                dask=config.dask,
+            )
+    finally:
+        remove_logging(handlers)
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the paths of ``made`` (files, or folders left empty), last first: what a run that
+    stopped on a usage error had created. The lock file goes while it is still held, so no other
+    run can take it meanwhile."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # a folder another process wrote into stays
+            path.rmdir() if path.is_dir() else path.unlink()
