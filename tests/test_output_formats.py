@@ -232,6 +232,37 @@ def test_dsa_annotations_meet_large_images_schema_and_read_back(tmp_path):
         jsonschema.validate(bad, ANNOTATION_SCHEMA)
 
 
+def test_dsa_elements_have_unique_ids_as_histomicstk_reads_them(tmp_path):
+    """Each element's ``id`` is 24 hex digits, unique in the file, stable for the same detections,
+    other for other detections; its last 12 are the detection's row (as in the GeoJSON ids). The
+    elements read as HistomicsTK's ``parse_slide_annotations_into_tables`` reads them: ``id``,
+    ``type``, ``group``, the box truncated to integers."""
+    from wsi_pipeline.io.dsa import ANNOTATION_SCHEMA, write_dsa
+
+    jsonschema = pytest.importorskip("jsonschema", reason=_WHY)
+    dets = _with_degenerate(_dets(300))
+    write_dsa(tmp_path / "d.dsa.json", dets, CLASSES)
+    doc = json.loads((tmp_path / "d.dsa.json").read_text())
+    jsonschema.validate(doc, ANNOTATION_SCHEMA)
+    ids = [el["id"] for el in doc["elements"]]
+    assert all(re.fullmatch(r"[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == len(ids) == len(dets) - 1
+    rows = [int(i[12:], 16) for i in ids]
+    assert rows == [r for r in range(len(dets)) if r != 13]  # row 13 (NaN) is left out
+    assert len({i[:12] for i in ids}) == 1
+    write_dsa(tmp_path / "again.dsa.json", dets.copy(), CLASSES)
+    assert [el["id"] for el in json.loads((tmp_path / "again.dsa.json").read_text())["elements"]] == ids
+    write_dsa(tmp_path / "other.dsa.json", _dets(300, seed=1), CLASSES)
+    other = json.loads((tmp_path / "other.dsa.json").read_text())["elements"]
+    assert not {el["id"] for el in other} & set(ids)
+    # HistomicsTK's table: one row per element from its id, type, group and integer box.
+    table = []
+    for el in doc["elements"]:
+        cx, cy, _ = el["center"]
+        xmin, ymin = int(cx - el["width"] / 2), int(cy - el["height"] / 2)
+        table.append((el["id"], el["type"], el["group"], xmin, ymin))
+    assert len({row[0] for row in table}) == len(table)
+
+
 # -- choosing formats ----------------------------------------------------------------
 
 
