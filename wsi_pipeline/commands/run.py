@@ -123,8 +123,7 @@ def _add_inference_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode",
         choices=DECODE_CHOICES,
-        help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
-        "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)",
+        help=decode_help(),
     )
     p.add_argument(
         "--streams",
@@ -157,6 +156,18 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         + ". docs/outputs.md says which to pick",
     )
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
+
+
+def decode_help() -> str:
+    """``--decode``'s help, from the table of GPU decoders by JPEG kind (tiling/gpu_choice.py)."""
+    from ..tiling.gpu_choice import GPU_DECODER_BY_COLOUR
+
+    kinds = ", ".join(f"{colour} by {decoder}" for colour, decoder in GPU_DECODER_BY_COLOUR.items())
+    return (
+        "where stored JPEG tiles are decoded: auto (on the GPU with a CUDA backend, for baseline JPEG "
+        f"tiles of a tiled TIFF, Aperio SVS or DICOM WSI: {kinds}; else on the CPU), cpu, or gpu "
+        "(refuse slides it cannot take). wsi-pipeline info SLIDE says which a slide gets"
+    )
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
