@@ -192,6 +192,49 @@ def test_geoparquet_reads_back_as_a_geodataframe(tmp_path, monkeypatch):
     np.testing.assert_allclose(geo["columns"]["geometry"]["bbox"], gdf.total_bounds)
 
 
+def test_geoparquet_has_a_bbox_covering_and_row_groups_readers_skip_by_location(tmp_path, monkeypatch):
+    """GeoParquet 1.1: a ``bbox`` struct column named as the geometry's covering, row-group
+    statistics of its fields, row groups that are bands of the slide (detections top to bottom);
+    geopandas' bbox filter and DuckDB's predicates read it."""
+    import duckdb
+
+    monkeypatch.setattr(parquet_io, "ROW_GROUP", 64)
+    dets = _dets(500)
+    dets = dets[np.argsort(dets["y0"], kind="stable")]  # a run's order: top to bottom
+    path = tmp_path / "d.parquet"
+    write_geoparquet(path, dets, CLASSES)
+    schema = pq.read_schema(path)
+    column = json.loads(schema.metadata[b"geo"])["columns"]["geometry"]
+    assert column["covering"] == {"bbox": {k: ["bbox", k] for k in ("xmin", "ymin", "xmax", "ymax")}}
+    bbox_type = schema.field("bbox").type
+    assert [(f.name, str(f.type)) for f in bbox_type] == [(k, "double") for k in ("xmin", "ymin", "xmax", "ymax")]
+    table = pq.read_table(path)
+    for k, src in zip(("xmin", "ymin", "xmax", "ymax"), ("x0", "y0", "x1", "y1"), strict=True):
+        np.testing.assert_array_equal(table.column("bbox").combine_chunks().field(k).to_numpy(), dets[src])
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 8
+    paths = [meta.row_group(0).column(i).path_in_schema for i in range(meta.num_columns)]
+    ymin = paths.index("bbox.ymin")
+    bands = []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(ymin).statistics
+        assert stats is not None and stats.has_min_max
+        bands.append((stats.min, stats.max))
+    assert all(a[1] <= b[0] for a, b in zip(bands, bands[1:], strict=False))  # bands, top to bottom
+    region = (10000.0, 15000.0, 25000.0, 26000.0)
+    inside = (
+        (dets["x1"] >= region[0]) & (dets["y1"] >= region[1]) & (dets["x0"] <= region[2]) & (dets["y0"] <= region[3])
+    )
+    assert 0 < inside.sum() < len(dets)
+    picked = gpd.read_parquet(path, bbox=region)
+    assert sorted(picked["x0"].tolist()) == sorted(dets["x0"][inside].tolist())
+    query = (
+        f"SELECT count(*) FROM '{path}' WHERE bbox.xmax >= {region[0]} AND bbox.ymax >= {region[1]} "
+        f"AND bbox.xmin <= {region[2]} AND bbox.ymin <= {region[3]}"
+    )
+    assert duckdb.sql(query).fetchall() == [(int(inside.sum()),)]
+
+
 def test_empty_detections_make_readable_tables(tmp_path):
     empty = make_detections(np.zeros((0, 4)), np.zeros(0), np.zeros(0))
     write_parquet(tmp_path / "e.parquet", empty, CLASSES)
