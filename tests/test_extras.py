@@ -101,3 +101,15 @@ def test_the_other_commands_run_in_a_plain_install(tmp_path):
     proc = _plain_cli("run", slide, "--out", tmp_path / "out", "--backend", "ort", "--progress", "none")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "out" / "slides" / "s" / "detections.geojson").is_file()
+
+
+def test_result_to_dataframe_without_pandas_names_the_extra(monkeypatch):
+    import numpy as np
+
+    from wsi_pipeline.io.detections import DETECTION_DTYPE
+    from wsi_pipeline.result import Result
+
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import fails as where pandas is missing
+    result = Result("s.tiff", np.zeros(0, DETECTION_DTYPE), None, 1.0, {}, ["nucleus"])
+    with pytest.raises(MissingExtraError, match=r"^Result.to_dataframe needs pandas, .*'wsi-pipeline\[notebooks\]'$"):
+        result.to_dataframe()
