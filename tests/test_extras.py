@@ -95,7 +95,8 @@ def test_the_other_commands_run_in_a_plain_install(tmp_path):
     slide = tmp_path / "s.tiff"
     proc = _plain_cli("synth", slide, "--width", "768", "--height", "768")
     assert proc.returncode == 0, proc.stderr
-    for args in (["info"], ["info", slide], ["card", "check", shipped_card()], ["--help"]):
+    sample = ["calibration-sample", slide, "--out", tmp_path / "calib", "--n", "4", "--tile-size", "64"]
+    for args in (["info"], ["info", slide], ["card", "check", shipped_card()], ["--help"], sample):
         proc = _plain_cli(*args)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stderr)
     proc = _plain_cli("run", slide, "--out", tmp_path / "out", "--backend", "ort", "--progress", "none")
