@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
-from ..batch.folder import LOCK_FILE, SLIDES_DIR, lock_output_folder, printable
+from ..batch.folder import LOCK_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,
@@ -263,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
             report = _run_logged(args, slides, out, config, card, key)
         except UsageError:
             # Found once the slides' process started (a backend this machine lacks, a model file
-            # that does not match its card): what this run made goes, as for one found earlier.
-            remove_made(made)
+            # that does not match its card): what this run made goes, as for one found earlier,
+            # unless it recorded slides (a manifest: the run did start), whose log then stays.
+            if not (out / MANIFEST).exists():
+                remove_made(made)
             raise
     print(report.table())
     n_failed = len(report.failed)
