@@ -3,8 +3,10 @@ configs, model cards, lists, and resume that never keeps a stale result."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import math
 import os
 import shutil
@@ -319,6 +321,8 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
         from wsi_pipeline.cli import Terminated, sigterm_as_interrupt
         from wsi_pipeline.config import RunConfig
         from wsi_pipeline.pipeline import DEFAULT_MODEL
+        import logging
+        logging.getLogger("wsi_pipeline").addHandler(logging.FileHandler({str(tmp_path / "run.log")!r}))
         config = RunConfig(model=str(DEFAULT_MODEL))
         try:
             with sigterm_as_interrupt():
@@ -341,6 +345,55 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
     m = _manifest(out)
     assert m["hang"]["status"] == "interrupted" and m["later"]["status"] == "pending"
     assert os.listdir(out / "slides") == []  # the stopped child's folder is removed
+    # The log says which signal stopped the run, when, and the slide it stopped.
+    name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT (Ctrl-C)"
+    said = [ln for ln in (tmp_path / "run.log").read_text().splitlines() if "run stopped by" in ln]
+    assert said == [f"run stopped by {name} at {m['hang']['finished']}, while running {paths[0]}: marked interrupted"]
+    assert m["hang"]["stopped_by"] == name
+    # A rerun says why it redoes the slide; one never started is not "redone".
+    from wsi_pipeline.batch.runner import plan
+
+    config = RunConfig(model=str(DEFAULT_MODEL))
+    with _captured_log() as lines:
+        todo, _ = plan(paths, out, _key(config), False, ["hang", "later"], _manifest(out))
+    assert [n for _, n in todo] == ["hang", "later"]
+    assert lines == [f"{paths[0]}: redone: interrupted in an earlier run ({name} at {m['hang']['finished']})"]
+
+
+@contextlib.contextmanager
+def _captured_log():
+    """The messages of the wsi_pipeline logger meanwhile."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("wsi_pipeline")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def test_a_rerun_says_why_it_redoes_a_slide_an_earlier_run_left_unfinished(tmp_path):
+    from wsi_pipeline.batch.runner import plan
+
+    paths = _slides(tmp_path / "in", "failed.tiff", "killed.tiff", "new.tiff")
+    earlier = {
+        "failed": {"status": "failed", "finished": "T1", "error": "a corrupt tile"},
+        "killed": {"status": "running", "started": "T2"},
+        "new": {"status": "pending"},
+    }
+    config = RunConfig(model=str(DEFAULT_MODEL))
+    with _captured_log() as lines:
+        todo, done = plan(paths, tmp_path / "out", _key(config), False, ["failed", "killed", "new"], earlier)
+    assert len(todo) == 3 and not done
+    assert lines == [
+        f"{paths[0]}: redone: failed in an earlier run (at T1): a corrupt tile",
+        f"{paths[1]}: redone: an earlier run stopped while it ran (started at T2, the run killed or its machine down)",
+    ]
 
 
 # -- the output folder ---------------------------------------------------------------------------------

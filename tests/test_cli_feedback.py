@@ -3,6 +3,7 @@ usage errors that leave nothing behind, training that never replaces a model una
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from wsi_pipeline import cli
 from wsi_pipeline.batch import BatchReport, SlideOutcome
 from wsi_pipeline.errors import UsageError
+from wsi_pipeline.slide import open_slide
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 
@@ -78,7 +80,32 @@ def test_unavailable_backend_is_a_usage_error_with_advice_for_run(coarse_slide, 
     assert rc == 2, err
     assert "CUDA is not available" in err and "--backend ort" in err
     assert "--device" not in err
-    assert not (out / "manifest.json").exists()  # no slide was marked pending
+    assert not out.exists()  # found once the slides' process started: what the run made is gone
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--overlap", "600"],
+            "config (model nuclei_pathology, 512 px tiles): overlap: expected at least 0 and less than the "
+            "tile size 512, found 600",
+        ),
+        (["--tile", "256"], "tile: the model nuclei_pathology takes 512 px tiles, found tile = 256"),
+    ],
+)
+def test_a_usage_error_is_found_before_anything_is_written(coarse_slide, tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--progress", "none", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip().splitlines() == [f"error: {message}"], err
+    assert not out.exists()
+    # A folder an earlier run wrote keeps what it holds, and gets nothing new.
+    out.mkdir()
+    (out / "run.log").write_text("earlier\n")
+    rc = cli.main(["run", str(coarse_slide), "--out", str(out), "--progress", "none", *flags])
+    assert rc == 2
+    assert sorted(p.name for p in out.iterdir()) == ["run.log"] and (out / "run.log").read_text() == "earlier\n"
 
 
 def test_build_engine_without_tensorrt_names_no_option_it_lacks(monkeypatch, capsys):
@@ -200,3 +227,44 @@ def test_info_names_the_slide_reader_and_keeps_backend_as_an_old_name(coarse_sli
     assert cli.main(["info", str(coarse_slide), "--backend", "tifffile"]) == 0
     captured = capsys.readouterr()
     assert "(read with tifffile)" in captured.out and "--backend is deprecated here, use --reader" in captured.err
+
+
+# -- help and info say what the code does ---------------------------------------------------------
+
+
+def test_decode_help_and_info_follow_the_gpu_decoder_table(coarse_slide, capsys, monkeypatch):
+    from wsi_pipeline.commands import info
+    from wsi_pipeline.commands.run import decode_help
+    from wsi_pipeline.tiling.gpu_choice import GPU_DECODER_BY_COLOUR, storage_gpu_decoder
+
+    text = decode_help()
+    for colour, decoder in GPU_DECODER_BY_COLOUR.items():
+        assert f"{colour} by {decoder}" in text
+    run_help = cli.build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    assert " ".join(text.split()) in " ".join(run_help.split())
+    # info: the decoder the table gives the slide's stored tiles, and whether this machine has CUDA.
+    monkeypatch.setattr(info, "cuda_may_be_present", lambda: False)
+    assert cli.main(["info", str(coarse_slide), "--json"]) == 0
+    gpu = json.loads(capsys.readouterr().out)["gpu_decode"]
+    with open_slide(coarse_slide) as slide:
+        decoder, why = storage_gpu_decoder(slide.stored_tile_format(0), slide.backend, 0)
+    assert gpu == {"decoder": decoder, "why": why, "cuda": False} and decoder == "nvjpeg"
+    assert cli.main(["info", str(coarse_slide)]) == 0
+    out = capsys.readouterr().out
+    assert f"on CUDA  {why}" in out and "no CUDA GPU on this machine" in out
+    monkeypatch.setattr(info, "cuda_may_be_present", lambda: True)
+    assert cli.main(["info", str(coarse_slide)]) == 0
+    assert "no CUDA GPU" not in capsys.readouterr().out
+    # RGB JPEG tiles without nvImageCodec: the extra that brings it.
+    rgb = {
+        "compression": "JPEG",
+        "samples_per_pixel": 3,
+        "planar": 1,
+        "extra_samples": 0,
+        "jpeg_kind": "RGB",
+        "jpeg_baseline": True,
+    }
+    monkeypatch.setattr(info, "_installed", lambda module: False)
+    fake = type("Slide", (), {"backend": "tifffile", "stored_tile_format": lambda self, level: rgb})()
+    said = info._gpu_decode(fake)
+    assert said["decoder"] == "nvimgcodec" and "pip install 'wsi-pipeline[gpu]'" in said["why"]

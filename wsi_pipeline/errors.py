@@ -85,3 +85,15 @@ class BackendUnavailableError(WSIPipelineError):
 
 class UsageError(WSIPipelineError):
     """The command line or its config cannot start a run (exit code 2)."""
+
+
+class MissingExtraError(UsageError):
+    """What was asked for needs a package of an optional extra that is not installed (exit code 2).
+
+    ``what``: the command or function; ``module``: the package missing; ``extra``: the extra of
+    ``pip install 'wsi-pipeline[EXTRA]'`` that brings it.
+    """
+
+    def __init__(self, what: str, module: str, extra: str):
+        self.what, self.module, self.extra = what, module, extra
+        super().__init__(f"{what} needs {module}, which is not installed: pip install 'wsi-pipeline[{extra}]'")

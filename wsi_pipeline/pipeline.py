@@ -81,6 +81,20 @@ MERGE_PROCESS_MIN_TILES = 256
 Progress = Callable[[int], None]
 
 
+def check_card_config(card: ModelCard, config: RunConfig) -> None:
+    """Raise :class:`ConfigError` unless ``config``'s tiling fits ``card``'s model (square input,
+    its tile size, an overlap that makes a grid of its heatmap stride): what :class:`Pipeline`
+    checks, here for a command to check before it writes anything."""
+    h, w = card.input.size_hw
+    if h != w:
+        raise ConfigError(f"{card.card_path}: the tile grid needs a square model input, found {h} x {w}")
+    if config.tile is not None and config.tile != h:
+        raise ConfigError(f"tile: the model {card.name} takes {h} px tiles, found tile = {config.tile}")
+    stride = card.heatmap.stride if card.heatmap is not None else None
+    # The overlap is the config's, the tile size and stride the card's: the message names the setting.
+    check_tiling(h, config.overlap, stride, where=f"config (model {card.name}, {h} px tiles)")
+
+
 class Pipeline:
     """A detector loaded once, with its executor, serving many runs.
 
@@ -166,15 +180,7 @@ class Pipeline:
 
     # -- set-up ----------------------------------------------------------------
     def _check_card_config(self) -> None:
-        h, w = self.card.input.size_hw
-        if h != w:
-            raise ConfigError(f"{self.card.card_path}: the tile grid needs a square model input, found {h} x {w}")
-        cfg = self.config
-        if cfg.tile is not None and cfg.tile != h:
-            raise ConfigError(f"tile: the model {self.card.name} takes {h} px tiles, found tile = {cfg.tile}")
-        stride = self.card.heatmap.stride if self.card.heatmap is not None else None
-        # The overlap is the config's, the tile size and stride the card's: the message names the setting.
-        check_tiling(h, cfg.overlap, stride, where=f"config (model {self.card.name}, {h} px tiles)")
+        check_card_config(self.card, self.config)
 
     # -- running ---------------------------------------------------------------
     def run(

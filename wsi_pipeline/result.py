@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import MissingExtraError
 from .io.detections import detection_boxes
 from .io.ome_tiff import HeatmapFile
 
@@ -52,12 +53,16 @@ class Result:
         return self
 
     def to_dataframe(self):
-        """The detections as a pandas DataFrame with a ``class`` column (needs pandas)."""
-        import pandas as pd
+        """The detections as a pandas DataFrame with a ``class`` column (needs pandas); the same
+        columns and types without detections (:data:`~.io.detections.CSV_DTYPES`)."""
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise MissingExtraError("Result.to_dataframe", "pandas", "notebooks") from exc
 
         df = pd.DataFrame(self.detections)
         names = np.array(self.class_names + ["?"], dtype=object)
-        df["class"] = names[np.clip(df["label"].to_numpy(), -1, len(self.class_names))]
+        df["class"] = pd.array(names[np.clip(df["label"].to_numpy(), -1, len(self.class_names))], dtype="string")
         return df
 
     def boxes(self) -> np.ndarray:

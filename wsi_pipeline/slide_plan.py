@@ -123,6 +123,7 @@ def plan_geometry(slide: Slide, card: ModelCard, cfg: RunConfig) -> TilingGeomet
         preferred_mpp=card.mpp if cfg.level is None and cfg.mpp is None else None,
         heatmap_stride=card.heatmap.stride if card.heatmap is not None else None,
     )
+    warn_other_resolution(slide, card, cfg, geometry)
     if card.heatmap is not None:
         need = band_bytes(BlendGeometry.from_tiling(geometry), len(card.heatmap.classes))
         if need > blend.MAX_BAND_BYTES:
@@ -134,3 +135,28 @@ def plan_geometry(slide: Slide, card: ModelCard, cfg: RunConfig) -> TilingGeomet
                 "a slide this wide for its height is refused",
             )
     return geometry
+
+
+# Relative difference from the card's mpp past which a resolution the settings chose is another
+# resolution than the model's: scanners of one nominal magnification differ by a few percent.
+OTHER_RESOLUTION_RTOL = 0.05
+
+
+def warn_other_resolution(slide: Slide, card: ModelCard, cfg: RunConfig, geometry: TilingGeometry) -> None:
+    """Warn (for the slide's summary) where the config's ``mpp`` or ``level`` reads the slide at
+    another resolution than the model card's, naming both; a model without an mpp takes any."""
+    if card.mpp is None or (cfg.mpp is None and cfg.level is None):
+        return  # the card's own resolution: read_resolution warns where the slide cannot give it
+    chose = f"mpp = {cfg.mpp:g}" if cfg.mpp is not None else f"level = {cfg.level}"
+    if slide.mpp is None:
+        slide_warnings.warn(
+            f"{slide.path}: read at level {geometry.level} ({chose}), whose resolution is unknown; "
+            f"the model {card.name} was made for {card.mpp:.4g} um/px"
+        )
+        return
+    read_mpp = float(slide.mpp[0]) * geometry.downsample
+    if abs(read_mpp - card.mpp) > OTHER_RESOLUTION_RTOL * card.mpp:
+        slide_warnings.warn(
+            f"{slide.path}: read at {read_mpp:.4g} um/px ({chose}), but the model {card.name} was made for "
+            f"{card.mpp:.4g} um/px: its detections may be fewer or wrong at another resolution"
+        )

@@ -70,6 +70,39 @@ def _stem(p: Path) -> str:
     return p.stem or name
 
 
+def _stems(paths: list[Path]) -> list[str]:
+    """Each slide's name before it is made safe and unique: the file's stem; for a DICOM series
+    (a ``.dcm`` file standing for its series), the name of its folder where the folder holds that
+    series alone, else the series' ContainerIdentifier (the slide's barcode), else the stem. A
+    series' files are named after UIDs, which are not what users know a slide by."""
+    dicom = [p.suffix.lower() == ".dcm" for p in paths]
+    per_folder: dict[str, int] = {}
+    for p, is_dicom in zip(paths, dicom, strict=True):
+        if is_dicom:
+            folder = os.path.dirname(os.path.realpath(p))
+            per_folder[folder] = per_folder.get(folder, 0) + 1
+    stems = []
+    for p, is_dicom in zip(paths, dicom, strict=True):
+        folder = os.path.dirname(os.path.realpath(p)) if is_dicom else ""
+        if is_dicom and per_folder[folder] == 1 and os.path.basename(folder):
+            stems.append(os.path.basename(folder))
+        else:
+            stems.append((_container_identifier(p) if is_dicom else None) or _stem(p))
+    return stems
+
+
+def _container_identifier(path: Path) -> str | None:
+    """A DICOM file's ContainerIdentifier, or None where it has none or cannot be read."""
+    import pydicom
+
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["ContainerIdentifier"])
+    except Exception:  # not DICOM or damaged: named after its file, to fail as a slide of its own
+        return None
+    value = str(ds.get("ContainerIdentifier") or "").strip()
+    return value or None
+
+
 def _safe(stem: str) -> str:
     """``stem`` as a plain folder name: no separators or control characters, no leading dot, not too long."""
     s = "".join("_" if ch in "/\\" or ord(ch) < 32 or ord(ch) == 127 else ch for ch in stem)
@@ -102,7 +135,7 @@ def output_names(paths: list[Path], held: Mapping[str, str] | None = None) -> li
     own = {os.path.realpath(p): n for n, p in held.items()}
     taken = {n.casefold() for n in held}
     names: list[str | None] = [own.get(os.path.realpath(p)) for p in paths]
-    stems = [_safe(_stem(p)) for p in paths]
+    stems = [_safe(s) for s in _stems(paths)]
     counts: dict[str, int] = {}
     for s, n in zip(stems, names, strict=True):
         if n is None:

@@ -346,11 +346,17 @@ class BatchReport:
 
 
 def plan(
-    slides: list[Path], out_dir: Path, key: RunKey, force: bool, names: list[str] | None = None
+    slides: list[Path],
+    out_dir: Path,
+    key: RunKey,
+    force: bool,
+    names: list[str] | None = None,
+    earlier: dict[str, dict[str, Any]] | None = None,
 ) -> tuple[list[tuple[Path, str]], list[SlideOutcome]]:
     """Split slides into (to run, already done) by their folders' run keys and input identities;
-    log why each slide that has outputs is redone. ``names``: the slides' folder names
-    (:func:`output_names` of the slides alone by default)."""
+    log why each slide that has outputs, or that an earlier run left unfinished, is redone.
+    ``names``: the slides' folder names (:func:`output_names` of the slides alone by default);
+    ``earlier``: the manifest's records by name."""
     todo: list[tuple[Path, str]] = []
     done: list[SlideOutcome] = []
     for path, name in zip(slides, output_names(slides) if names is None else names, strict=True):
@@ -363,10 +369,24 @@ def plan(
                 )
             )
             continue
-        if reason != "not run yet":
+        if reason == "not run yet":
+            reason = _unfinished((earlier or {}).get(name, {}))
+        if reason is not None:
             log.info("%s: redone: %s", path, reason)
         todo.append((path, name))
     return todo, done
+
+
+def _unfinished(record: dict[str, Any]) -> str | None:
+    """Why a slide without outputs is redone, from its manifest record: None where no run started it."""
+    status, when = record.get("status"), record.get("finished") or record.get("started") or "?"
+    if status == "interrupted":
+        return f"interrupted in an earlier run ({record.get('stopped_by', 'stopped')} at {when})"
+    if status == "failed":
+        return f"failed in an earlier run (at {when}): {record.get('error', 'no error recorded')}"
+    if status == "running":
+        return f"an earlier run stopped while it ran (started at {when}, the run killed or its machine down)"
+    return None
 
 
 def run_batch(
@@ -403,7 +423,7 @@ def run_batch(
         manifest = Manifest(out)
         # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
         names = output_names(slides, held_names(out, manifest.slides))
-        todo, done = plan(slides, out, key, force, names)
+        todo, done = plan(slides, out, key, force, names, manifest.slides)
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
         for o in done:
             log.info("%s: already done with these settings, skipped", o.path)
@@ -428,8 +448,8 @@ def run_batch(
                     record(o)
                     if bar is not None:
                         bar.update(1)
-        except KeyboardInterrupt:
-            _record_interrupted(manifest, todo, outcomes, dask)
+        except KeyboardInterrupt as stop:
+            _record_interrupted(manifest, todo, outcomes, dask, stop)
             raise
         finally:
             if bar is not None:
@@ -510,14 +530,26 @@ def _slide_outcomes(
 
 
 def _record_interrupted(
-    manifest: Manifest, todo: list[tuple[Path, str]], outcomes: dict[str, SlideOutcome], dask: str | None
+    manifest: Manifest,
+    todo: list[tuple[Path, str]],
+    outcomes: dict[str, SlideOutcome],
+    dask: str | None,
+    stop: KeyboardInterrupt,
 ) -> None:
-    """Mark the slides stopped by Ctrl-C as interrupted."""
+    """Mark the slides stopped by Ctrl-C or SIGTERM as interrupted, and log the stop: which signal,
+    when, and the slides it stopped (a log that just ends would not say why)."""
+    from ..cli import Terminated  # the command line turns SIGTERM into it
+
+    signal_name = "SIGTERM" if isinstance(stop, Terminated) else "SIGINT (Ctrl-C)"
     # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
     stopped = [
-        n for _, n in todo if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
+        (p, n) for p, n in todo if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
     ]
-    manifest.update_records({n: {"status": "interrupted", "finished": _now()} for n in stopped})
+    now = _now()
+    shown = ", ".join(str(p) for p, _ in stopped) or "no slide under way"
+    log.warning("run stopped by %s at %s, while running %s: marked interrupted", signal_name, now, shown)
+    records = {n: {"status": "interrupted", "finished": now, "stopped_by": signal_name} for _, n in stopped}
+    manifest.update_records(records)
 
 
 def _run_local(

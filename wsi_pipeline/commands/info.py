@@ -8,6 +8,7 @@ import os
 import sys
 
 from ..errors import PluginError, UsageError
+from ..inference.backend import cuda_may_be_present
 from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
 from ..plugins import load_plugins
 from ..slide import BACKENDS, open_slide
@@ -37,12 +38,12 @@ def describe(path: str, backend: str = "auto") -> dict:
 
 
 def _gpu_decode(slide) -> dict:
-    """How a run on a CUDA backend would decode level 0's stored tiles (the decoder's presence
-    is checked by the run itself)."""
+    """How a run on a CUDA backend would decode level 0's stored tiles, and whether this machine
+    has CUDA (``cuda``; without it, a run decodes on the CPU)."""
     decoder, why = storage_gpu_decoder(slide.stored_tile_format(0), slide.backend, 0)
     if decoder == "nvimgcodec" and not _installed("nvidia.nvimgcodec"):
-        why += " (not installed here: the CPU decodes them; pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
-    return {"decoder": decoder, "why": why}
+        why += " (nvImageCodec is not installed here: the CPU decodes them; pip install 'wsi-pipeline[gpu]')"
+    return {"decoder": decoder, "why": why, "cuda": cuda_may_be_present()}
 
 
 def _installed(module: str) -> bool:
@@ -126,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  tiles    {storage['compression']}" + (f" ({kind})" if kind else ""))
     gpu = info["gpu_decode"]
     print(f"  on CUDA  {gpu['why']}" if gpu["decoder"] else f"  on CUDA  decoded on the CPU: {gpu['why']}")
+    if not gpu["cuda"]:
+        print("           (no CUDA GPU on this machine: a run here decodes every tile on the CPU)")
     print(f"  size     {w} x {h} px" + (f"  ({w * mpp[0] / 1000:.2f} x {h * mpp[1] / 1000:.2f} mm)" if mpp else ""))
     print(f"  mpp      {mpp[0]:.4f} x {mpp[1]:.4f} um/px" if mpp else "  mpp      unknown")
     print(f"  levels   {info['level_count']}")

@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..extras import require
+
+    require("wsi-pipeline quantize", "onnx")  # reads and rewrites the ONNX graph
     from ..models.quantize import make_variant
 
     card = make_variant(args.model, args.precision, args.calibration, args.out, method=args.method, limit=args.limit)

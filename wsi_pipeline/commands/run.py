@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import warnings
 from pathlib import Path
 
 from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
-from ..batch.folder import lock_output_folder, printable
+from ..batch.folder import LOCK_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
 from ..config import (
     BACKEND_CHOICES,
     BLEND_CHOICES,
@@ -122,8 +123,7 @@ def _add_inference_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode",
         choices=DECODE_CHOICES,
-        help="where stored JPEG tiles are decoded: auto (the GPU with a CUDA backend and a "
-        "YCbCr JPEG-tiled TIFF, else the CPU), cpu, or gpu (refuse slides it cannot take)",
+        help=decode_help(),
     )
     p.add_argument(
         "--streams",
@@ -156,6 +156,18 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         + ". docs/outputs.md says which to pick",
     )
     p.add_argument("--overlay-size", type=int, help="overlay.png's longer side in pixels (default 2048)")
+
+
+def decode_help() -> str:
+    """``--decode``'s help, from the table of GPU decoders by JPEG kind (tiling/gpu_choice.py)."""
+    from ..tiling.gpu_choice import GPU_DECODER_BY_COLOUR
+
+    kinds = ", ".join(f"{colour} by {decoder}" for colour, decoder in GPU_DECODER_BY_COLOUR.items())
+    return (
+        "where stored JPEG tiles are decoded: auto (on the GPU with a CUDA backend, for baseline JPEG "
+        f"tiles of a tiled TIFF, Aperio SVS or DICOM WSI: {kinds}; else on the CPU), cpu, or gpu "
+        "(refuse slides it cannot take). wsi-pipeline info SLIDE says which a slide gets"
+    )
 
 
 def _add_batch_arguments(p: argparse.ArgumentParser) -> None:
@@ -234,7 +246,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..inference.card import load_card
-    from ..pipeline import DEFAULT_MODEL
+    from ..pipeline import DEFAULT_MODEL, check_card_config
 
     config = build_config(args)
     if config.dask:
@@ -250,30 +262,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The model file is checked where the pipeline is built (PipelineFactory), not here.
         card = load_card(config.model, verify_model=False)
+        check_card_config(card, config)  # the settings against the model, before anything is written
     except (ConfigError, ModelError) as exc:
         raise UsageError(str(exc)) from exc
     key = run_key(config, card)
+    made = [p for p in (out, out / LOCK_FILE, out / LOG_FILE, out / SLIDES_DIR) if not p.exists()]
     with lock_output_folder(out):
-        mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
-        handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
-        log = logging.getLogger("wsi_pipeline")
-        log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
         try:
-            with warnings.catch_warnings():
-                # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
-                warnings.simplefilter("default")
-                report = run_batch(
-                    slides,
-                    out,
-                    PipelineFactory(config, card),
-                    config,
-                    key,
-                    force=args.force,
-                    progress=mode == "bar",
-                    dask=config.dask,
-                )
-        finally:
-            remove_logging(handlers)
+            report = _run_logged(args, slides, out, config, card, key)
+        except UsageError:
+            # Found once the slides' process started (a backend this machine lacks, a model file
+            # that does not match its card): what this run made goes, as for one found earlier,
+            # unless it recorded slides (a manifest: the run did start), whose log then stays.
+            if not (out / MANIFEST).exists():
+                remove_made(made)
+            raise
     print(report.table())
     n_failed = len(report.failed)
     print(
@@ -283,3 +286,36 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return report.exit_code
+
+
+def _run_logged(args: argparse.Namespace, slides: list, out: Path, config: RunConfig, card, key):
+    """The batch, with its log in ``out/run.log`` and on stderr."""
+    mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
+    handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
+    log = logging.getLogger("wsi_pipeline")
+    log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
+    try:
+        with warnings.catch_warnings():
+            # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
+            warnings.simplefilter("default")
+            return run_batch(
+                slides,
+                out,
+                PipelineFactory(config, card),
+                config,
+                key,
+                force=args.force,
+                progress=mode == "bar",
+                dask=config.dask,
+            )
+    finally:
+        remove_logging(handlers)
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the paths of ``made`` (files, or folders left empty), last first: what a run that
+    stopped on a usage error had created. The lock file goes while it is still held, so no other
+    run can take it meanwhile."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):  # a folder another process wrote into stays
+            path.rmdir() if path.is_dir() else path.unlink()

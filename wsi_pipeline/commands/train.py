@@ -38,12 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import BackendUnavailableError
+    from ..extras import require
 
-    try:
-        from ..models.train import train
-    except ImportError as exc:
-        raise BackendUnavailableError(f"training needs torch (pip install '.[train]'): {exc}") from exc
+    require("wsi-pipeline train", "torch", "torchvision", "onnx")
+    from ..models.train import train
+
     train(
         args.kind,
         args.out,

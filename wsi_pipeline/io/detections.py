@@ -277,6 +277,15 @@ def _compressed(raw: IO[bytes], name: str) -> Iterator[IO[bytes]]:
         yield entry
 
 
+# The CSV's columns as pandas reads them with ``pandas.read_csv(path, dtype=CSV_DTYPES)``: the same
+# types for a slide without detections (a header alone, which pandas would read as text columns) as for
+# one with, so that slides' tables concatenate.
+CSV_DTYPES = {
+    **{k: "float32" for k in ("x0", "y0", "x1", "y1", "score")},
+    "label": "int32",
+    "class": "string",
+    **{k: "int32" for k in TILE_FIELDS},
+}
 CSV_HEAD = ",".join(CSV_COLUMNS) + "\r\n"
 CSV_TILED_HEAD = ",".join((*CSV_COLUMNS, *TILE_FIELDS)) + "\r\n"
 

@@ -14,8 +14,9 @@
   (``TILED_SPARSE`` by default, one frame per tile with its position),
   uint16 stored values with the real-world value mapping
   ``value = stored / 65535``, pixel spacing ``mpp x heatmap scale`` and
-  its position in the slide's frame of reference; frames are JPEG-LS
-  lossless compressed.
+  its position in the slide's frame of reference; frames are stored
+  uncompressed (Explicit VR Little Endian: :data:`PARAMETRIC_MAP_TRANSFER_SYNTAX`
+  says why).
 
 Source: both objects reference the slide's level-0 image. For a DICOM slide
 (a VL Whole Slide Microscopy series) that is the real instance: its patient,
@@ -53,7 +54,7 @@ from highdicom.coding_schemes import CodingSchemeIdentificationItem
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
-from pydicom.uid import JPEGLSLossless
+from pydicom.uid import ExplicitVRLittleEndian
 
 from wsi_pipeline._version import __version__
 from wsi_pipeline.errors import WSIPipelineError
@@ -70,6 +71,12 @@ MANUFACTURER = "wsi-pipeline"
 # size, and a heatmap that does not compress is its raw size), so the size is capped; write
 # a reduced level (``level=1`` has a quarter of the pixels) above it.
 MAX_PARAMETRIC_MAP_BYTES = 1024**3
+# Uncompressed (lossless, as every compression the standard allows for integers would be), because
+# it is what every reader of Parametric Maps decodes: Bio-Formats 7.3 (QuPath's and Fiji's reader)
+# fails on JPEG-LS frames (ArrayIndexOutOfBoundsException in DicomReader.getTile), swaps the bytes of
+# 16-bit RLE Lossless samples and does not read Deflated Explicit VR Little Endian. The compact copy
+# of the heatmap is the OME-TIFF it is made from.
+PARAMETRIC_MAP_TRANSFER_SYNTAX = ExplicitVRLittleEndian
 SCORE = codes.SCT.Score  # SCT 246262008 "Score (attribute)"
 NO_UNITS = Code("1", "UCUM", "no units")
 _PRIVATE_SCHEME = "99WSIPL"  # private coding scheme of the detector's class names
@@ -393,7 +400,7 @@ def write_dicom_parametric_map(
                 contains_recognizable_visual_features=False,
                 real_world_value_mappings=[_probability_mapping(name)],
                 voi_lut_transformations=[hd.VOILUTTransformation(window_center=32767.5, window_width=65536.0)],
-                transfer_syntax_uid=JPEGLSLossless,
+                transfer_syntax_uid=PARAMETRIC_MAP_TRANSFER_SYNTAX,
                 content_label=f"HEATMAP{k}",
                 content_description=f"Probability of {name}"[:64],
                 tile_pixel_array=True,

@@ -7,7 +7,9 @@ annotation schema this file uses, written from its documentation): ``name``,
 ``width``, ``height`` in level-0 pixels (large_image's image coordinates:
 origin top-left, x right, y down, as ours), ``rotation`` 0, ``lineColor`` the
 class colour, ``group`` and ``label.value`` the class name, ``user.score`` the
-score. Rows whose box has a coordinate that is not finite are left out
+score, ``id`` 24 hex digits unique in the file (:func:`element_id_prefix`: HistomicsTK's
+``parse_slide_annotations_into_tables`` reads each element's ``id``, which the server
+otherwise adds on upload). Rows whose box has a coordinate that is not finite are left out
 (the schema takes numbers only); boxes of zero width or height are kept.
 A slide without detections gives a document without elements. The text is
 built a chunk of rows at a time (:mod:`.text_rows`), as the GeoJSON's.
@@ -25,8 +27,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .atomic import atomic_write
-from .detections import CHUNK, DETECTION_DTYPE, detection_class, labels_present, parse_color
-from .text_rows import choice_column, decimal_column, join_rows
+from .detections import CHUNK, DETECTION_DTYPE, detection_class, feature_ids, labels_present, parse_color
+from .text_rows import choice_column, decimal_column, hex_column, join_rows
 
 _COLOR = r"^(#[0-9a-fA-F]{3}|#[0-9a-fA-F]{6}|rgb\(\d+,\s*\d+,\s*\d+\)|rgba\(\d+,\s*\d+,\s*\d+,\s*(\d?\.|)\d+\))$"
 _COORD = {"type": "array", "items": {"type": "number"}, "minItems": 3, "maxItems": 3}
@@ -93,7 +95,16 @@ def _head(dets: np.ndarray, classes: Sequence[dict]) -> str:
     return json.dumps(doc, separators=(",", ":"))[:-1] + ',"elements":['
 
 
+def element_id_prefix(dets: np.ndarray) -> str:
+    """The first 12 of an element's 24 hex digits (a MongoDB ObjectId's length, which
+    large_image's ``id`` pattern asks for): the digest part of the detections' GeoJSON feature ids
+    (:func:`~.detections.feature_ids`), so the same detections get the same ids on every run and
+    other slides' detections other ids; an element's last 12 digits are its row in ``dets``."""
+    return feature_ids(dets).replace("-", "")[:12]
+
+
 def _elements(dets: np.ndarray, classes: Sequence[dict]) -> Iterator[bytes]:
+    head = b'{"type":"rectangle","id":"' + element_id_prefix(dets).encode()
     labels = np.array(labels_present(dets), np.int64)
     styles = []
     for lab in labels.tolist():
@@ -108,13 +119,14 @@ def _elements(dets: np.ndarray, classes: Sequence[dict]) -> Iterator[bytes]:
         d = dets[start : start + CHUNK]
         x0, y0, x1, y1 = (d[k].astype(np.float64) for k in ("x0", "y0", "x1", "y1"))
         keep = np.isfinite(x0 + y0 + x1 + y1 + d["score"])
+        rows = np.flatnonzero(keep) + start
         if not keep.all():
             d, x0, y0, x1, y1 = d[keep], x0[keep], y0[keep], x1[keep], y1[keep]
         if not len(d):
             continue
         text = join_rows(
             [
-                b'{"type":"rectangle","center":[',
+                head, hex_column(rows, 12), b'","center":[',
                 decimal_column((x0 + x1) / 2, 3, shortest=True), b",",
                 decimal_column((y0 + y1) / 2, 3, shortest=True), b',0],"width":',
                 decimal_column(x1 - x0, 3, shortest=True), b',"height":',

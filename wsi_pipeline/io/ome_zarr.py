@@ -8,7 +8,9 @@ validator read):
   version every current viewer opens: QuPath 0.6 reads OME-Zarr through
   Bio-Formats' OME-Zarr reader, built on Zarr v2 (the Bio-Formats
   converters still write 0.4 only), and napari-ome-zarr reads both 0.4 and
-  0.5 (0.5 only with ome-zarr >= 0.12).
+  0.5 (0.5 only with ome-zarr >= 0.12), vizarr both. ome-zarr-py's own reader
+  asks for 0.5 unless told otherwise and logs a "version mismatch" for 0.4:
+  ``parse_url(path, fmt=FormatV04())`` reads it without one.
 - Arrays ``0``, ``1``, ... : the pyramid, axes ``c, y, x``, level 0 the full
   heatmap, each next level the 2x2 mean of the one before (sizes rounded up)
   until a level fits in one tile. Chunks are ``1 x tile x tile``, Blosc-zstd
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,12 +49,20 @@ from typing import Any
 import numpy as np
 import zarr
 from ome_zarr.format import FormatV04, FormatV05
-from ome_zarr.writer import write_multiscales_metadata
+
+with warnings.catch_warnings():
+    # ome-zarr >= 0.14 builds a deprecated Scaler as a default argument when ome_zarr.writer is
+    # imported: a warning about its own signature, not about a call made here (the pyramid is
+    # built by this module; only the metadata writer is used), which every run would show.
+    warnings.filterwarnings("ignore", "Call to deprecated class Scaler", DeprecationWarning)
+    from ome_zarr.writer import write_multiscales_metadata
 
 from wsi_pipeline.io.atomic import partial_name, replace_tree
 from wsi_pipeline.io.heatmap_rows import HeatmapRowWriter, halve, pyramid_shapes, quantise
 
 NGFF_VERSIONS = ("0.4", "0.5")
+# What a run writes (module docstring: the version QuPath 0.6, napari and vizarr all open).
+DEFAULT_NGFF_VERSION = "0.4"
 # Colours given to channels without one (hex RGB, as the omero metadata wants them).
 
 
@@ -130,7 +141,7 @@ class OmeZarrHeatmapWriter(HeatmapRowWriter):
         value_scale: float | None = None,
         levels: int | str = "auto",
         channel_colors: Sequence[str | Sequence[int]] | None = None,
-        ngff_version: str = "0.4",
+        ngff_version: str = DEFAULT_NGFF_VERSION,
         clevel: int = 5,
     ) -> None:
         self._init_heatmap(

@@ -6,9 +6,12 @@ model's classes), ``class`` (the label's name, dictionary-encoded) and, for
 detections with their tiles (:func:`~.detections.with_tiles`, as a run writes
 them), ``tile_row`` and ``tile_col`` (int32, the grid row and column of the
 tile whose core holds the box's centre). GeoParquet adds ``geometry``: each
-box as a WKB Polygon (level-0 pixels, no CRS), with the GeoParquet ``geo``
-metadata (version :data:`GEOPARQUET_VERSION`), so ``geopandas.read_parquet``
-returns a GeoDataFrame; a run writes it as ``detections.parquet``, the
+box as a WKB Polygon (level-0 pixels, no CRS), and ``bbox``, GeoParquet 1.1's
+bbox covering column (a struct of xmin, ymin, xmax, ymax), with the GeoParquet
+``geo`` metadata (version :data:`GEOPARQUET_VERSION`, naming ``bbox`` as the
+geometry's covering), so ``geopandas.read_parquet`` returns a GeoDataFrame and
+readers skip row groups by their bbox statistics (a run's detections are sorted
+top to bottom, so each row group is a horizontal band of the slide); a run writes it as ``detections.parquet``, the
 ``.parquet`` extension GeoParquet 1.1 asks for, which pandas and DuckDB read
 as the plain table. Rows are written in row groups of :data:`ROW_GROUP` rows,
 zstd compressed: besides the detection array, a writer holds one row group.
@@ -33,6 +36,9 @@ ROW_GROUP = 1 << 16
 COMPRESSION = "zstd"
 GEOPARQUET_VERSION = "1.1.0"
 BOX_COLUMNS = ("x0", "y0", "x1", "y1")
+# GeoParquet 1.1's bbox covering column: a struct of these fields, each box's bounds (BOX_COLUMNS'
+# values, as doubles, the type GDAL and geopandas write).
+BBOX_FIELDS = ("xmin", "ymin", "xmax", "ymax")
 
 
 def _schema(geometry: bool, tiles: bool, classes_doc: list[dict], bbox: list[float] | None):
@@ -44,7 +50,13 @@ def _schema(geometry: bool, tiles: bool, classes_doc: list[dict], bbox: list[flo
     meta = {"wsi_pipeline": json.dumps({"coordinates": "level-0 pixels, origin top-left", "classes": classes_doc})}
     if geometry:
         fields.append(pa.field("geometry", pa.binary()))
-        column: dict = {"encoding": "WKB", "geometry_types": ["Polygon"], "crs": None}
+        fields.append(pa.field("bbox", pa.struct([pa.field(k, pa.float64()) for k in BBOX_FIELDS])))
+        column: dict = {
+            "encoding": "WKB",
+            "geometry_types": ["Polygon"],
+            "crs": None,
+            "covering": {"bbox": {k: ["bbox", k] for k in BBOX_FIELDS}},
+        }
         if bbox is not None:
             column["bbox"] = bbox
         meta["geo"] = json.dumps(
@@ -69,13 +81,20 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    labels = np.array(labels_present(dets), np.int32)
+    # Every class of the model in the dictionary, found or not: the same categories for every
+    # slide (one without detections too), so that slides' tables concatenate as categories.
+    labels = np.array(sorted(set(range(len(classes))) | set(labels_present(dets))), np.int32)
     names = pa.array([detection_class(classes, int(lab))["name"] for lab in labels], pa.string())
     classes_doc = [{"label": int(lab), "name": detection_class(classes, int(lab))["name"]} for lab in labels]
     tiles = has_tiles(dets)
     schema = _schema(geometry, tiles, classes_doc, _bbox(dets) if geometry else None)
-    with atomic_write(path, "wb") as f, pq.ParquetWriter(f, schema, compression=COMPRESSION) as writer:
-        for start in range(0, len(dets), ROW_GROUP):
+    # Statistics (each row group's min and max of every column, the bbox fields' included) let
+    # readers skip row groups by location; pyarrow writes them by default, asked here so it stays so.
+    with (
+        atomic_write(path, "wb") as f,
+        pq.ParquetWriter(f, schema, compression=COMPRESSION, write_statistics=True) as writer,
+    ):
+        for start in range(0, max(len(dets), 1), ROW_GROUP):  # no detections: one empty row group
             d = dets[start : start + ROW_GROUP]
             cols = [pa.array(d[k]) for k in (*BOX_COLUMNS, "score", "label")]
             codes = np.searchsorted(labels, d["label"]).astype(np.int32)
@@ -83,9 +102,9 @@ def _write(path: str | os.PathLike[str], dets: np.ndarray, classes: Sequence[dic
             cols += [pa.array(d[k]) for k in TILE_FIELDS if tiles]
             if geometry:
                 cols.append(_wkb_boxes(d))
+                bounds = [pa.array(d[k].astype(np.float64)) for k in BOX_COLUMNS]
+                cols.append(pa.StructArray.from_arrays(bounds, names=list(BBOX_FIELDS)))
             writer.write_table(pa.Table.from_arrays(cols, schema=schema), row_group_size=ROW_GROUP)
-        if not len(dets):
-            writer.write_table(schema.empty_table())
 
 
 def _wkb_boxes(d: np.ndarray):

@@ -72,7 +72,9 @@ def _read_table(path: Path) -> tuple[np.ndarray, dict[int, str]]:
         found = dict(zip(table.column("label").to_pylist(), table.column("class").to_pylist(), strict=True))
         return dets, found
     try:
-        rows = np.loadtxt(path, delimiter=",", skiprows=1, usecols=range(6), quotechar='"', ndmin=2)
+        with warnings.catch_warnings():  # a header alone (no detections) is an empty table, not a warning
+            warnings.filterwarnings("ignore", "loadtxt: input contained no data", UserWarning)
+            rows = np.loadtxt(path, delimiter=",", skiprows=1, usecols=range(6), quotechar='"', ndmin=2)
     except (ValueError, OSError) as exc:
         raise WSIPipelineError(f"{path}: not a readable detections CSV file: {exc}") from exc
     dets = np.empty(len(rows), DETECTION_DTYPE)

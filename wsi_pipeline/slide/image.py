@@ -9,8 +9,14 @@ TIFF, which is read tile by tile.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import struct
+import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 
 import cv2
 import numpy as np
@@ -31,6 +37,60 @@ _MAX_DEFLATE_RATIO = 1032
 
 # Rows converted to RGB at a time (bounds the temporaries of the conversion).
 _CONVERT_ROWS = 256
+
+
+log = logging.getLogger(__name__)
+
+# One capture of the process's stderr at a time: each redirects file descriptor 2 and puts back
+# what it found there, so two at once would put back each other's.
+_STDERR_LOCK = threading.Lock()
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@contextlib.contextmanager
+def _decoder_stderr() -> Iterator[list[str]]:
+    """The lines C decoders (libpng, libjpeg) write to the process's stderr meanwhile, in the list
+    yielded once the block ends. They print there, without the file's name, what they find wrong;
+    OpenCV passes on no message of theirs, so file descriptor 2 is redirected to a temporary file
+    for the call. Whatever another thread writes to stderr meanwhile lands there too: the caller
+    shows or logs every line it gets, so nothing is lost."""
+    lines: list[str] = []
+    with _STDERR_LOCK, tempfile.TemporaryFile() as capture:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode("utf-8", "replace")
+            lines.extend(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _png_truncation(data: np.ndarray) -> str | None:
+    """Where a PNG file's chunks run past its end (None: its IEND chunk is there), walking the
+    chunk headers alone; libpng would only say "PNG input buffer is incomplete"."""
+    raw = data.data
+    pos = len(_PNG_SIGNATURE)
+    while pos + 8 <= len(raw):
+        length, kind = struct.unpack(">I4s", raw[pos : pos + 8])
+        end = pos + 12 + length
+        if end > len(raw):
+            name = kind.decode("latin-1")
+            return f"the file ends inside its {name} chunk at byte {len(raw):,} ({end - len(raw):,} bytes missing)"
+        if kind == b"IEND":
+            return None
+        pos = end
+    return f"the file ends at byte {len(raw):,} before its IEND chunk"
+
+
+def _jpeg_without_end(data: np.ndarray) -> bool:
+    """Whether ``data`` is a JPEG stream (SOI marker first) whose last bytes, less zero padding,
+    are not its EOI marker: asked of a file that did not decode (OpenCV says nothing of why)."""
+    raw = data.tobytes()
+    return raw[:2] == b"\xff\xd8" and not raw.rstrip(b"\x00 \r\n").endswith(b"\xff\xd9")
 
 
 def _png_depth_and_colour(path: str) -> tuple[int, int] | None:
@@ -148,7 +208,10 @@ class ImageSlide(Slide):
         """Wrap an ``HxWx3`` (or HxW grey) uint8 array as a one-level slide (no copy if RGB)."""
         self = cls.__new__(cls)
         Slide.__init__(self, name)
-        self._init_array(_to_rgb(np.asarray(image), name), mpp, vendor="array")
+        image = np.asarray(image)
+        if image.ndim >= 2 and (image.shape[0] < 1 or image.shape[1] < 1):
+            raise SlideOpenError(name, f"the array holds no pixels ({image.shape[1]} x {image.shape[0]})")
+        self._init_array(_to_rgb(image, name), mpp, vendor="array")
         return self
 
     def _pixels(self) -> np.ndarray:
@@ -175,9 +238,7 @@ class ImageSlide(Slide):
             with open_tifffile(self.path) as tif:
                 arr = tif.pages[0].asarray()
         else:
-            arr = cv2.imdecode(np.fromfile(self.path, np.uint8), cv2.IMREAD_UNCHANGED)
-            if arr is None:
-                raise SlideOpenError(self.path, "not a decodable image (PNG, JPEG, BMP, WebP or TIFF expected)")
+            arr = self._decode_plain()
             if arr.ndim == 3 and arr.shape[2] in (3, 4):
                 code = cv2.COLOR_BGRA2RGBA if arr.shape[2] == 4 else cv2.COLOR_BGR2RGB
                 arr = cv2.cvtColor(arr, code, dst=arr)
@@ -188,6 +249,27 @@ class ImageSlide(Slide):
                 f"{arr.shape[1] if arr.ndim > 1 else '?'}x{arr.shape[0]}",
             )
         return _to_rgb(arr, self.path)
+
+    def _decode_plain(self) -> np.ndarray:
+        """A PNG, JPEG, BMP or WebP decoded by OpenCV (BGR order); a truncated file says so, and
+        what the decoder printed is told with the file's name."""
+        data = np.fromfile(self.path, np.uint8)
+        if data[:8].tobytes() == _PNG_SIGNATURE:
+            cut = _png_truncation(data)
+            if cut is not None:
+                raise SlideOpenError(self.path, f"truncated PNG: {cut}")
+        with _decoder_stderr() as said:
+            arr = cv2.imdecode(data, cv2.IMREAD_UNCHANGED)
+        told = f" (the decoder said: {'; '.join(said)})" if said else ""
+        if any("premature end" in line.lower() for line in said):  # libjpeg decodes the rest as grey
+            raise SlideOpenError(self.path, f"truncated JPEG: the file ends before its last scan{told}")
+        if arr is None and _jpeg_without_end(data):
+            raise SlideOpenError(self.path, f"truncated JPEG: no end-of-image marker at its end{told}")
+        if arr is None:
+            raise SlideOpenError(self.path, f"not a decodable image (PNG, JPEG, BMP, WebP or TIFF expected){told}")
+        if said:
+            log.info("%s: decoded; the decoder said: %s", self.path, "; ".join(said))
+        return arr
 
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         arr = self._pixels()
