@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import tifffile
 from helpers import smooth_rgb, stored_tiles_per_batch, stored_tiles_under, write_pyramid_tiff
 
 from wsi_pipeline.errors import TileReadError
@@ -524,3 +525,30 @@ def test_the_interpreter_waits_at_exit_for_the_warm_up_under_way(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert mark.exists()
+
+
+@pytest.mark.parametrize("policy", ["warn", "fail"])
+def test_damage_the_helpers_see_is_the_slides_and_follows_its_policy(tmp_path, slide_path, jpeg_helpers, policy):
+    """A stored tile decoded by a helper process with a corrupt-data warning is recorded by the
+    run's own slide (counted, or failing the slide under the fail policy), not left in the helper."""
+    import shutil
+
+    broken = tmp_path / "damaged.tif"
+    shutil.copy(slide_path, broken)
+    with tifffile.TiffFile(broken) as tif:
+        page = tif.pages[0]
+        across = -(-page.imagewidth // page.tilewidth)
+        off, n = page.dataoffsets[across + 1], page.databytecounts[across + 1]  # stored tile (1, 1)
+    with open(broken, "r+b") as f:
+        f.seek(off + n // 2)
+        f.write(b"\0" * (n - n // 2))  # truncated: decodes, with "Premature end of JPEG file"
+    slide = TiffSlide(broken)
+    slide.on_damaged_tile = policy
+    loader = GpuTileLoader(slide, list(TileGrid(slide)), batch_size=3, device="cpu", helpers=jpeg_helpers)
+    if policy == "fail":
+        with pytest.raises(TileReadError, match=r"damaged.tif: stored tile \(1, 1\) of level 0 is damaged"):
+            _in_thread(lambda: _read_all(loader))
+    else:
+        _in_thread(lambda: _read_all(loader))
+        assert [(t.col, t.row) for t in slide.damaged_tiles] == [(1, 1)]
+        assert loader.decoder.stored_tiles_by_helpers > 0

@@ -111,6 +111,11 @@ class Slide(abc.ABC):
         """The stored tiles read so far that decoded with a decoder warning (see :mod:`.damage`)."""
         return self._damage.tiles()
 
+    def report_damage(self, level: int, col: int, row: int, origin_level0: tuple[int, int], message: str) -> None:
+        """Record stored tile (col, row) of ``level`` as decoded with a corrupt-data warning where
+        another process decoded it (:class:`~.damage.DamageLog`; raises under the "fail" policy)."""
+        self._damage.report(level, col, row, origin_level0, message)
+
     def damage_summary(self) -> dict:
         """``{"count", "policy", "tiles"}`` of the damaged stored tiles read so far (a run's summary entry)."""
         return self._damage.summary()

@@ -375,6 +375,7 @@ class GpuTileDecoder:
                 [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)],
                 staging,
                 reader=self.slide.backend,
+                on_damage=self.slide.report_damage,
             )
             try:
                 if rest:

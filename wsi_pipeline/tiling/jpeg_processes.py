@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import subprocess
@@ -31,7 +32,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -259,13 +260,22 @@ class _Generation:
 class _Pending:
     """One batch's share under way in the helpers: :meth:`wait` for it."""
 
-    def __init__(self, owner: JpegHelpers, request: _Request, slide_path: str, level: int):
+    def __init__(
+        self,
+        owner: JpegHelpers,
+        request: _Request,
+        slide_path: str,
+        level: int,
+        on_damage: Callable[[int, int, int, tuple[int, int], str], None] | None = None,
+    ):
         self.owner, self.request, self.slide_path, self.level = owner, request, slide_path, level
+        self.on_damage = on_damage
 
     def wait(self) -> None:
         """Wait for every helper's reply; raises :class:`TileReadError` for a tile that could not be
         read or decoded, or where a helper died or hung (the helpers are then started again by
-        the next batch)."""
+        the next batch). Tiles a helper decoded with a corrupt-data warning are handed to
+        ``on_damage`` (the slide's own damage record, which applies its policy)."""
         r = self.request
         if not r.done.wait(self.owner.timeout_s):
             self.owner._restart_after(f"did not finish decoding stored tiles within {self.owner.timeout_s:.0f} s")
@@ -281,6 +291,10 @@ class _Pending:
             if reply[0] == "error":
                 _, where, message = reply
                 raise TileReadError(self.slide_path, f"{where}: {message}", None, self.level)
+        for reply in r.replies:
+            for level, col, row, x0, y0, message in reply[1] if len(reply) > 1 else ():
+                if self.on_damage is not None:
+                    self.on_damage(level, col, row, (x0, y0), message)
 
 
 class JpegHelpers:
@@ -361,9 +375,12 @@ class JpegHelpers:
         items: Sequence[tuple[int, int, int]],
         staging: SharedStaging,
         reader: str = "tifffile",
+        on_damage: Callable[[int, int, int, tuple[int, int], str], None] | None = None,
     ) -> _Pending:
         """Start decoding stored tiles ``items`` (``(i, tx, ty)``) of ``level`` into ``staging.array[i]``;
-        returns at once: ``wait()`` on the result before reading ``staging``."""
+        returns at once: ``wait()`` on the result before reading ``staging``. ``on_damage(level,
+        col, row, origin_level0, message)`` is called from ``wait()`` for each tile decoded with a
+        corrupt-data warning (the helpers record damage; the caller's slide applies its policy)."""
         try:
             with self._lock:
                 gen = self._ensure()
@@ -375,7 +392,7 @@ class JpegHelpers:
         except RuntimeError as exc:
             self._restart_after(str(exc))
             raise TileReadError(slide_path, str(exc), None, level) from None
-        return _Pending(self, request, str(slide_path), int(level))
+        return _Pending(self, request, str(slide_path), int(level), on_damage)
 
     def acquire_staging(self, slots: int, th: int, tw: int, cuda: bool) -> SharedStaging:
         """A staging buffer of at least ``slots`` stored tiles, free to write (its last copy done).
@@ -442,6 +459,9 @@ class JpegHelpers:
 def _serve(recv: Connection, send: Connection) -> None:
     from ..slide import Slide, open_slide
 
+    # Damage is logged by the caller's slide, once, from the records sent back.
+    logging.getLogger("wsi_pipeline.slide.damage").setLevel(logging.ERROR)
+
     buffers: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
     slides: dict[tuple[str, str], Slide] = {}
     while True:
@@ -471,11 +491,18 @@ def _serve(recv: Connection, send: Connection) -> None:
                         old.close()
                     slides.clear()
                     slide = slides[(path, reader)] = open_slide(path, reader)
+                seen = {(t.level, t.col, t.row) for t in slide.damaged_tiles}
                 for i, tx, ty in items:
                     where = f"cannot decode stored tile ({tx}, {ty}) of level {level}"
-                    # The CPU reader's own decoding: the colour space its tags give, damage reported.
+                    # The CPU reader's own decoding: the colour space its tags give, damage recorded
+                    # here and handed back, where the caller's slide applies its policy.
                     slide.decode_stored_tile(level, tx, ty, out[i])
-                send.send(("done",))
+                damaged = [
+                    (t.level, t.col, t.row, t.x0_level0, t.y0_level0, t.message)
+                    for t in slide.damaged_tiles
+                    if (t.level, t.col, t.row) not in seen
+                ]
+                send.send(("done", damaged))
             except Exception as exc:  # imagecodecs and tifffile raise their own types
                 send.send(("error", where, str(exc) or type(exc).__name__))
 
