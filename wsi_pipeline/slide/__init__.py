@@ -21,6 +21,7 @@ from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
 from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
+from .tiff_file import is_tiff
 
 # The names of the readers of SLIDE_READERS ("tifffile", "dicom", "openslide", "image"), "auto" first.
 BACKENDS = ("auto", *reader_names())
@@ -86,7 +87,16 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     except MemoryError as exc:
         raise SlideOpenError(path, f"opening it as a {backend} slide needs more memory than is available") from exc
     except Exception as exc:  # the one boundary: whatever a reader library raises on a bad file
-        raise SlideOpenError(path, f"cannot be opened as a {backend} slide ({type(exc).__name__}: {exc})") from exc
+        what = "damaged or truncated TIFF: " if _has_tiff_signature(path) else ""
+        how = "cannot be opened" if backend == "auto" else f"cannot be opened as a {backend} slide"
+        raise SlideOpenError(path, f"{what}{how} ({type(exc).__name__}: {exc})") from exc
+
+
+def _has_tiff_signature(path: str) -> bool:
+    try:
+        return os.path.isfile(path) and is_tiff(path)
+    except OSError:
+        return False
 
 
 def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:

@@ -54,7 +54,10 @@ class FormatProbe:
         if not (os.path.isfile(self.path) and is_tiff(self.path) and vendor in _TIFF_COMPATIBLE_VENDORS):
             return None
         with open_tifffile(self.path) as tif:
-            tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
+            if not tif.series:  # else read as an untiled image, whose reader would say "not an image"
+                size = os.path.getsize(self.path)
+                raise SlideOpenError(self.path, f"truncated TIFF: no image in its {size} bytes")
+            tiled = tif.series[0].keyframe.is_tiled
             if tiled and is_cmyk(tif.series[0].keyframe):
                 return "cmyk"
         return "tiled" if tiled else "untiled"
