@@ -21,7 +21,7 @@ from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
 from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
-from .tiff_file import is_tiff
+from .tiff_truncation import tiff_truncation
 
 # The names of the readers of SLIDE_READERS ("tifffile", "dicom", "openslide", "image"), "auto" first.
 BACKENDS = ("auto", *reader_names())
@@ -87,16 +87,10 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     except MemoryError as exc:
         raise SlideOpenError(path, f"opening it as a {backend} slide needs more memory than is available") from exc
     except Exception as exc:  # the one boundary: whatever a reader library raises on a bad file
-        what = "damaged or truncated TIFF: " if _has_tiff_signature(path) else ""
+        truncated = tiff_truncation(path) if os.path.isfile(path) else None
+        what = f"{truncated}; " if truncated else ""
         how = "cannot be opened" if backend == "auto" else f"cannot be opened as a {backend} slide"
         raise SlideOpenError(path, f"{what}{how} ({type(exc).__name__}: {exc})") from exc
-
-
-def _has_tiff_signature(path: str) -> bool:
-    try:
-        return os.path.isfile(path) and is_tiff(path)
-    except OSError:
-        return False
 
 
 def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:

@@ -55,8 +55,10 @@ class FormatProbe:
             return None
         with open_tifffile(self.path) as tif:
             if not tif.series:  # else read as an untiled image, whose reader would say "not an image"
-                size = os.path.getsize(self.path)
-                raise SlideOpenError(self.path, f"truncated TIFF: no image in its {size} bytes")
+                from .tiff_truncation import tiff_truncation
+
+                why = tiff_truncation(self.path) or "a TIFF of no image"
+                raise SlideOpenError(self.path, why)
             tiled = tif.series[0].keyframe.is_tiled
             if tiled and is_cmyk(tif.series[0].keyframe):
                 return "cmyk"
