@@ -21,6 +21,7 @@ from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
 from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
+from .tiff_file import MAX_TIFF_PAGES
 from .tiff_truncation import tiff_truncation
 
 # The names of the readers of SLIDE_READERS ("tifffile", "dicom", "openslide", "image"), "auto" first.
@@ -87,7 +88,7 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     except MemoryError as exc:
         raise SlideOpenError(path, f"opening it as a {backend} slide needs more memory than is available") from exc
     except Exception as exc:  # the one boundary: whatever a reader library raises on a bad file
-        truncated = tiff_truncation(path) if os.path.isfile(path) else None
+        truncated = tiff_truncation(path, MAX_TIFF_PAGES) if os.path.isfile(path) else None
         what = f"{truncated}; " if truncated else ""
         how = "cannot be opened" if backend == "auto" else f"cannot be opened as a {backend} slide"
         raise SlideOpenError(path, f"{what}{how} ({type(exc).__name__}: {exc})") from exc

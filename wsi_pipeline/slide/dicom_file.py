@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import pydicom
+import pydicom.filereader
 from pydicom.dataset import Dataset
 from pydicom.uid import JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage
 
-from ..errors import SlideOpenError
+from ..errors import SlideOpenError, SpecialFileError
+from ..special_files import open_regular, open_regular_fd
 from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
 
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
@@ -42,6 +44,8 @@ PHOTOMETRIC = {"YBR_FULL_422": "YCBCR", "YBR_FULL": "YCBCR", "RGB": "RGB"}
 _ITEM = b"\xfe\xff\x00\xe0"  # (FFFE,E000) little endian
 _SEQUENCE_END = b"\xfe\xff\xdd\xe0"  # (FFFE,E0DD)
 _PIXEL_DATA = b"\xe0\x7f\x10\x00"  # (7FE0,0010)
+_SERIES_INSTANCE_UID = 0x0020000E
+_SERIES_TAGS = [0x00080016, _SERIES_INSTANCE_UID]  # SOPClassUID, SeriesInstanceUID
 _HEADER_TAGS = [
     "SOPClassUID",
     "SeriesInstanceUID",
@@ -52,11 +56,11 @@ _HEADER_TAGS = [
 
 
 def is_dicom_file(path: str) -> bool:
-    """Whether ``path`` is a file with the DICOM preamble's ``DICM`` at byte 128."""
+    """Whether ``path`` is a regular file with the DICOM preamble's ``DICM`` at byte 128."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(132)
-    except OSError:
+    except (OSError, SpecialFileError):
         return False
     return len(head) == 132 and head[128:] == b"DICM"
 
@@ -73,7 +77,7 @@ class _CappedReader(io.BufferedReader):
     makes pydicom read short (and fail) instead of allocating what the length claims."""
 
     def __init__(self, path: str):
-        super().__init__(io.FileIO(path, "rb"))
+        super().__init__(io.FileIO(open_regular_fd(path), "rb"))
         self._size = os.fstat(self.fileno()).st_size
 
     def read(self, size: int | None = -1, /) -> bytes:
@@ -91,6 +95,25 @@ def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]
             return ds, f.tell()
     except Exception as exc:  # pydicom raises many types on a damaged header
         raise SlideOpenError(path, f"unreadable DICOM header ({type(exc).__name__}: {exc})") from exc
+
+
+def series_identity(path: str) -> tuple[str, str | None] | None:
+    """(SOP Class UID, SeriesInstanceUID) of the DICOM file at ``path``, read from its first
+    elements alone (up to the series UID: a few hundred bytes, whatever the file's size); None
+    where it is not a DICOM file, has no SOP class or cannot be read. Never opens a FIFO or device."""
+    if not is_dicom_file(path):
+        return None
+    try:
+        with _CappedReader(path) as f:
+            ds = pydicom.filereader.read_partial(
+                f, stop_when=lambda tag, vr, length: tag > _SERIES_INSTANCE_UID, specific_tags=_SERIES_TAGS
+            )
+            sop, series = ds.get("SOPClassUID"), ds.get("SeriesInstanceUID")
+    except Exception:  # damaged: pydicom raises many types
+        return None
+    if not sop:
+        return None
+    return str(sop), (str(series) if series else None)
 
 
 def _header(path: str) -> Dataset | None:

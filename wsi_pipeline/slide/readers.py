@@ -18,7 +18,7 @@ from typing import ClassVar
 from ..errors import SlideOpenError
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
-from .tiff_file import is_cmyk, is_tiff, open_tifffile
+from .tiff_file import MAX_TIFF_PAGES, is_cmyk, is_tiff, open_tifffile
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class FormatProbe:
             if not tif.series:  # else read as an untiled image, whose reader would say "not an image"
                 from .tiff_truncation import tiff_truncation
 
-                why = tiff_truncation(self.path) or "a TIFF of no image"
+                why = tiff_truncation(self.path, MAX_TIFF_PAGES) or "a TIFF of no image"
                 raise SlideOpenError(self.path, why)
             tiled = tif.series[0].keyframe.is_tiled
             if tiled and is_cmyk(tif.series[0].keyframe):

@@ -98,7 +98,7 @@ def open_tifffile(path: str) -> tifffile.TiffFile:
     except Exception as exc:  # tifffile raises many types on a damaged header
         from .tiff_truncation import tiff_truncation
 
-        raise SlideOpenError(path, f"{tiff_truncation(path) or 'not a readable TIFF'}: {exc}") from exc
+        raise SlideOpenError(path, f"{tiff_truncation(path, MAX_TIFF_PAGES) or 'not a readable TIFF'}: {exc}") from exc
 
 
 def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:

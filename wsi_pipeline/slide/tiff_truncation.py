@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import BinaryIO
 
-from .tiff_file import MAX_TIFF_PAGES
+from ..errors import SpecialFileError
+from ..special_files import open_regular
 
 
-def tiff_truncation(path: str) -> str | None:
-    """ "truncated TIFF: ..." naming the page whose IFD lies or runs past the end of the TIFF at
-    ``path``; None where the chain ends inside the file (or ``path`` is no TIFF)."""
+def tiff_truncation(path: str, max_pages: int) -> str | None:
+    """The reason "truncated TIFF: ..." naming the page whose IFD lies or runs past the end of
+    the TIFF at ``path``; None where the chain ends inside the file within ``max_pages`` pages
+    (or ``path`` is no TIFF)."""
     try:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            return _walk(f, size)
-    except (OSError, struct.error):
+        with open_regular(path) as f:
+            return _walk(f, size, max_pages)
+    except (OSError, struct.error, SpecialFileError):
         return None
 
 
-def _walk(f, size: int) -> str | None:
+def _walk(f: BinaryIO, size: int, max_pages: int) -> str | None:
     head = f.read(16)
     if len(head) < 8 or head[:2] not in (b"II", b"MM"):
         return None
@@ -39,7 +42,7 @@ def _walk(f, size: int) -> str | None:
         return None
     count_size, next_size = struct.calcsize(count_fmt), struct.calcsize(next_fmt)
     seen: set[int] = set()
-    while offset and offset not in seen and len(seen) < MAX_TIFF_PAGES:
+    while offset and offset not in seen and len(seen) < max_pages:
         page = len(seen)
         if offset + count_size > size:
             return f"truncated TIFF: page {page}'s IFD at byte {offset} lies past the end of the file ({size} bytes)"
