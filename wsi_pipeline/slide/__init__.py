@@ -94,6 +94,19 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
         raise SlideOpenError(path, f"{what}{how} ({type(exc).__name__}: {exc})") from exc
 
 
+def reader_may_crash(path: str | os.PathLike[str]) -> bool:
+    """Whether the reader that would open ``path`` (backend "auto") may crash the process on a
+    damaged file (:attr:`SlideReader.may_crash`: OpenSlide); False where no reader takes it (it
+    then fails as a slide without opening it). The choice itself asks OpenSlide only for the
+    file's vendor (``detect_format``), not to open it."""
+    path = os.fspath(path)
+    try:
+        _check_file(path)
+        return first_reader(path).may_crash
+    except Exception:  # refused, or a reader library's error on a bad file: opening it fails the same way
+        return False
+
+
 def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:
     """A :class:`Slide` from a path, an open slide (returned as is) or an RGB array."""
     if isinstance(source, Slide):
@@ -111,5 +124,6 @@ __all__ = [
     "open_slide",
     "as_slide",
     "detect_backend",
+    "reader_may_crash",
     "BACKENDS",
 ]

@@ -73,6 +73,10 @@ class SlideReader:
     # Where the name stands among the choices (BACKENDS, the CLI's --reader): the built-in
     # readers fastest first, readers added later after them.
     choice_order: ClassVar[int] = 100
+    # Whether a damaged file can crash the process in the reader's native code (a segmentation
+    # fault no Python handler sees): a batch then runs the slide in a child process, whatever
+    # its time limit, so that the crash fails that slide alone (batch/slide_worker.py).
+    may_crash: ClassVar[bool] = False
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -162,6 +166,7 @@ class OpenSlideReader(SlideReader):
 
     name = "openslide"
     choice_order = 2
+    may_crash = True  # its vendor parsers and decoders in C crash on some damaged files
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
