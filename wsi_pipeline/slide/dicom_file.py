@@ -116,6 +116,17 @@ def series_identity(path: str) -> tuple[str, str | None] | None:
     return str(sop), (str(series) if series else None)
 
 
+def not_a_slide(path: str) -> str | None:
+    """What the file at ``path`` is where it is a DICOM object other than a whole-slide image
+    (a Secondary Capture, annotations ...); None for any other file."""
+    found = series_identity(path) if os.path.isfile(path) else None
+    if found is None or found[0] == VLWholeSlideMicroscopyImageStorage:
+        return None
+    sop = pydicom.uid.UID(found[0])
+    name = f" ({sop.name})" if sop.name != str(sop) else ""
+    return f"a DICOM object of SOP class {sop}{name}, not a VL Whole Slide Microscopy image"
+
+
 def _header(path: str) -> Dataset | None:
     try:
         return read_header(path, _HEADER_TAGS)[0]

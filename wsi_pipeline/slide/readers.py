@@ -115,10 +115,11 @@ class DicomReader(SlideReader):
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
         """True where the series is one it reads; the error of a DICOM WSI it refuses to read
         (what it refuses goes to OpenSlide, and the error is raised only where no reader takes it)."""
-        from .dicom_file import is_dicom_wsi, series_refusal
+        from .dicom_file import is_dicom_wsi, not_a_slide, series_refusal
 
         if not is_dicom_wsi(path):
-            return False
+            reason = not_a_slide(path)  # another DICOM object: the error where no reader takes it
+            return SlideOpenError(path, reason) if reason else False
         try:
             refusal = series_refusal(path)
         except SlideOpenError as exc:
