@@ -85,6 +85,20 @@ def test_a_dicom_folder_runs_once_per_series(dicom_folder, tmp_path):
     assert summary["dimensions_level0"] == [640, 512]
 
 
+def test_thousands_of_other_dicom_objects_sorting_first_never_hide_a_slide_s_levels(tmp_path):
+    from wsi_pipeline.slide import open_slide
+
+    folder = tmp_path / "crowded"
+    folder.mkdir()
+    levels = write_dicom_wsi(folder, "z", np.zeros((256, 256, 3), np.uint8), levels=3, tile=64, jpeg="YBR_FULL_422")
+    write_secondary_capture(tmp_path / "capture.dcm", _series_uids(levels[0]))
+    for i in range(4200):  # more than the reader looks at for a series' levels
+        shutil.copyfile(tmp_path / "capture.dcm", folder / f"a{i:04d}.dcm")
+    for path in (folder, levels[2]):
+        with open_slide(path) as slide:
+            assert (slide.backend, slide.level_count, slide.dimensions) == ("dicom", 3, (256, 256))
+
+
 def _run_limited(code: str, open_files: int) -> str:
     """``code`` run by a new interpreter allowed ``open_files`` open files; its output."""
     script = f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, ({open_files}, {open_files}))\n" + code

@@ -34,8 +34,10 @@ from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
 # tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
 MAX_GRID_TILES = 1 << 23
-# Files of a folder looked at to find a series' other levels.
+# Whole-slide files of a folder looked at to find a series' other levels, and files of a folder
+# looked at to find those (the first elements of each read: 0.3 ms a file, 20 s for all).
 MAX_SERIES_FILES = 4096
+MAX_FOLDER_FILES = 1 << 16
 # Image types (value 3 of ImageType) that are not pyramid levels.
 NOT_LEVELS = ("LABEL", "OVERVIEW", "THUMBNAIL")
 # Photometric interpretation of JPEG frames -> how they are stored (TIFF's names).
@@ -139,10 +141,13 @@ def _is_wsi_header(ds: Dataset | None) -> bool:
 
 
 def _dicom_files(folder: str) -> list[str]:
-    """The DICOM files of ``folder``, by name, among its first :data:`MAX_SERIES_FILES` files."""
+    """The first :data:`MAX_SERIES_FILES` VL Whole Slide Microscopy files of ``folder`` by name,
+    among its first :data:`MAX_FOLDER_FILES` files: other DICOM objects (thousands of Secondary
+    Captures, say) cost a short read each (:func:`series_identity`) and never crowd the slide out."""
     names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_SERIES_FILES]
-    return [p for p in paths if is_dicom_file(p)]
+    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_FOLDER_FILES]
+    wsi = [p for p in paths if (found := series_identity(p)) and found[0] == VLWholeSlideMicroscopyImageStorage]
+    return wsi[:MAX_SERIES_FILES]
 
 
 def _image_type(ds: Dataset) -> str:
