@@ -28,6 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+# Files a worker may have open (the usual soft limit): no case may need more.
+OPEN_FILES = 1024
+
 # -- the slides mutated -----------------------------------------------------------
 
 _TIFF_TYPE_SIZE = {
@@ -457,6 +460,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         path.write_bytes(bytes(buf))
         cases.append((path, f"{name}: {what}"))
     cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect") + cmyk_slides(folder / "cmyk")
+    cases += dicom_series_slides(folder / "dicom") + aperio_mpp_slides(folder / "aperio")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -512,6 +516,74 @@ def special_files(folder: Path) -> list[tuple[Path, str]]:
     link = folder / "link_to_fifo.ndpi"
     link.symlink_to(fifo)
     cases.append((link, "a symbolic link to a FIFO"))
+    return cases
+
+
+def dicom_series_slides(folder: Path) -> list[tuple[Path, str]]:
+    """DICOM WSI series among other things of their folder, and the expected outcome of each:
+    a Secondary Capture of the slide's own series sorting first (the folder and a level file read,
+    the capture alone refused), a FIFO beside a series (skipped by the dicom reader; named before
+    OpenSlide, which opens every file of the folder, would wait on it), and a series of more level
+    files than the worker may have open (:data:`OPEN_FILES`)."""
+    import numpy as np
+    from helpers import write_dicom_wsi, write_many_level_series, write_secondary_capture
+
+    image = _smooth_rgb(256, 320, seed=6)
+    cases: list[tuple[Path, str]] = []
+    capture_first = folder / "capture_first"
+    capture_first.mkdir(parents=True)
+    levels = write_dicom_wsi(capture_first, "s", image, levels=2, jpeg="YBR_FULL_422", tile=128)
+    import pydicom
+
+    ds = pydicom.dcmread(levels[0], stop_before_pixels=True)
+    uids = {"StudyInstanceUID": ds.StudyInstanceUID, "SeriesInstanceUID": ds.SeriesInstanceUID}
+    write_secondary_capture(capture_first / "0_capture.dcm", uids)
+    cases += [
+        (capture_first, "success: a DICOM WSI folder whose first file is a Secondary Capture of its series"),
+        (levels[1], "success: a level of a series beside a Secondary Capture of it"),
+        (capture_first / "0_capture.dcm", "clean: a Secondary Capture alone"),
+    ]
+    for name, jpeg in (("fifo_beside_jpeg", "YBR_FULL_422"), ("fifo_beside_raw", None)):
+        sub = folder / name
+        sub.mkdir()
+        level0 = write_dicom_wsi(sub, "s", np.ascontiguousarray(image[:128, :128]), levels=1, jpeg=jpeg, tile=128)[0]
+        os.mkfifo(sub / "zz.dcm")
+        outcome = "success" if jpeg else "clean"
+        cases.append((level0, f"{outcome}: a FIFO beside a DICOM slide of {'JPEG' if jpeg else 'raw'} frames"))
+    many = folder / "many_levels"
+    many.mkdir()
+    first = write_many_level_series(many, OPEN_FILES + 512)[0]
+    cases.append((first, f"success: one series of {OPEN_FILES + 512} level files"))
+    return cases
+
+
+def aperio_mpp_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Aperio SVS whose MPP text OpenSlide reads as a number or not (read either way), and SVS
+    truncated in their header, first IFD and second IFD (refused as truncated TIFF)."""
+    import numpy as np
+    import tifffile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    image = _smooth_rgb(256, 256, seed=7)
+    cases = []
+    for i, text in enumerate(["0,25", "0x1p-2", "True", "1e400", "", "-inf"]):
+        path = folder / f"mpp{i}.svs"
+        description = f"Aperio Image Library v10.0.50\r\n256x256 -> 256x256 - |AppMag = 20|MPP = {text}"
+        tifffile.imwrite(path, image, description=description, tile=(128, 128), photometric="rgb", metadata=None,
+                         compression="jpeg")  # fmt: skip
+        cases.append((path, f"success: Aperio MPP = {text!r}"))
+    whole = folder / "whole.svs"
+    with tifffile.TiffWriter(whole) as tw:
+        for level in (image, np.ascontiguousarray(image[::2, ::2])):
+            tw.write(level, tile=(128, 128), photometric="rgb", compression="jpeg", metadata=None,
+                     description="Aperio Image Library v10.0.50\r\n256x256|MPP = 0.25")  # fmt: skip
+    with tifffile.TiffFile(whole) as tif:
+        second_ifd = tif.pages[1].offset
+    data = whole.read_bytes()
+    for name, end in (("header", 8), ("first_ifd", 30), ("second_ifd", second_ifd + 10)):
+        path = folder / f"truncated_in_{name}.svs"
+        path.write_bytes(data[:end])
+        cases.append((path, f"clean: an SVS truncated in its {name.replace('_', ' ')}"))
     return cases
 
 
@@ -582,6 +654,8 @@ def _worker_main(mem_bytes: int) -> None:
 
     if mem_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(OPEN_FILES, hard), hard))
     proto.write("ready\n")
     proto.flush()
     for line in sys.stdin:

@@ -1,17 +1,21 @@
-"""A DICOM whole-slide image (a series of files in one folder) is one slide of a batch."""
+"""A DICOM whole-slide image (a series of files in one folder) is one slide of a batch; other
+DICOM objects beside it never take its place, and thousands of files cost one short read each."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import openslide
 import pydicom
 import pytest
-from helpers import write_dicom_wsi
+from helpers import write_dicom_wsi, write_many_level_series, write_secondary_capture
 
 from wsi_pipeline.batch import expand_inputs
 
@@ -45,9 +49,28 @@ def test_a_series_expands_to_one_slide(dicom_folder):
     assert expand_inputs([a[2], *a, b[1]]) == [a[2], b[1]]
 
 
+def _series_uids(path) -> dict[str, str]:
+    ds = pydicom.dcmread(path, stop_before_pixels=True)
+    return {"StudyInstanceUID": ds.StudyInstanceUID, "SeriesInstanceUID": ds.SeriesInstanceUID}
+
+
+def test_dicom_objects_that_are_no_slide_are_left_out_of_a_folder_not_taken_for_its_slide(dicom_folder, caplog):
+    folder, a, b = dicom_folder
+    # A Secondary Capture of slide a's own series, sorting before its files.
+    capture = folder / "0_capture.dcm"
+    write_secondary_capture(capture, _series_uids(a[0]))
+    with caplog.at_level(logging.WARNING, "wsi_pipeline"):
+        assert expand_inputs([folder]) == [a[0], b[0], folder / "junk.dcm"]
+    assert "scans: 1 DICOM file(s) that are not whole-slide images skipped (0_capture.dcm" in caplog.text
+    assert "Secondary Capture Image Storage" in caplog.text
+    # Named, it stays a slide of its own (to fail saying what it is), and does not hide the series.
+    assert expand_inputs([capture, a[1]]) == [capture, a[1]]
+
+
 def test_a_dicom_folder_runs_once_per_series(dicom_folder, tmp_path):
     folder, a, b = dicom_folder
     (folder / "junk.dcm").unlink()
+    write_secondary_capture(folder / "0_capture.dcm", _series_uids(a[0]))
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "wsi_pipeline", "run", str(folder), "--out", str(out), "--backend", "ort"],
@@ -89,3 +112,70 @@ def test_a_dicom_slide_is_named_after_its_folder_or_its_container(tmp_path):
     assert names[:3] == ["case-17", "S-001", "1.2.3.2_0"]
     assert names[3] != names[4] and all(re.fullmatch(r"scan-[0-9a-f]{8}", n) for n in names[3:])
     assert output_names([alone[0]], held={"earlier": str(alone[0])}) == ["earlier"]  # a name held stays
+
+
+def test_thousands_of_other_dicom_objects_sorting_first_never_hide_a_slide_s_levels(tmp_path):
+    from wsi_pipeline.slide import open_slide
+
+    folder = tmp_path / "crowded"
+    folder.mkdir()
+    levels = write_dicom_wsi(folder, "z", np.zeros((256, 256, 3), np.uint8), levels=3, tile=64, jpeg="YBR_FULL_422")
+    write_secondary_capture(tmp_path / "capture.dcm", _series_uids(levels[0]))
+    for i in range(4200):  # more than the reader looks at for a series' levels
+        shutil.copyfile(tmp_path / "capture.dcm", folder / f"a{i:04d}.dcm")
+    for path in (folder, levels[2]):
+        with open_slide(path) as slide:
+            assert (slide.backend, slide.level_count, slide.dimensions) == ("dicom", 3, (256, 256))
+
+
+def _run_limited(code: str, open_files: int) -> str:
+    """``code`` run by a new interpreter allowed ``open_files`` open files; its output."""
+    script = f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, ({open_files}, {open_files}))\n" + code
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_thousands_of_dicom_files_are_grouped_with_one_short_read_each_and_few_files_open(tmp_path):
+    folder = tmp_path / "big"
+    folder.mkdir()
+    level = write_dicom_wsi(tmp_path, "one", np.zeros((64, 64, 3), np.uint8), levels=1, tile=64)[0]
+    capture = tmp_path / "capture.dcm"
+    write_secondary_capture(capture, _series_uids(level))
+    for i in range(2500):  # Secondary Captures of the slide's series, sorting first, and its files
+        shutil.copyfile(capture, folder / f"a{i:04d}.dcm")
+        shutil.copyfile(level, folder / f"b{i:04d}.dcm")
+    out = _run_limited(
+        textwrap.dedent(f"""
+            import wsi_pipeline.slide.dicom_file as dicom_file
+            from wsi_pipeline.batch import expand_inputs
+            reads, read = [], dicom_file.series_identity
+            def counted(path):
+                reads.append(path)
+                return read(path)
+            dicom_file.series_identity = counted
+            paths = expand_inputs([{str(folder)!r}])
+            print(len(paths), paths[0].name, len(reads), len(set(reads)))
+        """),
+        open_files=32,
+    )
+    assert out.split() == ["1", "b0000.dcm", "5000", "5000"]
+
+
+def test_a_series_of_more_level_files_than_files_may_be_open_is_read(tmp_path):
+    """Its level files are opened as they are read, not all at open."""
+    paths = write_many_level_series(tmp_path, 1536)
+    out = _run_limited(
+        textwrap.dedent(f"""
+            import os
+            from wsi_pipeline.slide import open_slide
+            with open_slide({str(paths[0])!r}) as slide:
+                last = slide.level_count - 1
+                pixels = [slide.read_region((0, 0), level, (8, 8)).mean() for level in (0, last)]
+                print(slide.backend, slide.level_count, slide.level_dimensions[last], len(os.listdir("/proc/self/fd")))
+        """),
+        open_files=1024,
+    )
+    backend, levels, *_, open_fds = out.split()
+    assert (backend, int(levels)) == ("dicom", 1536)
+    assert int(open_fds) < 64

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fuzz_slides import (
+    aperio_mpp_slides,
     cmyk_slides,
+    dicom_series_slides,
     extreme_aspect_slides,
     forge_tag_layout,
     make_base_slides,
@@ -40,6 +42,28 @@ def test_files_that_are_not_regular_are_refused_at_once_naming_what_they_are(tmp
     assert [r["outcome"] for r in results] == ["clean"] * len(results), results
     assert all("not a regular file" in r["detail"] for r in results), results
     assert "FIFO" in results[0]["detail"] and "socket" in results[1]["detail"], results
+
+
+def _expected(cases) -> list[str]:
+    """The outcome each case's description begins with ("success: ..." or "clean: ...")."""
+    return [what.split(":")[0] for _, what in cases]
+
+
+def test_dicom_series_among_other_files_of_their_folder_are_read_or_refused_as_expected(tmp_path):
+    cases = dicom_series_slides(tmp_path)
+    results = run_cases(cases, workers=1, timeout_s=60.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == _expected(cases), results
+    refused = [r["detail"] for r in results if r["outcome"] == "clean"]
+    assert "(Secondary Capture Image Storage), not a VL Whole Slide Microscopy image" in refused[0], refused
+    assert "zz.dcm is a FIFO (named pipe)" in refused[1], refused
+
+
+def test_aperio_mpp_texts_are_read_and_truncated_svs_are_named_truncated(tmp_path):
+    cases = aperio_mpp_slides(tmp_path)
+    results = run_cases(cases, workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == _expected(cases), results
+    truncated = [r["detail"] for r in results if r["outcome"] == "clean"]
+    assert len(truncated) == 3 and all("truncated TIFF: page" in d for d in truncated), truncated
 
 
 def test_slides_one_pixel_high_or_wide_are_read(tmp_path):

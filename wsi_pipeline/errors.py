@@ -32,6 +32,16 @@ class SlideOpenError(SlideError):
     or a size beyond what the reader may allocate."""
 
 
+class SpecialFileError(WSIPipelineError):
+    """A path the program would open (a slide's companion file, an output) is a FIFO, socket or
+    device: opening it could wait for ever, or never end."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str):
+        self.path = os.fspath(path)
+        self.kind = kind
+        super().__init__(f"{self.path}: {kind}, not a regular file (refused before opening it)")
+
+
 class TileReadError(SlideError):
     """One region of a slide cannot be read or decoded (a corrupt tile)."""
 

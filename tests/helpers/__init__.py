@@ -9,7 +9,13 @@ import simplejpeg
 import tifffile
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.encaps import encapsulate
-from pydicom.uid import ExplicitVRLittleEndian, JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage, generate_uid
+from pydicom.uid import (
+    ExplicitVRLittleEndian,
+    JPEGBaseline8Bit,
+    SecondaryCaptureImageStorage,
+    VLWholeSlideMicroscopyImageStorage,
+    generate_uid,
+)
 
 TILE_PX = 128
 
@@ -345,4 +351,55 @@ def write_dicom_wsi(
     for kind in associated:
         small = np.ascontiguousarray(image[::8, ::8])
         write_dicom_level(folder / f"{stem}_{kind.lower()}.dcm", small, uids, 0, mpp * 8, 64, jpeg, image_type=kind)
+    return paths
+
+
+def write_secondary_capture(path, uids: dict[str, str] | None = None) -> None:
+    """A DICOM Secondary Capture image of 8 x 8 grey pixels: a DICOM object that is no slide.
+    ``uids``: its StudyInstanceUID, SeriesInstanceUID ... (new ones where not given)."""
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID = SecondaryCaptureImageStorage
+    ds.SOPInstanceUID = meta.MediaStorageSOPInstanceUID
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = generate_uid(), generate_uid()
+    for name, uid in (uids or {}).items():
+        setattr(ds, name, uid)
+    ds.Modality = "OT"
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.Rows = ds.Columns = 8
+    ds.BitsAllocated = ds.BitsStored = 8
+    ds.HighBit, ds.PixelRepresentation = 7, 0
+    ds.PixelData = bytes(range(64))
+    ds.save_as(path, enforce_file_format=True)
+
+
+def _patch_ul(data: bytearray, tag: tuple[int, int], value: int) -> None:
+    """Set the first explicit-VR little-endian UL element ``tag`` of a DICOM file's bytes."""
+    head = tag[0].to_bytes(2, "little") + tag[1].to_bytes(2, "little") + b"UL\x04\x00"
+    at = data.index(head) + len(head)
+    data[at : at + 4] = value.to_bytes(4, "little")
+
+
+def write_many_level_series(folder, count: int, tile: int = 64) -> list:
+    """``count`` files ``level_NNNNN.dcm`` of one DICOM WSI series, each a pyramid level of its own
+    size (at most ``tile`` x ``tile``: one JPEG frame each). One file is written, the others are
+    its bytes with the size patched: thousands take a second."""
+    if count > tile * tile:
+        raise ValueError(f"at most {tile * tile} levels of distinct sizes in one {tile} px frame")
+    uids = {n: generate_uid() for n in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID")}
+    template = folder / "level_00000.dcm"
+    write_dicom_level(template, smooth_rgb(tile, tile, seed=1), uids, 0, 0.25, tile=tile, jpeg="YBR_FULL_422")
+    data = bytearray(template.read_bytes())
+    paths = []
+    for i in range(count):
+        width, height = tile - i % tile, tile - i // tile
+        _patch_ul(data, (0x0048, 0x0006), width)  # TotalPixelMatrixColumns
+        _patch_ul(data, (0x0048, 0x0007), height)  # TotalPixelMatrixRows
+        path = folder / f"level_{i:05d}.dcm"
+        path.write_bytes(bytes(data))
+        paths.append(path)
     return paths

@@ -27,7 +27,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError, WSIPipelineError
+from ..errors import SpecialFileError, UsageError, WSIPipelineError
+from ..special_files import open_regular_fd, special_kind
 from ..summary import read_summary
 
 try:
@@ -226,7 +227,7 @@ def lock_output_folder(out_dir: str | os.PathLike[str]) -> Iterator[None]:
 def _acquire(out: Path) -> int:
     path = out / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
         raise UsageError(f"{path}: cannot create the output folder's lock file: {exc.strerror}") from None
     if fcntl is None:  # pragma: no cover
@@ -303,6 +304,8 @@ class BatchLogHandler(logging.FileHandler):
     (a full disk) is said once on stderr instead of a traceback per record."""
 
     def __init__(self, path: str | os.PathLike[str]):
+        if kind := special_kind(path):  # appending to a FIFO would wait for a reader
+            raise SpecialFileError(path, kind)
         super().__init__(path, encoding="utf-8", errors="backslashreplace")
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         self._failed = False

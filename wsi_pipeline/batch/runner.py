@@ -44,6 +44,7 @@ from ..io.atomic import write_json
 from ..slide.readers import lists_slide
 from ..special_files import special_kind
 from ..summary import read_summary
+from .dicom_series import one_file_per_dicom_series
 from .folder import (
     LOG_FILE,
     MANIFEST,
@@ -145,13 +146,15 @@ def expand_inputs(
     that is not UTF-8 text, and a symbolic link that loops are usage errors.
     ``exclude``: a folder whose files never count (the output folder). Order
     is kept; duplicates are dropped, and so are the other files of a DICOM
-    series (:func:`one_file_per_dicom_series`).
+    series and the DICOM files of a folder that are no whole-slide image
+    (:func:`one_file_per_dicom_series`).
     """
     out: list[Path] = []
+    named: list[Path] = []  # files named one by one (on the command line, in a list)
     seen: set[str] = set()
     skip = os.path.realpath(exclude) + os.sep if exclude is not None else None
 
-    def add(p: Path) -> None:
+    def add(p: Path, by_name: bool = False) -> None:
         if _is_link_loop(p):
             raise UsageError(f"{p}: a symbolic link that loops (it never reaches a file)")
         key = os.path.realpath(p)
@@ -159,6 +162,8 @@ def expand_inputs(
             return
         seen.add(key)
         out.append(p)
+        if by_name:
+            named.append(p)
 
     for item in inputs:
         s = os.fspath(item)
@@ -174,9 +179,9 @@ def expand_inputs(
                         log.warning("%s: skipped: a hidden file (its name starts with '.'); name it to run it", fp)
         elif p.is_file() and p.suffix.lower() in LIST_EXTENSIONS:
             for q in _read_list(p):
-                add(q)
+                add(q, by_name=True)
         elif p.is_file() or special_kind(p):  # a FIFO or device fails as a slide, saying what it is
-            add(p)
+            add(p, by_name=True)
         elif glob.has_magic(s):
             matches = sorted(glob.glob(s, recursive=True))
             if not matches:
@@ -187,42 +192,7 @@ def expand_inputs(
                     add(mp)
         else:
             raise UsageError(f"{s}: no such file or folder")
-    return one_file_per_dicom_series(out)
-
-
-def _dicom_series_uid(path: Path) -> str | None:
-    """The SeriesInstanceUID in a DICOM file's header, or None when it has none or is not DICOM."""
-    import pydicom
-
-    try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SeriesInstanceUID"], defer_size="1 KB")
-    except Exception:  # not DICOM or damaged: it stays a slide of its own, to fail as one
-        return None
-    uid = ds.get("SeriesInstanceUID")
-    return str(uid) if uid else None
-
-
-def one_file_per_dicom_series(paths: list[Path]) -> list[Path]:
-    """Keep the first ``.dcm`` file of each DICOM series (SeriesInstanceUID) in a folder.
-
-    A DICOM whole-slide image is a series of files in one folder (a file per
-    pyramid level, thumbnail, label...); OpenSlide opens the whole slide from
-    any of them, so the series is one slide. Other paths pass unchanged.
-    """
-    kept: list[Path] = []
-    first: dict[tuple[str, str], Path] = {}
-    for p in paths:
-        uid = _dicom_series_uid(p) if p.suffix.lower() == ".dcm" and p.is_file() else None
-        if uid is None:
-            kept.append(p)
-            continue
-        key = (str(p.resolve().parent), uid)
-        if key in first:
-            log.info("%s: DICOM series %s, the same slide as %s", p, uid, first[key])
-            continue
-        first[key] = p
-        kept.append(p)
-    return kept
+    return one_file_per_dicom_series(out, named)
 
 
 # -- resume key -----------------------------------------------------------------

@@ -19,7 +19,10 @@ its parent is gone (killed). Its log records and warnings
 are sent to the parent, which logs them as its own.
 
 With ``slide_timeout = 0`` slides run in the calling process, without a limit
-(:class:`InProcessRunner`).
+(:class:`InProcessRunner`), except those whose reader may crash the process on a
+damaged file (OpenSlide, :attr:`~wsi_pipeline.slide.SlideReader.may_crash`): a
+segmentation fault in its C code would end the whole run and leave its manifest
+saying "running", so those run in a child process as above, without a limit.
 """
 
 from __future__ import annotations
@@ -75,11 +78,37 @@ def slide_time_limit(config: RunConfig, path: str | os.PathLike[str]) -> float |
 
 
 class InProcessRunner:
-    """Runs slides in this process, without a time limit; the pipeline is built on first use."""
+    """Runs slides in this process, without a time limit; the pipeline is built on first use.
+
+    A slide whose reader may crash the process (:func:`~wsi_pipeline.slide.reader_may_crash`)
+    runs in a child process instead (a :class:`ChildProcessRunner`, started on first need, no
+    limit), where the factory can be pickled; else here, with a warning."""
 
     def __init__(self, factory: Callable[[], Any], progress: bool):
         self.factory, self.progress = factory, progress
         self.pipeline: Any = None
+        self.child: ChildProcessRunner | None = None
+        self._picklable: bool | None = None
+
+    def _isolates(self, path: Path) -> bool:
+        """Whether slide ``path`` runs in the child process (its reader may crash this one)."""
+        from ..slide import reader_may_crash
+
+        if not reader_may_crash(path):
+            return False
+        if self._picklable is None:
+            try:
+                pickle.dumps(self.factory)
+                self._picklable = True
+            except Exception:
+                self._picklable = False
+        if not self._picklable:
+            log.warning(
+                "%s: read with a reader that may crash on a damaged file, in this process: the pipeline "
+                "factory cannot be pickled for a child process (a crash would end the run)",
+                path,
+            )
+        return self._picklable
 
     def prepare(self) -> None:
         """Build the pipeline (raises what the factory raises)."""
@@ -97,10 +126,17 @@ class InProcessRunner:
     ):
         from .jobs import process_slide
 
+        if self._isolates(path):
+            if self.child is None:
+                self.child = ChildProcessRunner(self.factory, self.progress)
+            return self.child.run(path, name, out_dir, key)
         self.prepare()
         return process_slide(self.pipeline, path, name, out_dir, key, progress=self.progress)
 
     def close(self) -> None:
+        if self.child is not None:
+            self.child.close()
+            self.child = None
         if self.pipeline is not None:
             self.pipeline.close()
             self.pipeline = None
@@ -223,13 +259,16 @@ class ChildProcessRunner:
         if reply is None or reply[0] != "outcome":
             code = self._stop()
             self._remove_partials(out_dir, begun, pid)
-            if inferred and next_slides[:RUN_AHEAD]:
-                # The child died after this slide's inference, most likely in a slide it had
-                # started ahead: run this one again, alone.
+            if next_slides:
+                # The child may have died in a slide it had started or was planning ahead (opening
+                # it on another thread: a reader's crash there ends this slide too): run this one
+                # again, alone, so that only the slide that crashes fails.
+                what = "writing this slide" if inferred else "running this slide and opening the next"
                 log.warning(
-                    "%s: the process running slides died (exit code %s) while writing this slide; running it again",
+                    "%s: the process running slides died (exit code %s) while %s; running it again alone",
                     path,
                     code,
+                    what,
                 )
                 return self.run(path, name, out_dir, key, limit_s)
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"

@@ -15,11 +15,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ..errors import SpecialFileError
+from ..special_files import open_regular, special_kind
+
 
 def partial_name(path: str | os.PathLike[str]) -> Path:
-    """The temporary name a file is written under before its rename."""
+    """The temporary name a file is written under before its rename; :class:`SpecialFileError`
+    where a FIFO, socket or device stands there (a writer opening it would wait, or never end)."""
     p = Path(path)
-    return p.with_name(f".{p.name}.partial-{os.getpid()}")
+    tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
+    if kind := special_kind(tmp):
+        raise SpecialFileError(tmp, kind)
+    return tmp
 
 
 @contextlib.contextmanager
@@ -40,7 +47,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", **open_kw: Any) 
     if "b" not in mode:
         open_kw.setdefault("encoding", "utf-8")
     try:
-        with open(tmp, mode, **open_kw) as f:
+        with open_regular(tmp, mode, **open_kw) as f:  # never waits on a FIFO put there
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -71,7 +78,7 @@ def write_joined(
                 if not first:
                     out.write(sep.encode("utf-8"))
                 first = False
-                with open(part, "rb") as src:
+                with open_regular(part) as src:
                     _copy_all(src, out, size)
             out.write(tail.encode("utf-8"))
     finally:

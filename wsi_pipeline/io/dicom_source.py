@@ -21,6 +21,7 @@ from pydicom.dataset import Dataset
 from pydicom.uid import VLWholeSlideMicroscopyImageStorage, generate_uid
 
 from wsi_pipeline.errors import WSIPipelineError
+from wsi_pipeline.special_files import open_regular
 
 # Attributes a placeholder source leaves empty: fill them before storing the outputs in a PACS.
 PLACEHOLDER_ATTRIBUTES = (
@@ -37,9 +38,11 @@ PLACEHOLDER_ATTRIBUTES = (
 
 
 def _read_header(path: Path) -> Dataset | None:
-    """The header of a DICOM file without its pixels, or None when ``path`` is not DICOM."""
+    """The header of a DICOM file without its pixels, or None when ``path`` is not DICOM;
+    :class:`SpecialFileError` naming a FIFO, socket or device (never opened: it could block)."""
     try:
-        return pydicom.dcmread(path, stop_before_pixels=True)
+        with open_regular(path) as f:
+            return pydicom.dcmread(f, stop_before_pixels=True)
     except (pydicom.errors.InvalidDicomError, OSError, ValueError):
         return None
 

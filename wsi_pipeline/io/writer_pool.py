@@ -51,7 +51,8 @@ except ImportError:  # Windows: no orphaned folders are looked for
     fcntl = None  # type: ignore[assignment]
 
 from ..child_process import exception_from, start_child
-from ..errors import ConfigError, WSIPipelineError
+from ..errors import ConfigError, SpecialFileError, WSIPipelineError
+from ..special_files import open_regular
 
 
 def default_processes(cpus: int | None = None) -> int:
@@ -99,7 +100,7 @@ class ArrayFile:
     def __init__(self, path: Path, array: np.ndarray):
         self.path, self.dtype, self.shape = path, array.dtype, array.shape
         data = np.ascontiguousarray(array)
-        with open(path, "wb") as f:
+        with open_regular(path, "wb") as f:
             f.write(memoryview(data.reshape(-1).view(np.uint8)))  # written without the interpreter lock
 
     def load(self) -> np.ndarray:
@@ -132,8 +133,8 @@ def _own_folder(folder: Path) -> Any:
         return None
     path = folder / "lock"
     try:
-        f = open(path, "wb")  # noqa: SIM115  (held open for the pool's life)
-    except OSError:
+        f = open_regular(path, "wb")  # held open for the pool's life
+    except (OSError, SpecialFileError):
         return None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -154,9 +155,9 @@ def _remove_orphaned_arg_dirs(parent: Path) -> None:
         try:
             if time.time() - folder.stat().st_mtime < 60:
                 continue
-            with open(folder / "lock", "rb") as f:
+            with open_regular(folder / "lock") as f:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held by a running pool (BlockingIOError), or not ours to remove
+        except (OSError, SpecialFileError):  # held by a running pool (BlockingIOError), or not ours to remove
             continue
         shutil.rmtree(folder, ignore_errors=True)
 

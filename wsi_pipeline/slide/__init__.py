@@ -21,6 +21,8 @@ from ..special_files import refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
 from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
+from .tiff_file import MAX_TIFF_PAGES
+from .tiff_truncation import tiff_truncation
 
 # The names of the readers of SLIDE_READERS ("tifffile", "dicom", "openslide", "image"), "auto" first.
 BACKENDS = ("auto", *reader_names())
@@ -86,7 +88,23 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     except MemoryError as exc:
         raise SlideOpenError(path, f"opening it as a {backend} slide needs more memory than is available") from exc
     except Exception as exc:  # the one boundary: whatever a reader library raises on a bad file
-        raise SlideOpenError(path, f"cannot be opened as a {backend} slide ({type(exc).__name__}: {exc})") from exc
+        truncated = tiff_truncation(path, MAX_TIFF_PAGES) if os.path.isfile(path) else None
+        what = f"{truncated}; " if truncated else ""
+        how = "cannot be opened" if backend == "auto" else f"cannot be opened as a {backend} slide"
+        raise SlideOpenError(path, f"{what}{how} ({type(exc).__name__}: {exc})") from exc
+
+
+def reader_may_crash(path: str | os.PathLike[str]) -> bool:
+    """Whether the reader that would open ``path`` (backend "auto") may crash the process on a
+    damaged file (:attr:`SlideReader.may_crash`: OpenSlide); False where no reader takes it (it
+    then fails as a slide without opening it). The choice itself asks OpenSlide only for the
+    file's vendor (``detect_format``), not to open it."""
+    path = os.fspath(path)
+    try:
+        _check_file(path)
+        return first_reader(path).may_crash
+    except Exception:  # refused, or a reader library's error on a bad file: opening it fails the same way
+        return False
 
 
 def as_slide(source: str | os.PathLike[str] | Slide | np.ndarray, backend: str = "auto") -> Slide:
@@ -106,5 +124,6 @@ __all__ = [
     "open_slide",
     "as_slide",
     "detect_backend",
+    "reader_may_crash",
     "BACKENDS",
 ]

@@ -13,13 +13,19 @@ RGB: no transform), never the decoder's guess.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
 
+from ..errors import TileReadError
 from .base import checked_mpp
 from .dicom_file import DicomLevel, read_level, series_level_files
 from .stored_tiles import StoredTileSlide, _fill
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class DicomSlide(StoredTileSlide):
@@ -33,19 +39,44 @@ class DicomSlide(StoredTileSlide):
 
     def __init__(self, path: str | os.PathLike[str], cache_bytes: int | None = None):
         super().__init__(path)
-        self._fds: list[int] = []
+        # A level's file is opened when its frames are first read, and stays open until close: a
+        # series of thousands of level files (forged, or split by a scanner) opened at once would
+        # run out of file descriptors (1024 by default, and `ulimit -n` may lower the hard limit
+        # too, so raising the soft limit is no cure); a run reads two or three levels. The file
+        # opened later must be the one checked here (same device, inode, size and mtime).
+        self._fds: list[int | None] = []
+        self._identities: list[tuple[int, int, int, int]] = []
+        self._fd_lock = threading.Lock()
         try:
             self._levels: list[DicomLevel] = []
             for p in series_level_files(self.path):
-                self._fds.append(os.open(p, os.O_RDONLY))
-                self._levels.append(read_level(p, self._fds[-1]))
+                fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    self._levels.append(read_level(p, fd))
+                    self._identities.append(_identity(os.fstat(fd)))
+                finally:
+                    os.close(fd)
+                self._fds.append(None)
             self._init_levels()
-            self._kinds = [self._stored_jpeg_kind(i, lv.photometric) for i, lv in enumerate(self._levels)]
+            self._kinds = []
+            for i, lv in enumerate(self._levels):  # each level's file open for its kind alone
+                self._kinds.append(self._stored_jpeg_kind(i, lv.photometric))
+                self._close_files(i)
         except BaseException:
-            for fd in self._fds:
-                os.close(fd)
+            self._close_files()
             raise
         self._init_cache(cache_bytes)
+
+    def _close_files(self, level: int | None = None) -> None:
+        """Close the file of ``level`` (None: of every level) where it is open."""
+        with self._fd_lock:
+            which = range(len(self._fds)) if level is None else [level]
+            fds = [self._fds[i] for i in which]
+            for i in which:
+                self._fds[i] = None
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def _init_levels(self) -> None:
         levels = self._levels
@@ -71,7 +102,26 @@ class DicomSlide(StoredTileSlide):
 
     # -- stored tiles -------------------------------------------------------
     def _level_fd(self, level: int) -> int:
-        return self._fds[level]
+        fd = self._fds[level]
+        if fd is not None:
+            return fd
+        with self._fd_lock:
+            fd = self._fds[level]
+            if fd is None:
+                fd = self._fds[level] = self._open_level_file(level)
+        return fd
+
+    def _open_level_file(self, level: int) -> int:
+        """The level's file opened again, refused where it is no longer the file read at open."""
+        path = self._levels[level].path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TileReadError(self.path, f"cannot open {path}: {exc.strerror or exc}", level=level) from exc
+        if _identity(os.fstat(fd)) != self._identities[level]:
+            os.close(fd)
+            raise TileReadError(self.path, f"{path} changed after the slide was opened", level=level)
+        return fd
 
     def _jpeg_level(self, level: int) -> DicomLevel:
         return self._levels[level]
@@ -109,7 +159,6 @@ class DicomSlide(StoredTileSlide):
 
     def close(self) -> None:
         if not self._closed:
-            for fd in self._fds:
-                os.close(fd)
+            self._close_files()
             self._cache.clear()
         super().close()

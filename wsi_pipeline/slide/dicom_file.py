@@ -23,17 +23,21 @@ from dataclasses import dataclass
 
 import numpy as np
 import pydicom
+import pydicom.filereader
 from pydicom.dataset import Dataset
 from pydicom.uid import JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage
 
-from ..errors import SlideOpenError
+from ..errors import SlideOpenError, SpecialFileError
+from ..special_files import open_regular, open_regular_fd
 from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
 
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
 # tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
 MAX_GRID_TILES = 1 << 23
-# Files of a folder looked at to find a series' other levels.
+# Whole-slide files of a folder looked at to find a series' other levels, and files of a folder
+# looked at to find those (the first elements of each read: 0.3 ms a file, 20 s for all).
 MAX_SERIES_FILES = 4096
+MAX_FOLDER_FILES = 1 << 16
 # Image types (value 3 of ImageType) that are not pyramid levels.
 NOT_LEVELS = ("LABEL", "OVERVIEW", "THUMBNAIL")
 # Photometric interpretation of JPEG frames -> how they are stored (TIFF's names).
@@ -42,6 +46,8 @@ PHOTOMETRIC = {"YBR_FULL_422": "YCBCR", "YBR_FULL": "YCBCR", "RGB": "RGB"}
 _ITEM = b"\xfe\xff\x00\xe0"  # (FFFE,E000) little endian
 _SEQUENCE_END = b"\xfe\xff\xdd\xe0"  # (FFFE,E0DD)
 _PIXEL_DATA = b"\xe0\x7f\x10\x00"  # (7FE0,0010)
+_SERIES_INSTANCE_UID = 0x0020000E
+_SERIES_TAGS = [0x00080016, _SERIES_INSTANCE_UID]  # SOPClassUID, SeriesInstanceUID
 _HEADER_TAGS = [
     "SOPClassUID",
     "SeriesInstanceUID",
@@ -52,11 +58,11 @@ _HEADER_TAGS = [
 
 
 def is_dicom_file(path: str) -> bool:
-    """Whether ``path`` is a file with the DICOM preamble's ``DICM`` at byte 128."""
+    """Whether ``path`` is a regular file with the DICOM preamble's ``DICM`` at byte 128."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(132)
-    except OSError:
+    except (OSError, SpecialFileError):
         return False
     return len(head) == 132 and head[128:] == b"DICM"
 
@@ -73,7 +79,7 @@ class _CappedReader(io.BufferedReader):
     makes pydicom read short (and fail) instead of allocating what the length claims."""
 
     def __init__(self, path: str):
-        super().__init__(io.FileIO(path, "rb"))
+        super().__init__(io.FileIO(open_regular_fd(path), "rb"))
         self._size = os.fstat(self.fileno()).st_size
 
     def read(self, size: int | None = -1, /) -> bytes:
@@ -93,6 +99,36 @@ def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]
         raise SlideOpenError(path, f"unreadable DICOM header ({type(exc).__name__}: {exc})") from exc
 
 
+def series_identity(path: str) -> tuple[str, str | None] | None:
+    """(SOP Class UID, SeriesInstanceUID) of the DICOM file at ``path``, read from its first
+    elements alone (up to the series UID: a few hundred bytes, whatever the file's size); None
+    where it is not a DICOM file, has no SOP class or cannot be read. Never opens a FIFO or device."""
+    if not is_dicom_file(path):
+        return None
+    try:
+        with _CappedReader(path) as f:
+            ds = pydicom.filereader.read_partial(
+                f, stop_when=lambda tag, vr, length: tag > _SERIES_INSTANCE_UID, specific_tags=_SERIES_TAGS
+            )
+            sop, series = ds.get("SOPClassUID"), ds.get("SeriesInstanceUID")
+    except Exception:  # damaged: pydicom raises many types
+        return None
+    if not sop:
+        return None
+    return str(sop), (str(series) if series else None)
+
+
+def not_a_slide(path: str) -> str | None:
+    """What the file at ``path`` is where it is a DICOM object other than a whole-slide image
+    (a Secondary Capture, annotations ...); None for any other file."""
+    found = series_identity(path) if os.path.isfile(path) else None
+    if found is None or found[0] == VLWholeSlideMicroscopyImageStorage:
+        return None
+    sop = pydicom.uid.UID(found[0])
+    name = f" ({sop.name})" if sop.name != str(sop) else ""
+    return f"a DICOM object of SOP class {sop}{name}, not a VL Whole Slide Microscopy image"
+
+
 def _header(path: str) -> Dataset | None:
     try:
         return read_header(path, _HEADER_TAGS)[0]
@@ -105,10 +141,13 @@ def _is_wsi_header(ds: Dataset | None) -> bool:
 
 
 def _dicom_files(folder: str) -> list[str]:
-    """The DICOM files of ``folder``, by name, among its first :data:`MAX_SERIES_FILES` files."""
+    """The first :data:`MAX_SERIES_FILES` VL Whole Slide Microscopy files of ``folder`` by name,
+    among its first :data:`MAX_FOLDER_FILES` files: other DICOM objects (thousands of Secondary
+    Captures, say) cost a short read each (:func:`series_identity`) and never crowd the slide out."""
     names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_SERIES_FILES]
-    return [p for p in paths if is_dicom_file(p)]
+    paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_FOLDER_FILES]
+    wsi = [p for p in paths if (found := series_identity(p)) and found[0] == VLWholeSlideMicroscopyImageStorage]
+    return wsi[:MAX_SERIES_FILES]
 
 
 def _image_type(ds: Dataset) -> str:

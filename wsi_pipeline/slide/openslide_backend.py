@@ -9,6 +9,7 @@ import openslide
 
 from ..errors import SlideOpenError, TileReadError
 from ..io.detections import parse_color
+from ..special_files import kind_of_mode
 from .base import Slide, checked_mpp, composite_rgba
 from .tiff_file import check_tiff_data, is_tiff
 
@@ -21,6 +22,31 @@ def _background_colour(value: str | None) -> tuple[int, int, int]:
         return (255, 255, 255)
 
 
+def special_companion(path: str) -> str | None:
+    """A FIFO, socket or device among the files OpenSlide opens besides ``path`` (every file of a
+    DICOM slide's folder, of a MIRAX slide's data folder), said with its path; None where there is
+    none. OpenSlide would wait on a FIFO there for ever."""
+    vendor = openslide.OpenSlide.detect_format(path)
+    if vendor == "dicom":
+        folder, why = (path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))), "folder"
+    elif vendor == "mirax":
+        folder, why = os.path.splitext(path)[0], "data folder"
+    else:
+        return None
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            kind = kind_of_mode(entry.stat().st_mode)  # links followed, as OpenSlide's open follows them
+        except OSError:
+            continue
+        if kind:
+            return f"{entry.path} is {kind}, not a regular file (OpenSlide opens every file of the slide's {why})"
+    return None
+
+
 class OpenSlideSlide(Slide):
     """A slide opened with :class:`openslide.OpenSlide`."""
 
@@ -31,6 +57,8 @@ class OpenSlideSlide(Slide):
         if os.path.isfile(self.path) and is_tiff(self.path):
             # OpenSlide allocates what a TIFF's tags claim (and aborts the process when it cannot).
             check_tiff_data(self.path)
+        if companion := special_companion(self.path):
+            raise SlideOpenError(self.path, companion)
         try:
             self._osr = openslide.OpenSlide(self.path)
         except openslide.OpenSlideUnsupportedFormatError as exc:

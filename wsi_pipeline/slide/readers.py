@@ -21,7 +21,7 @@ from ..errors import SlideOpenError
 from ..plugins import READERS_GROUP, carry
 from .base import Slide
 from .image import PLAIN_IMAGE_EXTENSIONS, ImageSlide
-from .tiff_file import is_cmyk, is_tiff, open_tifffile
+from .tiff_file import MAX_TIFF_PAGES, is_cmyk, is_tiff, open_tifffile
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,12 @@ class FormatProbe:
         if not (os.path.isfile(self.path) and is_tiff(self.path) and vendor in _TIFF_COMPATIBLE_VENDORS):
             return None
         with open_tifffile(self.path) as tif:
-            tiled = bool(tif.series) and tif.series[0].keyframe.is_tiled
+            if not tif.series:  # else read as an untiled image, whose reader would say "not an image"
+                from .tiff_truncation import tiff_truncation
+
+                why = tiff_truncation(self.path, MAX_TIFF_PAGES) or "a TIFF of no image"
+                raise SlideOpenError(self.path, why)
+            tiled = tif.series[0].keyframe.is_tiled
             if tiled and is_cmyk(tif.series[0].keyframe):
                 return "cmyk"
         return "tiled" if tiled else "untiled"
@@ -80,6 +85,11 @@ class SlideReader:
         """Whether a folder's file at ``path`` is a slide for this reader: its name ends with one of
         ``suffixes`` (a reader that tells its files by their content may look into the file instead)."""
         return bool(cls.suffixes) and path.lower().endswith(cls.suffixes)
+
+    # Whether a damaged file can crash the process in the reader's native code (a segmentation
+    # fault no Python handler sees): a batch then runs the slide in a child process, whatever
+    # its time limit, so that the crash fails that slide alone (batch/slide_worker.py).
+    may_crash: ClassVar[bool] = False
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
@@ -120,10 +130,11 @@ class DicomReader(SlideReader):
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:
         """True where the series is one it reads; the error of a DICOM WSI it refuses to read
         (what it refuses goes to OpenSlide, and the error is raised only where no reader takes it)."""
-        from .dicom_file import is_dicom_wsi, series_refusal
+        from .dicom_file import is_dicom_wsi, not_a_slide, series_refusal
 
         if not is_dicom_wsi(path):
-            return False
+            reason = not_a_slide(path)  # another DICOM object: the error where no reader takes it
+            return SlideOpenError(path, reason) if reason else False
         try:
             refusal = series_refusal(path)
         except SlideOpenError as exc:
@@ -176,6 +187,7 @@ class OpenSlideReader(SlideReader):
     choice_order = 2
     # OpenSlide's formats (https://openslide.org/formats/).
     suffixes = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".svslide", ".bif", ".dcm")
+    may_crash = True  # its vendor parsers and decoders in C crash on some damaged files
 
     @classmethod
     def reads(cls, path: str, probe: FormatProbe) -> bool | SlideOpenError:

@@ -29,7 +29,7 @@ from ..errors import SlideError, SlideOpenError, TileReadError
 from ..io.ome_xml import read_ome_pixels
 from .base import checked_mpp, composite_rgba
 from .jpeg_kind import JpegKind
-from .resolution import tiff_page_mpp
+from .resolution import aperio_mpp, tiff_page_mpp
 from .stored_tiles import StoredTileSlide, _fill
 from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
 from .tiff_levels import tiff_pyramid
@@ -179,7 +179,7 @@ class TiffSlide(StoredTileSlide):
                 pass
         if self._vendor == "aperio":
             # Aperio keeps the pixel size in its ImageDescription ("MPP = 0.2499"), as OpenSlide reads it.
-            mpp_svs = _aperio_fields(page.description).get("MPP")
+            mpp_svs = aperio_mpp(self.path, page.description)
             return checked_mpp(self.path, mpp_svs, mpp_svs) if mpp_svs is not None else None
         mpp = tiff_page_mpp(page)
         return checked_mpp(self.path, *mpp) if mpp else None

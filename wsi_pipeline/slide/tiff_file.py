@@ -96,7 +96,9 @@ def open_tifffile(path: str) -> tifffile.TiffFile:
     try:
         return tifffile.TiffFile(path)
     except Exception as exc:  # tifffile raises many types on a damaged header
-        raise SlideOpenError(path, f"not a readable TIFF: {exc}") from exc
+        from .tiff_truncation import tiff_truncation
+
+        raise SlideOpenError(path, f"{tiff_truncation(path, MAX_TIFF_PAGES) or 'not a readable TIFF'}: {exc}") from exc
 
 
 def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..slide.base import Slide
+from ..special_files import open_regular, special_kind
 from .grid import TileGrid
 
 DEFAULT_THUMBNAIL_SIZE = 2048
@@ -217,6 +218,8 @@ def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAU
     w0, h0 = slide.dimensions
     if not os.path.exists(path):
         raise ConfigError(f"{path}: mask file not found")
+    if kind := special_kind(path):  # reading a FIFO would wait for a writer
+        raise ConfigError(f"{path}: the mask is {kind}, not a regular file")
     if path.lower().endswith((".geojson", ".json")):
         scale = max(w0, h0) / size
         mw, mh = max(1, round(w0 / scale)), max(1, round(h0 / scale))
@@ -225,7 +228,8 @@ def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAU
             pts = np.round(np.asarray(ring, np.float64) / [w0 / mw, h0 / mh]).astype(np.int32)
             cv2.fillPoly(mask, [pts], 1)
         return TissueMask(mask.astype(bool), (w0 / mw, h0 / mh))
-    img = cv2.imdecode(np.fromfile(path, np.uint8), cv2.IMREAD_GRAYSCALE)
+    with open_regular(path) as f:
+        img = cv2.imdecode(np.frombuffer(f.read(), np.uint8), cv2.IMREAD_GRAYSCALE)
     if img is None:
         raise ConfigError(f"{path}: not a readable mask image (expected PNG/JPEG/TIFF or GeoJSON)")
     mh, mw = img.shape
@@ -235,7 +239,7 @@ def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAU
 def _geojson_polygons(path: str) -> list[list[list[float]]]:
     """Outer rings of every Polygon / MultiPolygon in a GeoJSON file."""
     try:
-        with open(path) as f:
+        with open_regular(path, "r") as f:
             doc = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not valid GeoJSON: {exc}") from exc

@@ -1,0 +1,67 @@
+"""A reader that crashes the process (OpenSlide's C code on a damaged file) fails only its slide:
+the batch goes on and its manifest ends final, also with slides run in the calling process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from wsi_pipeline.slide.readers import OpenSlideReader, SlideReader
+from wsi_pipeline.synthetic import write_synthetic_slide
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Loaded by every interpreter of the run (the CLI and the processes it starts): a reader that,
+# like OpenSlide, may crash, asked first for files named crash*, that dies of SIGSEGV opening one.
+CRASHING_READER = textwrap.dedent("""
+    import os
+    import signal
+
+    from wsi_pipeline.slide import readers
+
+
+    class CrashingReader(readers.OpenSlideReader):
+        @classmethod
+        def reads(cls, path, probe):
+            return os.path.basename(path).startswith("crash")
+
+        @classmethod
+        def open(cls, path):
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+
+    readers.register_reader(CrashingReader, before=readers.SLIDE_READERS[0])
+""")
+
+
+def test_openslide_is_the_reader_that_may_crash():
+    assert OpenSlideReader.may_crash and not SlideReader.may_crash
+
+
+@pytest.mark.parametrize("slide_timeout", ["0", "600"])
+def test_a_reader_crash_fails_its_slide_and_the_batch_goes_on(tmp_path, slide_timeout):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(CRASHING_READER)
+    slides = tmp_path / "in"
+    slides.mkdir()
+    write_synthetic_slide(slides / "b_good.tiff", 400, 400, seed=5, kind="pathology")
+    shutil.copy(slides / "b_good.tiff", slides / "crash_a.tiff")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hooks), str(REPO)]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(slides), "--out", str(out), "--backend", "ort",
+         "--slide-timeout", slide_timeout],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode > 0, f"the run itself died ({proc.returncode})\n{proc.stderr}"
+    manifest = json.loads((out / "manifest.json").read_text())["slides"]
+    assert {name: rec["status"] for name, rec in manifest.items()} == {"crash_a": "failed", "b_good": "done"}
+    assert "the process running the slide died (signal 11)" in manifest["crash_a"]["error"]
