@@ -178,9 +178,11 @@ def test_dicom_frames_of_every_flavour_read_as_openslide_reads_them(tmp_path, mo
 
     monkeypatch.setattr(helpers, "_dicom_frame_bytes", frame_bytes)
     image = helpers.smooth_rgb(700, 900, seed=5)
-    paths = write_dicom_wsi(tmp_path, "s", image, levels=2, jpeg=photometric, associated=("LABEL", "OVERVIEW"))
+    extra = ("LABEL", "OVERVIEW", "THUMBNAIL")[: 1 + len(flavour) % 3]
+    paths = write_dicom_wsi(tmp_path, "s", image, levels=2, jpeg=photometric, associated=extra)
     with open_slide(str(paths[0]), "dicom") as ours, openslide.OpenSlide(str(paths[0])) as ref:
         assert ours.level_dimensions == tuple(ref.level_dimensions)
+        assert sorted(ours.associated_image_names) == sorted(ref.associated_images)
         for level, (w, h) in enumerate(ours.level_dimensions):
             want = np.asarray(ref.read_region((0, 0), level, (w, h)))[..., :3]
             assert _close_enough(ours.read_region((0, 0), level, (w, h)), want) <= 0.001

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import TileReadError
 from .base import checked_mpp
-from .dicom_file import DicomLevel, read_level, series_level_files
+from .dicom_file import DicomLevel, read_level, series_files
 from .stored_tiles import StoredTileSlide, _fill
 
 
@@ -49,7 +49,8 @@ class DicomSlide(StoredTileSlide):
         self._fd_lock = threading.Lock()
         try:
             self._levels: list[DicomLevel] = []
-            for p in series_level_files(self.path):
+            level_files, self._associated = series_files(self.path)
+            for p in level_files:
                 fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     self._levels.append(read_level(p, fd))
@@ -139,6 +140,11 @@ class DicomSlide(StoredTileSlide):
             "jpeg_kind": None if kind is None else kind.name,
             "jpeg_baseline": None if kind is None else kind.baseline,
         }
+
+    @property
+    def associated_image_names(self) -> tuple[str, ...]:
+        """The series' LABEL, OVERVIEW and THUMBNAIL images, as OpenSlide names them."""
+        return tuple(self._associated)
 
     def _tile_name(self, level: int, tx: int, ty: int) -> str:
         return f"frame ({tx}, {ty}) of {os.path.basename(self._levels[level].path)}"

@@ -155,12 +155,22 @@ def _image_type(ds: Dataset) -> str:
     return str(values[2]).upper() if len(values) > 2 else ""
 
 
+# What OpenSlide names a series' associated images, by image type.
+ASSOCIATED_NAMES = {"LABEL": "label", "OVERVIEW": "macro", "THUMBNAIL": "thumbnail"}
+
+
 def series_level_files(path: str) -> list[str]:
     """The files of the pyramid levels of the WSI series at ``path`` (folder or file), largest first.
 
     Label, overview and thumbnail images are left out. Raises SlideOpenError
     naming ``path`` where it holds no WSI series, several, or two levels of one size.
     """
+    return series_files(path)[0]
+
+
+def series_files(path: str) -> tuple[list[str], dict[str, str]]:
+    """(:func:`series_level_files`, the series' associated images: ``{name: file}`` by OpenSlide's
+    names, "label", "macro" (OVERVIEW), "thumbnail")."""
     if os.path.isdir(path):
         files = _dicom_files(path)
         headers = {p: _header(p) for p in files}
@@ -179,8 +189,12 @@ def series_level_files(path: str) -> list[str]:
         headers = {p: _header(p) for p in files if not os.path.samefile(p, path)}
         headers[path] = ds
     levels: dict[tuple[int, int], str] = {}
+    associated: dict[str, str] = {}
     for p, ds in headers.items():
-        if not _is_wsi_header(ds) or ds.get("SeriesInstanceUID") != uid or _image_type(ds) in NOT_LEVELS:
+        if not _is_wsi_header(ds) or ds.get("SeriesInstanceUID") != uid:
+            continue
+        if _image_type(ds) in NOT_LEVELS:
+            associated.setdefault(ASSOCIATED_NAMES[_image_type(ds)], p)
             continue
         size = (int(ds.get("TotalPixelMatrixColumns") or 0), int(ds.get("TotalPixelMatrixRows") or 0))
         if size in levels:
@@ -192,7 +206,7 @@ def series_level_files(path: str) -> list[str]:
         levels[size] = p
     if not levels:
         raise SlideOpenError(path, "the DICOM WSI series holds no VOLUME image")
-    return [levels[size] for size in sorted(levels, key=lambda s: (-s[0] * s[1], -s[0]))]
+    return [levels[size] for size in sorted(levels, key=lambda s: (-s[0] * s[1], -s[0]))], associated
 
 
 def level_refusal(ds: Dataset) -> str | None:
