@@ -461,6 +461,7 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         cases.append((path, f"{name}: {what}"))
     cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect") + cmyk_slides(folder / "cmyk")
     cases += dicom_series_slides(folder / "dicom") + aperio_mpp_slides(folder / "aperio")
+    cases += jpeg_stream_slides(folder / "jpeg")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -588,6 +589,71 @@ def aperio_mpp_slides(folder: Path) -> list[tuple[Path, str]]:
 
 
 # -- one case, in a worker ---------------------------------------------------------
+
+
+def _damage_tile(path: Path, how: str, tile: int = 5) -> None:
+    """Stored tile ``tile`` of page 0 truncated (its second half zeroed), a sector of it overwritten,
+    its frame header made to claim 12-bit samples, or the page's JPEGTables cut in half."""
+    import numpy as np
+    import tifffile
+
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages[0]
+        off, n = page.dataoffsets[tile], page.databytecounts[tile]
+        tables = page.tags.get(347)
+    with open(path, "r+b") as f:
+        if how == "truncated":
+            f.seek(off + n // 2)
+            f.write(b"\0" * (n - n // 2))
+        elif how == "overwritten":
+            f.seek(off + n // 2 - 256)
+            f.write(bytes(np.random.default_rng(tile).integers(0, 255, 512, dtype=np.uint8)))
+        elif how == "12-bit":
+            f.seek(off)
+            stream = f.read(n)
+            at = off + stream.index(b"\xff\xc0") + 4
+            f.seek(at)
+            f.write(b"\x0c")
+        elif how == "tables cut" and tables is not None:
+            f.seek(tables.valueoffset + tables.count // 2)
+            f.write(b"\0" * (tables.count - tables.count // 2))
+
+
+def jpeg_stream_slides(folder: Path) -> list[tuple[Path, str]]:
+    """Aperio SVS files as other writers lay them out (tests/helpers/slide_corpus.py) in each JPEG
+    stream flavour, with a tile truncated or overwritten (read, the damage counted), a 12-bit stream
+    in the 8-bit page (refused naming the tile), JPEGTables cut in half, streams of two colour
+    spaces mixed in a level, and a tiled label after the levels."""
+    from helpers.slide_corpus import BASE_FLAVOURS, aperio_layouts, write_layout
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cases: list[tuple[Path, str]] = []
+
+    def layout(flavour: str, name: str = "aperio-reduced-flagged"):
+        return next(lay for lay in aperio_layouts(flavour) if lay.name == name)
+
+    for k, base in enumerate(BASE_FLAVOURS):
+        for flavour, how in ((f"{base}+tables", "truncated"), (base, "overwritten")):
+            path = folder / f"{flavour.replace('+', '_')}_{how}.svs"
+            write_layout(path, layout(flavour))
+            _damage_tile(path, how, tile=3 + k)
+            cases.append((path, f"success: {flavour}, a tile {how} (counted as damaged)"))
+    for flavour in ("ycbcr-jfif", "rgb-012+tables"):
+        path = folder / f"{flavour.replace('+', '_')}_12bit.svs"
+        write_layout(path, layout(flavour))
+        _damage_tile(path, "12-bit")
+        cases.append((path, f"clean: {flavour}, a 12-bit stream in the 8-bit page"))
+    for name, flavour, how, what in (
+        ("tables_cut.svs", "rgb-012+tables", "tables cut", "clean: JPEGTables cut in half (headers unreadable)"),
+        ("mixed.svs", "rgb-012+tables", None, "success: RGB and YCbCr streams mixed in a level"),
+        ("tiled_label.svs", "rgb-012+tables", None, "success: a tiled label page after the levels"),
+    ):
+        path = folder / name
+        write_layout(path, layout(flavour, "aperio-tiled-label" if "label" in name else "aperio-mixed-streams"))
+        if how:
+            _damage_tile(path, how)
+        cases.append((path, what))
+    return cases
 
 
 def _exercise(path: str, backend: str) -> None:

@@ -15,6 +15,7 @@ from fuzz_slides import (
     dicom_series_slides,
     extreme_aspect_slides,
     forge_tag_layout,
+    jpeg_stream_slides,
     make_base_slides,
     make_cases,
     run_case,
@@ -64,6 +65,15 @@ def test_aperio_mpp_texts_are_read_and_truncated_svs_are_named_truncated(tmp_pat
     assert [r["outcome"] for r in results] == _expected(cases), results
     truncated = [r["detail"] for r in results if r["outcome"] == "clean"]
     assert len(truncated) == 3 and all("truncated TIFF: page" in d for d in truncated), truncated
+
+
+def test_jpeg_streams_of_every_flavour_damaged_or_mixed_are_read_or_refused_as_expected(tmp_path):
+    cases = jpeg_stream_slides(tmp_path)
+    results = run_cases(cases, workers=2, timeout_s=60.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == _expected(cases), results
+    refused = [r["detail"] for r in results if r["outcome"] == "clean"]
+    assert all("a 12-bit JPEG stream; expected 8-bit samples" in d for d in refused[:2]), refused
+    assert "unreadable JPEG headers" in refused[2], refused
 
 
 def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
