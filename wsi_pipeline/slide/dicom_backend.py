@@ -98,6 +98,13 @@ class DicomSlide(StoredTileSlide):
             "jpeg_baseline": None if kind is None else kind.baseline,
         }
 
+    def stored_tiles_present(self, level: int) -> np.ndarray | None:
+        """Which tiles of ``level`` have a frame (``tiles_down x tiles_across``), where some have none
+        (TILED_SPARSE); None where every tile has one."""
+        lv = self._levels[level]
+        has = lv.bytecounts > 0
+        return None if has.all() else has.reshape(lv.tiles_down, lv.tiles_across)
+
     def _reference_decode(self, level: int, data: bytes, out: np.ndarray | None = None) -> np.ndarray:
         """A frame decoded by libjpeg told the stream's colour space (from the photometric)."""
         jcs = _JCS[self._levels[level].photometric]
