@@ -5,8 +5,8 @@ source in memory: a 512 px tile read at 64 times a level's pixel size is a
 32,768 px square (3.2 GB) for 0.8 MB of output. The same pixels come from here
 with the source read a band of rows at a time (:func:`shrink_banded`: a
 tile read far coarser than any stored level), or from the few stored tiles
-of a level that hold data (:func:`shrink_sparse`: the thumbnail of a sparse
-DICOM level), in memory bounded by :data:`BAND_BYTES` and the output.
+of a level that hold data (:func:`shrink_sparse`: a sparse DICOM level's
+thumbnail and coarse tiles), in memory bounded by :data:`BAND_BYTES` and the output.
 
 The weights are OpenCV's (``computeResizeAreaTab``; :func:`axis_weights`).
 Where both factors are integers OpenCV sums ``kx x ky`` cells and rounds
@@ -105,6 +105,72 @@ class _Sums:
         return np.clip(sums, 0, 255).astype(np.uint8)
 
 
+@dataclass(frozen=True)
+class _Runs:
+    """An axis's weights over a map of source pixels as runs: entries of one output pixel and one
+    weight whose source pixels step by +1 or -1 (a stretch of the source, or of its reflection),
+    each summed from prefix sums of the source: work per source line follows the source pixels and
+    the runs, not the entries (a 1,024 px slide reflected over a 32,768 px region: 1,500 runs).
+
+    ``dst``: each run's output pixel (sorted); ``lo``, ``hi``: its source pixels ``[lo, hi)``
+    (unused for background runs); ``count``: its entries; ``weight``: each entry's weight;
+    ``background``: runs of background pixels (map -1)."""
+
+    dst: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    count: np.ndarray
+    weight: np.ndarray
+    background: np.ndarray
+
+    @classmethod
+    def of(cls, axis: AxisWeights, weight: np.ndarray, source: np.ndarray, longest: int) -> _Runs:
+        s = source[axis.src]
+        bg = s < 0
+        step = np.diff(s)
+        cut = (np.diff(axis.dst) != 0) | (np.diff(weight) != 0) | (bg[1:] != bg[:-1])
+        cut |= ~bg[1:] & (np.abs(step) != 1)
+        cut[1:] |= ~bg[2:] & (step[1:] != step[:-1])  # a turn: a reflection's edge
+        first = np.flatnonzero(np.r_[True, cut])
+        last = np.r_[first[1:], len(s)] - 1
+        # Runs longer than ``longest`` entries cut into pieces (each piece a band's worth).
+        count = last - first + 1
+        pieces = -(-count // longest)
+        if (pieces > 1).any():
+            first = np.repeat(first, pieces) + longest * (
+                np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            )
+            last = np.minimum(first + longest, np.repeat(last + 1, pieces)) - 1
+        a, b = s[first], s[last]
+        return cls(axis.dst[first], np.minimum(a, b), np.maximum(a, b) + 1, last - first + 1, weight[first], bg[first])
+
+    def sums(self, prefix: np.ndarray, background: np.ndarray, base: int, axis: int) -> np.ndarray:
+        """Each run's weighted sum along ``axis`` of ``prefix`` (prefix sums of source pixels from
+        ``base``), background runs ``count x background``; then summed per output pixel."""
+        lo, hi = np.where(self.background, base, self.lo) - base, np.where(self.background, base, self.hi) - base
+        vals = np.take(prefix, hi, axis=axis) - np.take(prefix, lo, axis=axis)
+        shape = [1, 1, 1]
+        shape[axis] = -1
+        if self.background.any():
+            where = [slice(None)] * 3
+            where[axis] = self.background
+            vals[tuple(where)] = self.count[self.background].reshape(shape) * background
+        vals *= self.weight.reshape(shape)
+        starts = np.flatnonzero(np.r_[True, self.dst[1:] != self.dst[:-1]])
+        return np.add.reduceat(vals, starts, axis=axis)
+
+
+def _prefix(pixels: np.ndarray, axis: int) -> np.ndarray:
+    """Prefix sums of ``pixels`` along ``axis`` (float64, exact for these integers), a zero first."""
+    shape = list(pixels.shape)
+    shape[axis] += 1
+    out = np.zeros(shape, np.float64)
+    where = [slice(None)] * pixels.ndim
+    where[axis] = slice(1, None)
+    np.cumsum(pixels, axis=axis, dtype=np.float64, out=out[tuple(where)])
+    return out
+
+
 def shrink_banded(
     read_rows: Callable[[int, int, int, int], np.ndarray],
     xmap: np.ndarray,
@@ -119,62 +185,56 @@ def shrink_banded(
     The region's pixel ``(i, j)`` is source pixel ``(ymap[i], xmap[j])``, or ``background`` where
     either is -1 (a map may repeat source pixels: an edge reflected). ``read_rows(y0, y1, x0, x1)``
     gives source pixels ``[y0, y1) x [x0, x1)`` as ``HxWx3`` uint8; it is asked for bands of rows
-    between the smallest and largest of ``xmap``, each source row about once where its rows fit
-    the work memory (``band_bytes``), so the work follows the source pixels, not the region's.
+    between the smallest and largest of ``xmap``, each source row once where the rows' column sums
+    fit the work memory (``band_bytes``, with the output's own), so that the work follows the source
+    pixels read, not the region's.
     """
     xmap, ymap = np.asarray(xmap, np.int64), np.asarray(ymap, np.int64)
     sums = _Sums(len(xmap), len(ymap), dst_w, dst_h)
     bg = np.asarray(background, np.float64)
-    xs = xmap[sums.x.src]
-    in_x = xs >= 0
-    cx0 = int(xs[in_x].min()) if in_x.any() else 0
-    cx1 = int(xs[in_x].max()) + 1 if in_x.any() else 0
-    x_idx = np.where(in_x, xs - cx0, 0)
-    x_starts = sums.x.starts()
-    # A row of background, its columns summed.
-    bg_row = np.add.reduceat(sums.wx, x_starts)[:, None] * bg
-    row_cost = len(xs) * 3 * 8 + (cx1 - cx0) * 3
+    chunk = max(1, band_bytes // (dst_w * 3 * 8))  # source rows whose column sums fit the work memory
+    xr = _Runs.of(sums.x, sums.wx, xmap, len(xmap))
+    yr = _Runs.of(sums.y, sums.wy, ymap, chunk)
+    in_x = ~xr.background
+    cx0 = int(xr.lo[in_x].min()) if in_x.any() else 0
+    cx1 = int(xr.hi[in_x].max()) if in_x.any() else 1
+    bg_line = _background_line(xr, bg, dst_w)  # a row of background, its columns summed
 
     def columns_summed(y0: int, y1: int) -> np.ndarray:
         """Source rows ``[y0, y1)`` with their columns summed: ``(y1 - y0) x dst_w x 3`` float64."""
+        if not in_x.any():  # no source column: every row is background
+            return np.broadcast_to(bg_line, (y1 - y0, dst_w, 3))
         out = np.empty((y1 - y0, dst_w, 3), np.float64)
-        step = max(1, band_bytes // max(1, row_cost))
+        step = max(1, band_bytes // ((cx1 - cx0 + len(xr.dst)) * 3 * 8 + (cx1 - cx0) * 3))
         for r0 in range(y0, y1, step):
             r1 = min(y1, r0 + step)
-            rows = read_rows(r0, r1, cx0, cx1) if cx1 > cx0 else np.zeros((r1 - r0, 1, 3), np.uint8)
-            g = rows[:, x_idx].astype(np.float64)
-            if not in_x.all():
-                g[:, ~in_x] = bg
-            if not sums.exact:
-                g *= sums.wx[None, :, None]
-            out[r0 - y0 : r1 - y0] = np.add.reduceat(g, x_starts, axis=1)
+            prefix = _prefix(read_rows(r0, r1, cx0, cx1), axis=1)
+            out[r0 - y0 : r1 - y0] = xr.sums(prefix, bg, cx0, axis=1)
         return out
 
-    ys = ymap[sums.y.src]
-    in_y = ys >= 0
-    chunk = max(1, band_bytes // (dst_w * 3 * 8))
-    whole = None  # every source row's column sums, where they fit the work memory: each row read once
-    if in_y.any():
-        y_lo, y_hi = int(ys[in_y].min()), int(ys[in_y].max()) + 1
-        if y_hi - y_lo <= chunk:
-            whole = (y_lo, columns_summed(y_lo, y_hi))
     out = np.empty((dst_h, dst_w, 3), np.uint8)
+    in_y = ~yr.background
+    y_lo = int(yr.lo[in_y].min()) if in_y.any() else 0
+    y_hi = int(yr.hi[in_y].max()) if in_y.any() else 0
+    # Runs taken together: as many as read at most ``chunk`` source rows (all where they fit).
+    if y_hi - y_lo <= chunk:
+        bounds = [0, len(yr.dst)]
+    else:
+        bounds = [0, *np.flatnonzero(np.diff(np.cumsum(yr.count) // chunk)) + 1, len(yr.dst)]
+    whole = _prefix(columns_summed(y_lo, y_hi), axis=0) if y_hi - y_lo <= chunk else None
     carry: tuple[int, np.ndarray] | None = None
-    n = len(ys)
-    for e0 in range(0, n, chunk):
-        e1 = min(n, e0 + chunk)
-        d, s, v = sums.y.dst[e0:e1], ys[e0:e1], in_y[e0:e1]
-        part = np.empty((e1 - e0, dst_w, 3), np.float64)
-        part[~v] = bg_row
-        if v.any():
-            base, cols = whole if whole is not None else (int(s[v].min()), None)
-            if cols is None:
-                cols = columns_summed(base, int(s[v].max()) + 1)
-            part[v] = cols[s[v] - base]
-        if not sums.exact:
-            part *= sums.wy[e0:e1, None, None]
-        starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]])
-        rows, partial = d[starts], np.add.reduceat(part, starts, axis=0)
+    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
+        part = _Runs(*(getattr(yr, f)[r0:r1] for f in ("dst", "lo", "hi", "count", "weight", "background")))
+        inside = ~part.background
+        if whole is not None:
+            prefix, base = whole, y_lo
+        elif inside.any():
+            base = int(part.lo[inside].min())
+            prefix = _prefix(columns_summed(base, int(part.hi[inside].max())), axis=0)
+        else:
+            prefix, base = np.zeros((1, dst_w, 3)), 0
+        partial = part.sums(prefix, bg_line, base, axis=0)
+        rows = part.dst[np.flatnonzero(np.r_[True, part.dst[1:] != part.dst[:-1]])]
         if carry is not None and carry[0] == rows[0]:
             partial[0] += carry[1]
         elif carry is not None:
@@ -186,42 +246,59 @@ def shrink_banded(
     return out
 
 
+def _background_line(xr: _Runs, bg: np.ndarray, dst_w: int) -> np.ndarray:
+    """A source row of background with its columns summed: ``dst_w x 3``."""
+    per_dst = np.zeros(dst_w)
+    np.add.at(per_dst, xr.dst, xr.count * xr.weight)
+    return per_dst[:, None] * bg
+
+
 def shrink_sparse(
-    src_w: int,
-    src_h: int,
+    xmap: np.ndarray,
+    ymap: np.ndarray,
     dst_w: int,
     dst_h: int,
     parts: Iterable[tuple[int, int, np.ndarray]],
     background: tuple[int, int, int],
 ) -> np.ndarray:
-    """``cv2.resize(source, (dst_w, dst_h), interpolation=cv2.INTER_AREA)`` of a ``src_w x src_h``
-    source that is ``background`` but for ``parts``: ``(x0, y0, pixels)``, non-overlapping ``HxWx3``
-    uint8 blocks at source pixel ``(x0, y0)`` (clipped to the source). Work and memory follow the
-    parts and the output, not the source: a part adds its difference from the background to the
-    output pixels it covers."""
-    sums = _Sums(src_w, src_h, dst_w, dst_h)
+    """:func:`shrink_banded` of a source that is ``background`` but for ``parts``: ``(x0, y0,
+    pixels)``, non-overlapping ``HxWx3`` uint8 blocks at source pixel ``(x0, y0)``, none read.
+
+    Work and memory follow the parts and the output, not the source or the region: a part adds
+    its difference from the background to the output pixels whose region pixels map into it.
+    """
+    xmap, ymap = np.asarray(xmap, np.int64), np.asarray(ymap, np.int64)
+    sums = _Sums(len(xmap), len(ymap), dst_w, dst_h)
     bg = np.asarray(background, np.float64)
     full = 1.0 if not sums.exact else float(sums.x.factor * sums.y.factor)
     # Differences from the background, summed where a part touches (np.zeros: pages never touched
     # are never allocated); the rest of the output is the background as it is.
     acc = np.zeros((dst_h, dst_w, 3), np.float64)
     touched = np.zeros((dst_h, dst_w), bool)
+    axes = []
+    for axis, w, source in ((sums.x, sums.wx, xmap), (sums.y, sums.wy, ymap)):
+        s = source[axis.src]
+        order = np.argsort(s, kind="stable")  # the entries by the source pixel they take
+        axes.append((s[order], axis.dst[order], w[order]))
 
-    def block(axis: AxisWeights, w: np.ndarray, lo: int, hi: int) -> tuple[int, np.ndarray]:
+    def block(axis: int, lo: int, hi: int) -> tuple[int, np.ndarray] | None:
         """(first output pixel, ``outputs x (hi - lo)`` weights) of source pixels ``[lo, hi)``."""
-        a, b = np.searchsorted(axis.src, lo), np.searchsorted(axis.src, hi)
-        d0 = int(axis.dst[a])
-        m = np.zeros((int(axis.dst[b - 1]) - d0 + 1, hi - lo), np.float64)
-        np.add.at(m, (axis.dst[a:b] - d0, axis.src[a:b] - lo), w[a:b])
+        s, d, w = axes[axis]
+        a, b = np.searchsorted(s, lo), np.searchsorted(s, hi)
+        if a == b:
+            return None
+        d0 = int(d[a:b].min())
+        m = np.zeros((int(d[a:b].max()) - d0 + 1, hi - lo), np.float64)
+        np.add.at(m, (d[a:b] - d0, s[a:b] - lo), w[a:b])
         return d0, m
 
     for x0, y0, pixels in parts:
-        x1, y1 = min(src_w, x0 + pixels.shape[1]), min(src_h, y0 + pixels.shape[0])
-        if x1 <= x0 or y1 <= y0:
+        bx = block(0, x0, x0 + pixels.shape[1])
+        by = block(1, y0, y0 + pixels.shape[0])
+        if bx is None or by is None:
             continue
-        diff = pixels[: y1 - y0, : x1 - x0].astype(np.float64) - bg
-        dy, my = block(sums.y, sums.wy, y0, y1)
-        dx, mx = block(sums.x, sums.wx, x0, x1)
+        (dx, mx), (dy, my) = bx, by
+        diff = pixels.astype(np.float64) - bg
         added = np.einsum("ij,jkc,lk->ilc", my, diff, mx, optimize=True)
         acc[dy : dy + added.shape[0], dx : dx + added.shape[1]] += added
         touched[dy : dy + added.shape[0], dx : dx + added.shape[1]] = True

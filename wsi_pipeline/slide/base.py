@@ -276,18 +276,27 @@ class Slide(abc.ABC):
     def _thumbnail_of_stored_tiles(self, level: int, tw: int, th: int, present: np.ndarray) -> np.ndarray:
         """``level`` shrunk to ``th x tw`` from its ``present`` stored tiles, decoded one at a time."""
         lw, lh = self._level_dimensions[level]
+        parts = self.stored_tile_pixels(level, present, (0, 0, lw, lh))
+        return shrink_sparse(np.arange(lw), np.arange(lh), tw, th, parts, self.background_rgb)
+
+    def stored_tile_pixels(
+        self, level: int, present: np.ndarray, box: tuple[int, int, int, int]
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(x0, y0, pixels)`` of each ``present`` stored tile of ``level`` that meets ``box``
+        (``x0, y0, x1, y1`` level pixels), decoded one at a time into one buffer (each valid until
+        the next), clipped to the level; in the read paths' error boundary."""
+        lw, lh = self._level_dimensions[level]
         ds = self._level_downsamples[level]
         tile_w, tile_h = self.tile_grid_shape(level)[:2]
         buf = np.empty((tile_h, tile_w, 3), np.uint8)
-
-        def parts() -> Iterator[tuple[int, int, np.ndarray]]:
-            for ty, tx in zip(*np.nonzero(present), strict=True):
-                x0, y0 = int(tx) * tile_w, int(ty) * tile_h
-                with self._reading((round(x0 * ds), round(y0 * ds)), level):
-                    self.decode_stored_tile(level, int(tx), int(ty), buf)
-                yield x0, y0, buf
-
-        return shrink_sparse(lw, lh, tw, th, parts(), self.background_rgb)
+        x0, y0, x1, y1 = box
+        rows, cols = slice(max(0, y0 // tile_h), -(-y1 // tile_h)), slice(max(0, x0 // tile_w), -(-x1 // tile_w))
+        for ty, tx in zip(*np.nonzero(present[rows, cols]), strict=True):
+            tx, ty = int(tx) + cols.start, int(ty) + rows.start
+            px, py = tx * tile_w, ty * tile_h
+            with self._reading((round(px * ds), round(py * ds)), level):
+                self.decode_stored_tile(level, tx, ty, buf)
+            yield px, py, buf[: min(tile_h, lh - py), : min(tile_w, lw - px)]
 
     # -- life cycle ---------------------------------------------------------
     def close(self) -> None:

@@ -25,7 +25,7 @@ import cv2
 import numpy as np
 
 from ..geometry import TilingGeometry
-from ..slide.area import shrink_banded
+from ..slide.area import shrink_banded, shrink_sparse
 from ..slide.base import Slide
 
 DEFAULT_TILE_SIZE = 512
@@ -238,6 +238,16 @@ def read_tile_banded(slide: Slide, tile: Tile) -> np.ndarray:
         return slide.read_region((level0_at(c0, ds), level0_at(r0, ds)), tile.level, (c1 - c0, r1 - r0))
 
     xmap, ymap = source_map(x0, tile.read_size, lw), source_map(y0, tile.read_size, lh)
+    present = slide.stored_tiles_present(tile.level)
+    if present is not None:  # a sparse level: its stored tiles in the region alone, absent ones background
+        xs, ys = xmap[xmap >= 0], ymap[ymap >= 0]
+        box = (
+            (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1)
+            if len(xs) and len(ys)
+            else (0, 0, 0, 0)
+        )
+        parts = slide.stored_tile_pixels(tile.level, present, box)
+        return shrink_sparse(xmap, ymap, tile.size, tile.size, parts, slide.background_rgb)
     return shrink_banded(read_rows, xmap, ymap, tile.size, tile.size, slide.background_rgb)
 
 
