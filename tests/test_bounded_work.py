@@ -86,6 +86,22 @@ def test_a_banded_shrink_is_opencvs_of_the_region_it_maps(band_bytes, src, dst):
     assert max(reads) <= max(band_bytes, 150 * 3)  # a band, or one row of the source at least
 
 
+def test_a_narrow_source_is_read_in_bands_of_columns():
+    """A source 3 px wide reflected over a region 600 px wide: its lines are columns, each read once."""
+    source = np.random.default_rng(5).integers(0, 256, (4000, 3, 3), dtype=np.uint8)
+    xmap = np.r_[0, 1, 2, 1][np.arange(600) % 4]
+    ymap = np.arange(1000, 3400)
+    want = cv2.resize(source[ymap][:, xmap], (60, 240), interpolation=cv2.INTER_AREA)
+    reads = []
+
+    def read_rows(y0, y1, x0, x1):
+        reads.append((y1 - y0, x1 - x0))
+        return source[y0:y1, x0:x1]
+
+    np.testing.assert_array_equal(shrink_banded(read_rows, xmap, ymap, 60, 240, (0, 0, 0)), want)
+    assert sum(w for _, w in reads) == 3 and all(h == 2400 for h, _ in reads)
+
+
 def test_a_tile_64_times_coarser_than_a_one_level_slide_is_read_in_bands(tmp_path):
     """A 512 px tile of a 1,024 px slide at 16 um/px covers 32,768 px of its 0.25 um/px level: 3.2 GB
     read whole. Read in bands: a few MB traced, and the pixels OpenCV gives the whole region."""

@@ -123,11 +123,11 @@ def read_resolution(
     shrink = downsample / slide.level_downsamples[level]
     if shrink > MAX_SHRINK * (1 + RESOLUTION_RTOL):
         level_mpp = slide.mpp[0] * slide.level_downsamples[level]
+        level_0 = "" if level == 0 else f"; level 0: {slide.mpp[0]:.4g} um/px"
         raise ConfigError(
-            f"{slide.path}: reading {want:g} um/px needs its nearest finer level (level {level}, "
-            f"{level_mpp:.4g} um/px; level 0 {slide.mpp[0]:.4g} um/px) shrunk {shrink:.4g} times, more than "
-            f"the {MAX_SHRINK} times read; read a slide with a pyramid level nearer {want:g} um/px, or "
-            "choose a level (--level)"
+            f"{slide.path}: reading {want:g} um/px needs level {level} ({level_mpp:.4g} um/px{level_0}), "
+            f"its nearest finer level, shrunk {shrink:.4g} times; at most {MAX_SHRINK} times is read: "
+            f"read a slide with a pyramid level nearer {want:g} um/px, or choose a level (--level)"
         )
     return level, float(downsample)
 

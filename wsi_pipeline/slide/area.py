@@ -108,12 +108,14 @@ class _Sums:
 @dataclass(frozen=True)
 class _Runs:
     """An axis's weights over a map of source pixels as runs: entries of one output pixel and one
-    weight whose source pixels step by +1 or -1 (a stretch of the source, or of its reflection),
+    weight whose source pixels step by +1 or -1 (a stretch of the source, or of its reflection), or
+    stay (a one-pixel axis reflected: the same pixel again),
     each summed from prefix sums of the source: work per source line follows the source pixels and
     the runs, not the entries (a 1,024 px slide reflected over a 32,768 px region: 1,500 runs).
 
     ``dst``: each run's output pixel (sorted); ``lo``, ``hi``: its source pixels ``[lo, hi)``
-    (unused for background runs); ``count``: its entries; ``weight``: each entry's weight;
+    (unused for background runs); ``count``: its entries (``hi - lo``, or more where a pixel
+    stays); ``weight``: each entry's weight;
     ``background``: runs of background pixels (map -1)."""
 
     dst: np.ndarray
@@ -129,7 +131,7 @@ class _Runs:
         bg = s < 0
         step = np.diff(s)
         cut = (np.diff(axis.dst) != 0) | (np.diff(weight) != 0) | (bg[1:] != bg[:-1])
-        cut |= ~bg[1:] & (np.abs(step) != 1)
+        cut |= ~bg[1:] & (np.abs(step) > 1)
         cut[1:] |= ~bg[2:] & (step[1:] != step[:-1])  # a turn: a reflection's edge
         first = np.flatnonzero(np.r_[True, cut])
         last = np.r_[first[1:], len(s)] - 1
@@ -155,7 +157,9 @@ class _Runs:
             where = [slice(None)] * 3
             where[axis] = self.background
             vals[tuple(where)] = self.count[self.background].reshape(shape) * background
-        vals *= self.weight.reshape(shape)
+        # Entries per source pixel: 1 for a stretch, the count where one pixel stays (exact integers).
+        repeats = np.where(self.background, 1, self.count // np.maximum(self.hi - self.lo, 1))
+        vals *= (self.weight * repeats).reshape(shape)
         starts = np.flatnonzero(np.r_[True, self.dst[1:] != self.dst[:-1]])
         return np.add.reduceat(vals, starts, axis=axis)
 
@@ -184,11 +188,40 @@ def shrink_banded(
 
     The region's pixel ``(i, j)`` is source pixel ``(ymap[i], xmap[j])``, or ``background`` where
     either is -1 (a map may repeat source pixels: an edge reflected). ``read_rows(y0, y1, x0, x1)``
-    gives source pixels ``[y0, y1) x [x0, x1)`` as ``HxWx3`` uint8; it is asked for bands of rows
-    between the smallest and largest of ``xmap``, each source row once where the rows' column sums
-    fit the work memory (``band_bytes``, with the output's own), so that the work follows the source
-    pixels read, not the region's.
+    gives source pixels ``[y0, y1) x [x0, x1)`` as ``HxWx3`` uint8; it is asked for bands of rows,
+    or of columns where the source is narrower than it is tall (a band's lines then sum along the
+    longer axis), each source line once where their sums fit the work memory (``band_bytes``, with
+    the output's own): the work follows the source pixels read, not the region's.
     """
+    xmap, ymap = np.asarray(xmap, np.int64), np.asarray(ymap, np.int64)
+
+    def lines(m: np.ndarray) -> int:
+        inside = m[m >= 0]
+        return int(inside.max() - inside.min() + 1) if len(inside) else 0
+
+    # Work of bands of rows: each row summed along its columns into dst_w sums; of columns, transposed.
+    by_rows = lines(ymap) * (lines(xmap) + 3 * dst_w)
+    by_columns = lines(xmap) * (lines(ymap) + 3 * dst_h)
+    if by_columns >= by_rows:
+        return _shrink_rows(read_rows, xmap, ymap, dst_w, dst_h, background, band_bytes)
+
+    def read_columns(x0: int, x1: int, y0: int, y1: int) -> np.ndarray:
+        return read_rows(y0, y1, x0, x1).transpose(1, 0, 2)
+
+    out = _shrink_rows(read_columns, ymap, xmap, dst_h, dst_w, background, band_bytes)
+    return np.ascontiguousarray(out.transpose(1, 0, 2))
+
+
+def _shrink_rows(
+    read_rows: Callable[[int, int, int, int], np.ndarray],
+    xmap: np.ndarray,
+    ymap: np.ndarray,
+    dst_w: int,
+    dst_h: int,
+    background: tuple[int, int, int],
+    band_bytes: int = BAND_BYTES,
+) -> np.ndarray:
+    """:func:`shrink_banded` by bands of rows, each row's columns summed first."""
     xmap, ymap = np.asarray(xmap, np.int64), np.asarray(ymap, np.int64)
     sums = _Sums(len(xmap), len(ymap), dst_w, dst_h)
     bg = np.asarray(background, np.float64)

@@ -5,7 +5,8 @@ and locates their frames); a frame is a stored tile, read with ``os.pread``
 from its offset and decoded through the stored-tile cache of
 :mod:`.stored_tiles`, like a tiled TIFF's tiles; its JPEG stream is
 self-contained, so the GPU loader decodes it as it is. TILED_SPARSE levels'
-tiles without a frame are background. Frames are decoded in the colour
+tiles without a frame are background, never decoded for a thumbnail or a coarse tile
+(:meth:`stored_tiles_present`): a level claiming 400,000 px square costs its frames. Frames are decoded in the colour
 space the Photometric Interpretation names (YBR_FULL_422 / YBR_FULL: YCbCr,
 RGB: no transform), never the decoder's guess.
 """
