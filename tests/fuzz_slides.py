@@ -462,6 +462,8 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
     cases += special_files(folder / "special") + extreme_aspect_slides(folder / "aspect") + cmyk_slides(folder / "cmyk")
     cases += dicom_series_slides(folder / "dicom") + aperio_mpp_slides(folder / "aperio")
     cases += jpeg_stream_slides(folder / "jpeg")
+    cases += coarse_read_slides(folder / "coarse") + skewed_level_slides(folder / "skewed")
+    cases += sparse_dicom_slides(folder / "sparse") + tiny_tile_slides(folder / "tiny")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -474,6 +476,94 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
         _tiff_tile_bomb(folder / "bomb_tile_65535.tiff")
         cases.append((folder / "bomb_tile_65535.tiff", "tile 65535 x 65535 claimed"))
     return cases
+
+
+def coarse_read_slides(folder: Path) -> list[tuple[Path, str]]:
+    """A single-level 1024 px TIFF at 0.25 um/px, which :func:`_exercise` reads 64 times coarser (a
+    512 px tile then covers 32,768 px of level 0, of which 1,024 exist: 3.2 GB read whole)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "single_1024.tiff"
+    _write_tiff(path, _smooth_rgb(1024, 1024, seed=5), levels=1, tile=256, compression="jpeg")
+    return [(path, "1024 px, one level, read 64 times coarser")]
+
+
+def skewed_level_slides(folder: Path) -> list[tuple[Path, str]]:
+    """A square TIFF whose second page is 512 x 128 px (2 x one way, 8 x the other: downsample 5 as
+    the mean of both), then a true 64 x 64 level: a grid at 8 x the pixel size must not read the
+    skewed page."""
+    import cv2
+    import tifffile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    image = _smooth_rgb(1024, 1024, seed=6)
+    path = folder / "skewed_level.tiff"
+    res = dict(resolution=(4e4, 4e4), resolutionunit="CENTIMETER")
+    kw: dict = dict(tile=(128, 128), compression="jpeg", photometric="rgb", metadata=None)
+    with tifffile.TiffWriter(path) as tw:
+        tw.write(image, **res, **kw)
+        for w, h in ((512, 128), (64, 64)):
+            tw.write(cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA), subfiletype=1, **kw)
+    return [(path, "1024 x 1024 with a 512 x 128 page")]
+
+
+def sparse_dicom_slides(folder: Path) -> list[tuple[Path, str]]:
+    """A 1 MB TILED_SPARSE DICOM claiming 400,000 x 400,000 px with 64 frames: its thumbnail and tissue
+    mask must cost the frames it stores, not the bands of the matrix it claims."""
+    from helpers import write_sparse_dicom_level
+
+    folder.mkdir(parents=True, exist_ok=True)
+    image = _smooth_rgb(2048, 2048, seed=7)
+    tiles = {
+        (700 + i, 900 + j): image[j * 256 : (j + 1) * 256, i * 256 : (i + 1) * 256] for i in range(8) for j in range(8)
+    }
+    path = folder / "sparse_400000.dcm"
+    write_sparse_dicom_level(path, 400_000, 400_000, tiles)
+    return [(path, "TILED_SPARSE, 400,000 px square claimed, 64 frames")]
+
+
+def tiny_tile_tiff(path: Path, width: int, height: int, tile: int = 1) -> None:
+    """An uncompressed RGB TIFF of ``tile`` px square tiles, every tile's offset at the same bytes
+    (a file of 8 bytes a tile: its tables)."""
+    n = -(-width // tile) * -(-height // tile)
+    entries = [
+        (256, 4, 1, width),
+        (257, 4, 1, height),
+        (258, 3, 3, None),  # BitsPerSample 8, 8, 8 (out of line)
+        (259, 3, 1, 1),
+        (262, 3, 1, 2),
+        (277, 3, 1, 3),
+        (284, 3, 1, 1),
+        (322, 3, 1, tile),
+        (323, 3, 1, tile),
+        (324, 4, n, None),
+        (325, 4, n, None),
+    ]
+    ifd_at = 8
+    extra_at = ifd_at + 2 + 12 * len(entries) + 4
+    bits_at, data_at = extra_at, extra_at + 6
+    offsets_at = data_at + 3 * tile * tile
+    counts_at = offsets_at + 4 * n
+    out = bytearray(b"II*\x00" + struct.pack("<I", ifd_at) + struct.pack("<H", len(entries)))
+    for tag, typ, count, value in entries:
+        value = {258: bits_at, 324: offsets_at, 325: counts_at}.get(tag, value)
+        packed = struct.pack("<H", value) + b"\x00\x00" if typ == 3 and count == 1 else struct.pack("<I", value)
+        out += struct.pack("<HHI", tag, typ, count) + packed
+    out += struct.pack("<I", 0) + struct.pack("<HHH", 8, 8, 8) + bytes((200, 100, 50)) * (tile * tile)
+    out += struct.pack("<I", data_at) * n + struct.pack("<I", 3 * tile * tile) * n
+    path.write_bytes(bytes(out))
+
+
+def tiny_tile_slides(folder: Path) -> list[tuple[Path, str]]:
+    """A 1024 px square TIFF in 1 x 1 px tiles (8 MB of tables, a million tiles) and a DICOM level
+    of 8 px frames: refused at open, naming the tile size."""
+    from helpers import write_sparse_dicom_level
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tiff = folder / "tiles_1px.tiff"
+    tiny_tile_tiff(tiff, 1024, 1024)
+    dicom = folder / "frames_8px.dcm"
+    write_sparse_dicom_level(dicom, 1024, 1024, {(0, 0): _smooth_rgb(8, 8, seed=8)}, tile=8)
+    return [(tiff, "1,048,576 tiles of 1 x 1 px"), (dicom, "16,384 frames of 8 x 8 px")]
 
 
 def extreme_aspect_slides(folder: Path) -> list[tuple[Path, str]]:
@@ -656,11 +746,18 @@ def jpeg_stream_slides(folder: Path) -> list[tuple[Path, str]]:
     return cases
 
 
+# Grids at these multiples of a slide's pixel size (where it has one), from the nearest finer level:
+# through a pyramid's levels and past the last. Each picks a level of level 0's shape; the last,
+# the largest shrink read (geometry.MAX_SHRINK), is read too: its 512 px tiles cover 32,768 px.
+_COARSE_READS = (2, 8, 64)
+
+
 def _exercise(path: str, backend: str) -> None:
     """What ``info`` and ``run`` do with a slide file, short of inference."""
     from wsi_pipeline.commands.info import describe
     from wsi_pipeline.file_identity import input_identity
     from wsi_pipeline.slide import open_slide
+    from wsi_pipeline.slide.base import level_shape_agrees
     from wsi_pipeline.tiling.grid import TileGrid
     from wsi_pipeline.tiling.loader import TileLoader
     from wsi_pipeline.tiling.tissue import tissue_mask
@@ -669,8 +766,15 @@ def _exercise(path: str, backend: str) -> None:
     describe(path, backend)
     with open_slide(path, backend) as slide:
         mask = tissue_mask(slide, "otsu")
-        for level in sorted({0, slide.level_count - 1}):
-            grid = TileGrid(slide, 128, 16, level=level)
+        grids = [TileGrid(slide, 128, 16, level=level) for level in sorted({0, slide.level_count - 1})]
+        if slide.mpp is not None:
+            for k in _COARSE_READS:
+                grid = TileGrid(slide, 512, 64, mpp=slide.mpp[0] * k)
+                w, h = slide.level_dimensions[grid.level]
+                if not level_shape_agrees(*slide.dimensions, w, h):
+                    raise AssertionError(f"a grid at {k} x the slide's pixel size reads level {grid.level}, {w}x{h} px")
+            grids.append(grid)
+        for grid in grids:
             tiles = grid.select(mask.tile_fractions(grid), 0.0)
             with TileLoader(slide, tiles, batch_size=4, workers=2) as loader:
                 for _ in loader:

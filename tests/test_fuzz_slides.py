@@ -12,6 +12,7 @@ import pytest
 from fuzz_slides import (
     aperio_mpp_slides,
     cmyk_slides,
+    coarse_read_slides,
     dicom_series_slides,
     extreme_aspect_slides,
     forge_tag_layout,
@@ -20,8 +21,11 @@ from fuzz_slides import (
     make_cases,
     run_case,
     run_cases,
+    skewed_level_slides,
+    sparse_dicom_slides,
     special_files,
     summarize,
+    tiny_tile_slides,
 )
 
 N_CASES = 500
@@ -79,6 +83,22 @@ def test_jpeg_streams_of_every_flavour_damaged_or_mixed_are_read_or_refused_as_e
 def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
     results = run_cases(extreme_aspect_slides(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
     assert [r["outcome"] for r in results] == ["success"] * len(results), results
+
+
+def test_coarse_reads_skewed_pages_and_sparse_matrices_are_read_within_the_limits(tmp_path):
+    """A tile 64 x coarser than a one-level slide (3.2 GB read whole), a page of another shape
+    than level 0 (never read for a resolution), a sparse DICOM claiming 400,000 px square (its
+    thumbnail from its 64 frames): read, under the harness's 2 GiB and 30 s."""
+    cases = coarse_read_slides(tmp_path / "coarse") + skewed_level_slides(tmp_path / "skewed")
+    cases += sparse_dicom_slides(tmp_path / "sparse")
+    results = run_cases(cases, workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["success"] * len(results), results
+
+
+def test_levels_of_tiny_tiles_are_refused_at_once_naming_the_tile_size(tmp_path):
+    results = run_cases(tiny_tile_slides(tmp_path), workers=1, timeout_s=30.0, mem_bytes=2 << 30)
+    assert [r["outcome"] for r in results] == ["clean"] * len(results), results
+    assert "1x1 px tiles" in results[0]["detail"] and "8x8 px tiles" in results[1]["detail"], results
 
 
 @pytest.mark.parametrize(

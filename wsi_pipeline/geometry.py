@@ -35,6 +35,10 @@ from .errors import ConfigError
 
 # Relative tolerance under which two resolutions count as equal.
 RESOLUTION_RTOL = 1e-6
+# A grid is read from the nearest finer level shrunk at most this many times (a 512 px tile then
+# reads at most a 32,768 px square of the level, a band at a time): 0.25 um/px read at 16. Coarser,
+# each tile would decode more of the level than a whole thumbnail; a level nearer is needed.
+MAX_SHRINK = 64
 
 
 class _Pyramid(Protocol):
@@ -115,7 +119,17 @@ def read_resolution(
         )
         return 0, float(slide.level_downsamples[0])
     downsample = want / slide.mpp[0]
-    return slide.best_level_for_downsample(downsample), float(downsample)
+    level = slide.best_level_for_downsample(downsample)
+    shrink = downsample / slide.level_downsamples[level]
+    if shrink > MAX_SHRINK * (1 + RESOLUTION_RTOL):
+        level_mpp = slide.mpp[0] * slide.level_downsamples[level]
+        level_0 = "" if level == 0 else f"; level 0: {slide.mpp[0]:.4g} um/px"
+        raise ConfigError(
+            f"{slide.path}: reading {want:g} um/px needs level {level} ({level_mpp:.4g} um/px{level_0}), "
+            f"its nearest finer level, shrunk {shrink:.4g} times; at most {MAX_SHRINK} times is read: "
+            f"read a slide with a pyramid level nearer {want:g} um/px, or choose a level (--level)"
+        )
+    return level, float(downsample)
 
 
 @dataclass(frozen=True)

@@ -264,6 +264,23 @@ def write_dicom_level(
                 continue
             frames.append(_dicom_frame_bytes(frame, jpeg))
             positions.append((x, y))
+    _save_dicom_level(path, w, h, frames, positions, uids, level, mpp, tile, jpeg, sparse, image_type)
+
+
+def write_sparse_dicom_level(
+    path, width: int, height: int, tiles: dict[tuple[int, int], np.ndarray], mpp: float = 0.25, tile: int = 256
+) -> None:
+    """A one-level TILED_SPARSE DICOM WSI (YBR_FULL_422 JPEG frames) claiming ``width x height`` px,
+    with a frame only for ``tiles``: ``(tx, ty) -> tile x tile x 3`` uint8; nothing else is stored."""
+    uids = {name: generate_uid() for name in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID")}
+    order = sorted(tiles, key=lambda t: (t[1], t[0]))
+    frames = [_dicom_frame_bytes(tiles[t], "YBR_FULL_422") for t in order]
+    positions = [(tx * tile, ty * tile) for tx, ty in order]
+    _save_dicom_level(path, width, height, frames, positions, uids, 0, mpp, tile, "YBR_FULL_422", True, "VOLUME")
+
+
+def _save_dicom_level(path, w, h, frames, positions, uids, level, mpp, tile, jpeg, sparse, image_type) -> None:
+    """One image of a DICOM WSI from its frames (stored bytes) and their places (pixel x, y)."""
     meta = FileMetaDataset()
     meta.MediaStorageSOPClassUID = VLWholeSlideMicroscopyImageStorage
     meta.MediaStorageSOPInstanceUID = generate_uid()

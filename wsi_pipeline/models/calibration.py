@@ -63,6 +63,7 @@ def sample_calibration_tiles(
     ``min_tissue`` tissue.
     """
     from ..slide import open_slide
+    from ..tiling.grid import Tile, read_tile
 
     if not slides:
         raise ConfigError("calibration-sample: expected at least one slide, found none")
@@ -91,9 +92,8 @@ def sample_calibration_tiles(
             stem = Path(path).stem.split(".")[0]
             for i in sorted(picks.tolist()):
                 x0, y0 = (int(v) for v in origins[i])
-                region = slide.read_region((x0, y0), level, (read_px, read_px))
-                if read_px != tile_px:
-                    region = cv2.resize(region, (tile_px, tile_px), interpolation=cv2.INTER_AREA)
+                # As a run reads a tile: resized from its level, a band at a time where it is large.
+                region = read_tile(slide, Tile(0, 0, 0, x0, y0, tile_px, downsample, level, read_px))
                 name = f"{prefix}{stem}_{x0}_{y0}.jpg"
                 ok = cv2.imwrite(str(out / name), region[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
                 if not ok:

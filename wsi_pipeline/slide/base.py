@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import slide_warnings
 from ..errors import ClosedError, SlideError, TileReadError
+from .area import shrink_sparse
 from .damage import DamagedTile, DamageLog
 
 # A microscope slide scanned at any objective lies well inside this range;
@@ -124,11 +125,15 @@ class Slide(abc.ABC):
         """The finest-resolution level whose downsample does not exceed ``downsample``.
 
         As OpenSlide: the largest level index with ``level_downsamples[i] <=
-        downsample`` (a small tolerance absorbs rounding of level sizes).
+        downsample`` (a small tolerance absorbs rounding of level sizes). A
+        level whose shape is not level 0's (:func:`level_shape_agrees`) is
+        never picked: its pixels would be read as if they lay where they do not.
         """
+        w0, h0 = self._level_dimensions[0]
         best = 0
         for i, d in enumerate(self._level_downsamples):
-            if d <= downsample * (1 + 1e-6) + 1e-9:
+            w, h = self._level_dimensions[i]
+            if d <= downsample * (1 + 1e-6) + 1e-9 and level_shape_agrees(w0, h0, w, h):
                 best = i
         return best
 
@@ -187,6 +192,12 @@ class Slide(abc.ABC):
         corrupt data reported; a tile stored empty is the background); returns ``out``."""
         raise SlideError(self.path, f"the {self.backend} reader gives no stored tiles")
 
+    def stored_tiles_present(self, level: int) -> np.ndarray | None:
+        """``tiles_down x tiles_across`` bool: which of ``level``'s stored tiles hold data, where
+        some hold none (they are background: a TILED_SPARSE DICOM level); None where every tile
+        holds data or the reader gives no stored tiles."""
+        return None
+
     def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`raw_tile_jpeg` of many stored tiles ``(tx, ty)``, back to back.
 
@@ -240,7 +251,9 @@ class Slide(abc.ABC):
 
         Read from the finest level no finer than needed; a level over
         :data:`THUMBNAIL_BAND_BYTES` is read in bands of rows, each shrunk
-        before the next is read.
+        before the next is read. A level stored in part (:meth:`stored_tiles_present`) is made
+        from the tiles it stores alone, the others background without a read: a sparse level
+        claiming 400,000 px a side costs its stored tiles, not 2,048 bands.
         """
         if isinstance(max_size, int):
             max_size = (max_size, max_size)
@@ -249,6 +262,9 @@ class Slide(abc.ABC):
         tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
         level = self.best_level_for_downsample(scale)
         lw, lh = self._level_dimensions[level]
+        present = self.stored_tiles_present(level)
+        if present is not None:
+            return self._thumbnail_of_stored_tiles(level, tw, th, present)
         if lw * lh * 3 > THUMBNAIL_BAND_BYTES:
             return self._banded_thumbnail(level, tw, th)
         region = self.read_region((0, 0), level, (lw, lh))
@@ -271,6 +287,31 @@ class Slide(abc.ABC):
             out[r0:r1] = cv2.resize(band, (tw, r1 - r0), interpolation=cv2.INTER_AREA)
         return out
 
+    def _thumbnail_of_stored_tiles(self, level: int, tw: int, th: int, present: np.ndarray) -> np.ndarray:
+        """``level`` shrunk to ``th x tw`` from its ``present`` stored tiles, decoded one at a time."""
+        lw, lh = self._level_dimensions[level]
+        parts = self.stored_tile_pixels(level, present, (0, 0, lw, lh))
+        return shrink_sparse(np.arange(lw), np.arange(lh), tw, th, parts, self.background_rgb)
+
+    def stored_tile_pixels(
+        self, level: int, present: np.ndarray, box: tuple[int, int, int, int]
+    ) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(x0, y0, pixels)`` of each ``present`` stored tile of ``level`` that meets ``box``
+        (``x0, y0, x1, y1`` level pixels), decoded one at a time into one buffer (each valid until
+        the next), clipped to the level; in the read paths' error boundary."""
+        lw, lh = self._level_dimensions[level]
+        ds = self._level_downsamples[level]
+        tile_w, tile_h = self.tile_grid_shape(level)[:2]
+        buf = np.empty((tile_h, tile_w, 3), np.uint8)
+        x0, y0, x1, y1 = box
+        rows, cols = slice(max(0, y0 // tile_h), -(-y1 // tile_h)), slice(max(0, x0 // tile_w), -(-x1 // tile_w))
+        for ty, tx in zip(*np.nonzero(present[rows, cols]), strict=True):
+            tx, ty = int(tx) + cols.start, int(ty) + rows.start
+            px, py = tx * tile_w, ty * tile_h
+            with self._reading((round(px * ds), round(py * ds)), level):
+                self.decode_stored_tile(level, tx, ty, buf)
+            yield px, py, buf[: min(tile_h, lh - py), : min(tile_w, lw - px)]
+
     # -- life cycle ---------------------------------------------------------
     def close(self) -> None:
         self._closed = True
@@ -288,6 +329,28 @@ class Slide(abc.ABC):
     def __repr__(self) -> str:
         w, h = self.dimensions
         return f"<{type(self).__name__} {os.path.basename(self.path)!r} {w}x{h} levels={self.level_count}>"
+
+
+def level_shape_agrees(w0: int, h0: int, w: int, h: int) -> bool:
+    """Whether a ``w x h`` level can be level 0 (``w0 x h0``) shrunk by one factor on both axes.
+
+    A pyramid level's sides are level 0's divided by its downsample and rounded
+    (up or down: writers differ), so a level of downsample ``d`` has
+    ``w0 / d - 1 < w < w0 / d + 1``, and the same for ``h``: the level agrees
+    where some ``d`` meets both (OpenSlide's tolerance of a level's rounding).
+    A 512 x 128 page of a 1024 x 1024 slide (2 x one way, 8 x the other) does not.
+
+    >>> level_shape_agrees(1000, 1000, 500, 500), level_shape_agrees(1001, 999, 501, 499)
+    (True, True)
+    >>> level_shape_agrees(1024, 1024, 512, 128)
+    False
+    """
+    if min(w, h) < 1:
+        return False
+    # The downsamples each axis allows: w0 / (w + 1) < d < w0 / (w - 1) (no upper bound at w = 1).
+    low = max(w0 / (w + 1), h0 / (h + 1))
+    high = min(w0 / (w - 1) if w > 1 else math.inf, h0 / (h - 1) if h > 1 else math.inf)
+    return low < high
 
 
 def checked_mpp(path: str, mpp_x: float | None, mpp_y: float | None) -> tuple[float, float] | None:

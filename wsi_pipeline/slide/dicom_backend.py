@@ -5,7 +5,8 @@ and locates their frames); a frame is a stored tile, read with ``os.pread``
 from its offset and decoded through the stored-tile cache of
 :mod:`.stored_tiles`, like a tiled TIFF's tiles; its JPEG stream is
 self-contained, so the GPU loader decodes it as it is. TILED_SPARSE levels'
-tiles without a frame are background. Frames are decoded in the colour
+tiles without a frame are background, never decoded for a thumbnail or a coarse tile
+(:meth:`stored_tiles_present`): a level claiming 400,000 px square costs its frames. Frames are decoded in the colour
 space the Photometric Interpretation names (YBR_FULL_422 / YBR_FULL: YCbCr,
 RGB: no transform), never the decoder's guess.
 """
@@ -145,6 +146,13 @@ class DicomSlide(StoredTileSlide):
     def associated_image_names(self) -> tuple[str, ...]:
         """The series' LABEL, OVERVIEW and THUMBNAIL images, as OpenSlide names them."""
         return tuple(self._associated)
+
+    def stored_tiles_present(self, level: int) -> np.ndarray | None:
+        """Which tiles of ``level`` have a frame (``tiles_down x tiles_across``), where some have none
+        (TILED_SPARSE); None where every tile has one."""
+        lv = self._levels[level]
+        has = lv.bytecounts > 0
+        return None if has.all() else has.reshape(lv.tiles_down, lv.tiles_across)
 
     def _tile_name(self, level: int, tx: int, ty: int) -> str:
         return f"frame ({tx}, {ty}) of {os.path.basename(self._levels[level].path)}"

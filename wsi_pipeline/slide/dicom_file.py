@@ -29,7 +29,7 @@ from pydicom.uid import JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage
 
 from ..errors import SlideOpenError, SpecialFileError
 from ..special_files import open_regular, open_regular_fd
-from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE
+from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE, small_tiles_refusal
 
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
 # tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
@@ -276,6 +276,9 @@ def read_level(path: str, fd: int) -> DicomLevel:
             f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged frame geometry)"
         )
     across, down = math.ceil(width / tile_w), math.ceil(height / tile_h)
+    reason = small_tiles_refusal(width, height, tile_w, tile_h)
+    if reason is not None:
+        raise bad(reason)
     if across * down > MAX_GRID_TILES:
         raise bad(
             f"{width}x{height} pixels in {tile_w}x{tile_h} frames is {across * down} tiles "

@@ -35,6 +35,10 @@ DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 CACHE_BAND_PX = 1536
 # Upper bound of what :meth:`TiffSlide.reserve_cache_band` may set.
 MAX_RESERVED_CACHE_BYTES = 1024 * 1024 * 1024
+# Decoded tiles a cache holds at most, whatever their size: a slot costs about 200 bytes of Python
+# objects besides its pixels, which for tiles of a few pixels (a hostile file of 1 x 1 px tiles)
+# would be most of the memory. 65,536 slots of 256 px tiles are 12 GiB, far past the byte bound.
+MAX_CACHED_TILES = 65536
 
 
 def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
@@ -81,8 +85,10 @@ class _TileCache:
     """Bounded LRU of decoded stored tiles whose memory is reused, not freed.
 
     Tiles are ``tile_h x tile_w x 3`` uint8 views into slabs allocated as
-    the cache grows, up to ``limit`` bytes; past that the least recently
-    used tile not being read gives up its slot to the next decode. A reader
+    the cache grows, up to ``limit`` bytes and :data:`MAX_CACHED_TILES`
+    slots (``max_tiles``; each slot is a Python object and a dictionary
+    entry, far more than the pixels of a tiny tile); past either the least
+    recently used tile not being read gives up its slot to the next decode. A reader
     holds a *pin* on a tile while it copies from it (:meth:`get` pins,
     :meth:`unpin` releases), and a pinned tile is never evicted, so no slot
     is overwritten while a thread copies from it. With every cached tile
@@ -91,8 +97,10 @@ class _TileCache:
     the caller" take the cache's lock; none decodes.
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, max_tiles: int | None = None):
         self.limit = int(limit)
+        self.max_tiles = MAX_CACHED_TILES if max_tiles is None else int(max_tiles)
+        self.slots = 0  # slots handed out (cached, free or being decoded into)
         self.lock = threading.Lock()
         self._tiles: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._pins: dict[tuple[int, int], int] = {}
@@ -130,11 +138,12 @@ class _TileCache:
 
     def _refill(self, shape: tuple[int, int], free: list[np.ndarray]) -> None:
         tile_bytes = shape[0] * shape[1] * 3
-        room = self.limit - self.allocated
+        room = min(self.limit - self.allocated, (self.max_tiles - self.slots) * tile_bytes)
         if room >= tile_bytes:
             n = max(1, min(-(-_SLAB_BYTES // tile_bytes), room // tile_bytes))
             slab = np.empty((n, shape[0], shape[1], 3), np.uint8)
             self.allocated += slab.nbytes
+            self.slots += n
             free.extend(slab[i] for i in range(n - 1, -1, -1))
             return
         pins = self._pins
@@ -144,8 +153,9 @@ class _TileCache:
             if key is None:
                 break
             tile = self._tiles.pop(key)
-            if tile.base is None and self.allocated > self.limit:
+            if tile.base is None and (self.allocated > self.limit or self.slots > self.max_tiles):
                 self.allocated -= tile.nbytes  # a slot from over the bound: let it go
+                self.slots -= 1
                 continue
             self._free.setdefault(tile.shape[:2], []).append(tile)
             if free:
@@ -154,6 +164,7 @@ class _TileCache:
         # (at most one per thread decoding at once).
         free.append(np.empty((shape[0], shape[1], 3), np.uint8))
         self.allocated += tile_bytes
+        self.slots += 1
 
     def give_back(self, tile: np.ndarray) -> None:
         """Return a slot that was not :meth:`put` (its decode failed)."""
@@ -184,6 +195,7 @@ class _TileCache:
             self._pins.clear()
             self._free.clear()
             self.allocated = 0
+            self.slots = 0
 
 
 # A region of at least this many stored tiles has them decoded by the region threads.

@@ -23,6 +23,12 @@ MAX_TIFF_PAGES = 16384
 # geometry (real slides use 240 to 2048 px tiles: at most 12 MiB as RGB).
 MAX_TILE_BYTES = 64 * 1024 * 1024
 MAX_TILE_SIDE = 16384
+# Tiles under this many pixels a side are refused on a level of more than SMALL_TILES_MAX tiles: each
+# stored tile costs a read, a decode and a cache entry whatever its size (a 12.6 MB file of 1 x 1 px
+# tiles took 79 s and ran out of memory), and TIFF asks for multiples of 16 anyway. A small image in
+# small tiles is still read.
+MIN_TILE_SIDE = 16
+SMALL_TILES_MAX = 4096
 # Tags a reader does arithmetic with, each one integer (BitsPerSample: one per sample): a forged type or
 # count would reach the reader as a tuple or bytes and fail there with a bare TypeError.
 _ONE_INTEGER_TAGS = {
@@ -131,6 +137,9 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
                 f"{MAX_TILE_BYTES // 2**20} MiB decoded (forged or damaged tile geometry)"
             )
         what, expected = f"{tw}x{th} tiles", math.ceil(width / tw) * math.ceil(height / th) * planes
+        reason = small_tiles_refusal(width, height, tw, th)
+        if reason is not None:
+            raise bad(reason)
     else:
         rows = min(page.rowsperstrip or height, height)
         what, expected = f"strips of {rows} rows", math.ceil(height / rows) * planes
@@ -144,6 +153,19 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
             f"file is truncated or claims an impossible size: image data reaches byte {end} but the "
             f"file has {file_size} bytes ({width}x{height} claimed)"
         )
+
+
+def small_tiles_refusal(width: int, height: int, tile_w: int, tile_h: int) -> str | None:
+    """Why a ``width x height`` level stored in ``tile_w x tile_h`` tiles is refused as absurdly
+    finely tiled (:data:`MIN_TILE_SIDE`, :data:`SMALL_TILES_MAX`), or None."""
+    n = math.ceil(width / tile_w) * math.ceil(height / tile_h)
+    if min(tile_w, tile_h) >= MIN_TILE_SIDE or n <= SMALL_TILES_MAX:
+        return None
+    return (
+        f"{width}x{height} px stored in {tile_w}x{tile_h} px tiles, {n} of them; tiles under "
+        f"{MIN_TILE_SIDE} px a side are read on a level of at most {SMALL_TILES_MAX} tiles "
+        "(each costs a read and a decode: forged or damaged tile geometry)"
+    )
 
 
 def _is_integer(value: object) -> bool:

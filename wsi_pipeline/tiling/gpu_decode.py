@@ -40,7 +40,8 @@ at a time (a global lock), so more loader threads do not help it.
 Pixels past the level's edge are the image reflected, as the CPU path fills
 them (:func:`~.grid.fill_past_edge`). Grids that read a level as it is, and
 grids resampled from a finer level (:mod:`.resample`, as ``read_tile``
-resizes); only 3-sample JPEG levels.
+resizes) where a patch's region is read whole on the CPU too (``grid.reads_whole``: larger ones
+are left to the CPU reader, which reads them a band at a time); only 3-sample JPEG levels.
 On a CPU device (``device="cpu"``, for tests) the same code runs without
 CUDA streams or events.
 """
@@ -63,7 +64,7 @@ from .gpu_choice import storage_gpu_decoder
 
 # torch by way of gpu_codecs, which raises BackendUnavailableError where it is not installed
 from .gpu_codecs import _image_ops_loaded, nvimgcodec_decode, nvimgcodec_module, nvjpeg_decode, torch
-from .grid import Tile, reflect_index
+from .grid import Tile, reads_whole, reflect_index
 from .jpeg_processes import JpegHelpers, cpu_share_tile
 from .mosaic import MosaicLayout, mosaic_layout, stored_tiles_touched
 from .resample import resample_patches
@@ -86,6 +87,12 @@ def gpu_decode_plan(slide: Any, tiles: Sequence[Tile]) -> tuple[str | None, str]
     if len(levels) != 1 or len({t.read_size for t in tiles}) != 1:
         return None, "the grid's tiles are read from more than one level or size"
     level = levels.pop()
+    if not reads_whole(tiles[0]):
+        # The device gathers a patch's whole region before shrinking it; the CPU reads it in bands.
+        return None, (
+            f"a tile reads {tiles[0].read_size} px of level {level} for {tiles[0].size} px, too large to "
+            "gather whole on the device (the CPU reader shrinks it a band at a time)"
+        )
     decoder, why = storage_gpu_decoder(slide.stored_tile_format(level), slide.backend, level)
     if decoder == "nvjpeg" and not _image_ops_loaded():
         return None, "this torchvision has no JPEG decoding ops with the expected arguments"

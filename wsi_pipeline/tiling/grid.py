@@ -25,10 +25,15 @@ import cv2
 import numpy as np
 
 from ..geometry import TilingGeometry
+from ..slide.area import shrink_banded, shrink_sparse
 from ..slide.base import Slide
 
 DEFAULT_TILE_SIZE = 512
 DEFAULT_OVERLAP = 64
+# A resampled tile's region of its level is read whole (one read, one cv2.resize) up to this many
+# level pixels a side, or twice the tile's side; a larger one (a grid far coarser than the level it
+# reads) a band of rows at a time, so that its memory follows the tile, not the ratio of resolutions.
+WHOLE_READ_MAX_PX = 4096
 
 
 @dataclass(frozen=True)
@@ -193,8 +198,62 @@ def fill_past_edge(region: np.ndarray, x0: int, y0: int, level_width: int, level
     return region
 
 
+def reads_whole(tile: Tile) -> bool:
+    """Whether ``tile``'s region of its level is read whole (else a band at a time: :func:`read_tile`)."""
+    return tile.read_size <= max(WHOLE_READ_MAX_PX, 2 * tile.size)
+
+
+def source_map(x0: int, n: int, extent: int) -> np.ndarray:
+    """The level pixel of each of ``n`` pixels of an axis from ``x0`` (-1: background), as
+    :func:`read_tile` fills them: the level, reflected past its end (:func:`fill_past_edge`),
+    background before its start or where the region starts past its end."""
+    coords = np.arange(x0, x0 + n, dtype=np.int64)
+    if x0 >= extent:
+        return np.full(n, -1, np.int64)
+    return np.where(coords < 0, -1, reflect_index(coords, extent))
+
+
+def level0_at(level_px: int, downsample: float) -> int:
+    """A level-0 coordinate the readers take to ``level_px`` of a level (``floor(x / downsample)``)."""
+    x = math.ceil(level_px * downsample)
+    while x > 0 and math.floor((x - 1) / downsample) == level_px:
+        x -= 1
+    while math.floor(x / downsample) < level_px:
+        x += 1
+    return x
+
+
+def read_tile_banded(slide: Slide, tile: Tile) -> np.ndarray:
+    """:func:`read_tile`'s pixels of a tile whose region is not read whole (:func:`reads_whole`).
+
+    The region is shrunk as ``cv2.INTER_AREA`` shrinks it, from bands of its rows
+    (:func:`~..slide.area.shrink_banded`); only the part inside the level is read, each level row
+    about once where a tile reaches past a small slide's edge (the reflection is a map of pixels).
+    """
+    lw, lh = slide.level_dimensions[tile.level]
+    ds = slide.level_downsamples[tile.level]
+    x0, y0 = tile_origin_at_level(slide, tile)
+
+    def read_rows(r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        return slide.read_region((level0_at(c0, ds), level0_at(r0, ds)), tile.level, (c1 - c0, r1 - r0))
+
+    xmap, ymap = source_map(x0, tile.read_size, lw), source_map(y0, tile.read_size, lh)
+    present = slide.stored_tiles_present(tile.level)
+    if present is not None:  # a sparse level: its stored tiles in the region alone, absent ones background
+        xs, ys = xmap[xmap >= 0], ymap[ymap >= 0]
+        box = (
+            (int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1)
+            if len(xs) and len(ys)
+            else (0, 0, 0, 0)
+        )
+        parts = slide.stored_tile_pixels(tile.level, present, box)
+        return shrink_sparse(xmap, ymap, tile.size, tile.size, parts, slide.background_rgb)
+    return shrink_banded(read_rows, xmap, ymap, tile.size, tile.size, slide.background_rgb)
+
+
 def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.ndarray:
-    """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp).
+    """Read ``tile`` from ``slide`` (resizing if the grid reads at a target mpp; a region larger
+    than :func:`reads_whole` allows a band at a time, :func:`read_tile_banded`).
 
     ``out``, if given, is a ``size x size x 3`` uint8 array filled in place
     (written by the slide's ``read_region_into`` when no resize is needed).
@@ -206,9 +265,12 @@ def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.nda
     x0, y0 = tile_origin_at_level(slide, tile)
     if out is not None and tile.read_size == tile.size:
         return fill_past_edge(slide.read_region_into(location, tile.level, region_size, out), x0, y0, lw, lh)
-    region = fill_past_edge(slide.read_region(location, tile.level, region_size), x0, y0, lw, lh)
-    if tile.read_size != tile.size:
-        region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)
+    if not reads_whole(tile):
+        region = read_tile_banded(slide, tile)
+    else:
+        region = fill_past_edge(slide.read_region(location, tile.level, region_size), x0, y0, lw, lh)
+        if tile.read_size != tile.size:
+            region = cv2.resize(region, (tile.size, tile.size), interpolation=cv2.INTER_AREA)
     if out is None:
         return region
     out[...] = region

@@ -9,9 +9,10 @@ the nearest finer level and shrinks them to the model's ``size`` (:func:`..tilin
   it, so the overlap of neighbouring patches is averaged once. The rounding is OpenCV's: half up
   for ``k = 2`` (its ``(sum + 2) >> 2``), half to even otherwise.
 - any other factor: each patch as ``Wy @ patch @ Wx^T`` with OpenCV's area weights
-  (:func:`area_weights`), in float32, rounded half to even.
+  (:func:`~..slide.area.area_weights`, which the CPU's banded reads use too), in float32, rounded
+  half to even.
 
-``tests/test_resample.py`` holds both against ``cv2.resize`` on the same inputs.
+``tests/test_storage_kinds.py`` holds both against the CPU reader's tiles (``cv2.resize``).
 
 OpenCV is not used on the device and torch's ``interpolate(mode="area")`` (adaptive average
 pooling) bins pixels differently for factors that are not integers, hence the weights here.
@@ -19,36 +20,14 @@ pooling) bins pixels differently for factors that are not integers, hence the we
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
+
+from ..slide.area import area_weights
 
 # Patches resampled at once by the weighted path (float32 work memory: n x read_size^2 x 3 x 4 bytes).
 _CHUNK = 16
-
-
-def area_weights(src: int, dst: int) -> np.ndarray:
-    """``dst x src`` float64 weights of OpenCV's ``INTER_AREA`` shrinking ``src`` pixels to ``dst``
-    along one axis (each row sums to 1; ``src >= dst``), as its ``computeResizeAreaTab`` makes them."""
-    if not 0 < dst <= src:
-        raise ValueError(f"area weights shrink: expected 0 < dst <= src, found src={src}, dst={dst}")
-    scale = src / dst
-    w = np.zeros((dst, src), np.float64)
-    for dx in range(dst):
-        fsx1 = dx * scale
-        fsx2 = fsx1 + scale
-        cell = min(scale, src - fsx1)
-        sx1, sx2 = math.ceil(fsx1), math.floor(fsx2)
-        sx2 = min(sx2, src - 1)
-        sx1 = min(sx1, sx2)
-        if sx1 - fsx1 > 1e-3:
-            w[dx, sx1 - 1] += (sx1 - fsx1) / cell
-        w[dx, sx1:sx2] += 1.0 / cell
-        if fsx2 - sx2 > 1e-3:
-            w[dx, sx2] += min(fsx2 - sx2, 1.0, cell) / cell
-    return w
 
 
 def _integer_factor(read_size: int, size: int, offsets: Sequence[int]) -> int | None:
