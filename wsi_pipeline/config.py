@@ -43,6 +43,10 @@ TISSUE_CHOICES = ("auto", "otsu", "all", "file")
 MERGE_CHOICES = tuple(MERGE_POLICIES)
 BLEND_CHOICES = BLEND_KINDS
 DECODE_CHOICES = ("auto", "cpu", "gpu")
+# How a grid read at a resolution between stored levels is made: "area" (the finer level decoded
+# whole and shrunk with OpenCV's INTER_AREA, on the CPU or the GPU), or "reduced" (JPEG tiles
+# decoded at 1/2, 1/4 or 1/8 in the DCT domain where the factor allows, on the CPU reader).
+RESAMPLE_CHOICES = ("area", "reduced")
 # How resume fingerprints a slide file (file_identity.input_identity): sampled blocks, or its whole content.
 SLIDE_HASH_CHOICES = ("sampled", "full")
 
@@ -86,6 +90,7 @@ class RunConfig:
     sigma_scale: float = 0.125
     overlay_size: int = 2048
     on_damaged_tile: str = "warn"  # warn: log it and list it in the summary; fail: the slide fails
+    resample: str = "area"  # RESAMPLE_CHOICES
     dask: str | None = None
     # Wall-clock limit of one slide in seconds; None: 1 h plus 1 h per GiB of slide file; 0: no limit.
     slide_timeout: float | None = None
@@ -120,6 +125,8 @@ class RunConfig:
             raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
         if self.slide_hash not in SLIDE_HASH_CHOICES:
             raise bad("slide_hash", f"one of {', '.join(SLIDE_HASH_CHOICES)}", self.slide_hash)
+        if self.resample not in RESAMPLE_CHOICES:
+            raise bad("resample", f"one of {', '.join(RESAMPLE_CHOICES)}", self.resample)
         if self.on_damaged_tile not in DAMAGED_TILE_CHOICES:
             raise bad("on_damaged_tile", f"one of {', '.join(DAMAGED_TILE_CHOICES)}", self.on_damaged_tile)
         if self.nms_metric not in ("iou", "ios"):

@@ -83,6 +83,7 @@ def make_plan(
             slide = as_slide(source)
         try:
             slide.on_damaged_tile = cfg.on_damaged_tile
+            slide.reduced_decode = cfg.resample == "reduced"
             with timer("tissue_mask"):
                 geometry = plan_geometry(slide, card, cfg)
                 grid = TileGrid(slide, geometry=geometry)

@@ -17,6 +17,7 @@ from ..config import (
     DAMAGED_TILE_CHOICES,
     DECODE_CHOICES,
     MERGE_CHOICES,
+    RESAMPLE_CHOICES,
     SLIDE_HASH_CHOICES,
     TISSUE_CHOICES,
     RunConfig,
@@ -47,6 +48,7 @@ CONFIG_FLAGS = (
     "batch_size",
     "workers",
     "decode",
+    "resample",
     "streams",
     "score_threshold",
     "nms_iou",
@@ -124,6 +126,13 @@ def _add_inference_arguments(p: argparse.ArgumentParser) -> None:
         "--decode",
         choices=DECODE_CHOICES,
         help=decode_help(),
+    )
+    p.add_argument(
+        "--resample",
+        choices=RESAMPLE_CHOICES,
+        help="a grid between stored levels (--mpp): area (default: the finer level decoded whole, shrunk "
+        "as OpenCV's INTER_AREA, on the CPU or GPU) or reduced (JPEG tiles decoded at 1/2, 1/4 or 1/8 in "
+        "the DCT domain on the CPU: faster, within a few grey levels of area)",
     )
     p.add_argument(
         "--streams",

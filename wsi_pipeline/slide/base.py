@@ -87,6 +87,21 @@ class Slide(abc.ABC):
 
     # Where the levels differ from OpenSlide's rule for the format, and why (see .tiff_levels).
     level_notes: tuple[str, ...] = ()
+    # Whether grid reads between stored levels decode JPEG tiles reduced (a run's resample = reduced;
+    # tiling/grid.read_tile), where the reader can (:meth:`reduced_scales`).
+    reduced_decode: bool = False
+
+    def reduced_scales(self, level: int) -> tuple[int, ...]:
+        """The factors ``k`` by which ``level`` can be read reduced in its decoder
+        (:meth:`read_region_reduced`); none for this reader."""
+        return ()
+
+    def read_region_reduced(
+        self, location: tuple[int, int], level: int, scale: int, size: tuple[int, int], out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """A ``size`` region of ``level`` at 1/``scale`` of its resolution, decoded reduced; only for
+        a ``scale`` of :meth:`reduced_scales`."""
+        raise SlideError(self.path, f"level {level} cannot be read reduced by this reader")
 
     @property
     def associated_image_names(self) -> tuple[str, ...]:

@@ -197,13 +197,18 @@ class StoredJpegTiles(Slide):
         decode at all.
         """
         jpeg = self._told_jpeg(level, tx, ty, with_tables(self._levels[level].jpegtables, data))
+        lv = self._levels[level]
+        # An ``out`` smaller than the tile asks for a reduced decode (DCT scaling to its size).
+        reduce = (
+            {} if out.shape[:2] == (lv.tile_h, lv.tile_w) else {"min_height": out.shape[0], "min_width": out.shape[1]}
+        )
         damage = None
         try:
-            img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True)
+            img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=True, **reduce)
         except ValueError as exc:  # corrupt data: decode again, ignoring what can be ignored
             damage = str(exc)
             try:
-                img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False)
+                img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False, **reduce)
             except ValueError as exc2:
                 raise TileReadError(
                     self.path,
@@ -212,11 +217,10 @@ class StoredJpegTiles(Slide):
                     level,
                 ) from exc2
         if img.shape != out.shape:
-            lv = self._levels[level]
             raise TileReadError(
                 self.path,
                 f"{self._tile_name(level, tx, ty)} is a {img.shape[1]}x{img.shape[0]} JPEG; "
-                f"expected {lv.tile_w}x{lv.tile_h} as the level's tiles",
+                f"expected {out.shape[1]}x{out.shape[0]} ({lv.tile_w}x{lv.tile_h} as the level's tiles)",
                 self._tile_origin_level0(level, tx, ty),
                 level,
             )

@@ -318,13 +318,15 @@ class StoredTileSlide(StoredJpegTiles):
         lv, ds = self._levels[level], self._level_downsamples[level]
         return int(tx * lv.tile_w * ds), int(ty * lv.tile_h * ds)
 
-    def _get_tile(self, level: int, tx: int, ty: int) -> tuple[tuple[int, int], np.ndarray]:
-        """(key, decoded stored tile), pinned in the cache: unpin the key once copied from.
+    def _get_tile(self, level: int, tx: int, ty: int, scale: int = 1) -> tuple[tuple[int, ...], np.ndarray]:
+        """(key, decoded stored tile, at 1/``scale`` of its size), pinned in the cache: unpin the key
+        once copied from.
 
         A tile absent from the cache is decoded once whatever the number of
         threads asking; the others wait for it.
         """
-        key = (level, ty * self._levels[level].tiles_across + tx)
+        idx = ty * self._levels[level].tiles_across + tx
+        key = (level, idx) if scale == 1 else (level, idx, scale)
         cache = self._cache
         while True:
             with cache.lock:
@@ -341,9 +343,11 @@ class StoredTileSlide(StoredJpegTiles):
             event.wait()
         try:
             lv = self._levels[level]
-            slot = cache.slot((lv.tile_h, lv.tile_w))
+            slot = cache.slot((lv.tile_h // scale, lv.tile_w // scale))
             try:
-                tile = self._decode_tile(level, tx, ty, slot)
+                tile = (
+                    self._decode_tile(level, tx, ty, slot) if scale == 1 else self._decode_reduced(level, tx, ty, slot)
+                )
             except BaseException:
                 cache.give_back(slot)
                 raise
@@ -371,25 +375,62 @@ class StoredTileSlide(StoredJpegTiles):
             self._assemble(x0, y0, level, out)
         return out
 
+    def reduced_scales(self, level: int) -> tuple[int, ...]:
+        """The factors ``k`` by which ``level`` can be read reduced while its JPEG tiles decode
+        (libjpeg-turbo's DCT scaling: each side at 1/2, 1/4 or 1/8, for tiles ``k`` divides); ()
+        where its tiles are not JPEG the reader decodes itself."""
+        lv = self._levels[level]
+        if self._stored_colour(level) is None:
+            return ()
+        return tuple(k for k in (2, 4, 8) if lv.tile_w % k == 0 and lv.tile_h % k == 0)
+
+    def read_region_reduced(
+        self, location: tuple[int, int], level: int, scale: int, size: tuple[int, int], out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """A ``size`` region of ``level`` at 1/``scale`` of its resolution (one pixel for each
+        ``scale x scale`` block of the level, ``scale`` one of :meth:`reduced_scales`), at level-0
+        ``location``: each stored tile decoded reduced in the DCT domain, not decoded whole and
+        shrunk. Close to, not equal to, ``cv2.INTER_AREA`` of the full-size pixels
+        (BENCHMARKS.md gives the difference). Past the level: background."""
+        if scale not in self.reduced_scales(level):
+            raise SlideError(self.path, f"level {level} cannot be read at 1/{scale}: {self.reduced_scales(level)}")
+        self._check_region(level, size)
+        if out is None:
+            out = np.empty((int(size[1]), int(size[0]), 3), np.uint8)
+        self._check_out(size, out)
+        x0, y0 = int(location[0]), int(location[1])
+        with self._reading((x0, y0), level):
+            self._assemble(x0, y0, level, out, scale)
+        return out
+
+    def _decode_reduced(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
+        """Stored tile (tx, ty) of ``level`` decoded at ``out``'s size (1/k of the tile's)."""
+        data = self.raw_tile(level, tx, ty)
+        if not data:
+            _fill(out, self.background_rgb)
+            return out
+        return self._decode_jpeg_checked(level, tx, ty, data, out)
+
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         out = np.empty((h, w, 3), np.uint8)
         self._assemble(x0_level0, y0_level0, level, out)
         return out
 
-    def _assemble(self, x0_level0: int, y0_level0: int, level: int, out: np.ndarray) -> None:
-        """Fill ``out`` (``h x w x 3``) with the region of ``level`` at level-0 (x0, y0).
+    def _assemble(self, x0_level0: int, y0_level0: int, level: int, out: np.ndarray, scale: int = 1) -> None:
+        """Fill ``out`` (``h x w x 3``) with the region of ``level`` at level-0 (x0, y0), the level
+        read at 1/``scale`` (:meth:`read_region_reduced`).
 
         Each stored tile the region touches is copied once from the decoded-tile
         cache; only the part outside the level is filled with the background.
         """
         h, w = out.shape[:2]
         lv = self._levels[level]
-        ds = self._level_downsamples[level]
+        ds = self._level_downsamples[level] * scale
         # Level-0 location to this level's pixels, as OpenSlide does.
         x0 = int(math.floor(x0_level0 / ds))
         y0 = int(math.floor(y0_level0 / ds))
         ix0, iy0 = max(x0, 0), max(y0, 0)
-        ix1, iy1 = min(x0 + w, lv.width), min(y0 + h, lv.height)
+        ix1, iy1 = min(x0 + w, -(-lv.width // scale)), min(y0 + h, -(-lv.height // scale))
         if ix0 >= ix1 or iy0 >= iy1:
             _fill(out, self.background_rgb)
             return
@@ -403,15 +444,14 @@ class StoredTileSlide(StoredJpegTiles):
             _fill(out[iy0 - y0 : iy1 - y0, : ix0 - x0], bg)
         if ix1 < x0 + w:
             _fill(out[iy0 - y0 : iy1 - y0, ix1 - x0 :], bg)
-        lv = self._levels[level]
-        tw, th = lv.tile_w, lv.tile_h
+        tw, th = lv.tile_w // scale, lv.tile_h // scale
         cache = self._cache
 
         def copy_tile(tx: int, ty: int) -> None:
             ty0, tx0 = ty * th, tx * tw
             sy0, sy1 = max(iy0, ty0), min(iy1, ty0 + th)
             sx0, sx1 = max(ix0, tx0), min(ix1, tx0 + tw)
-            key, tile = self._get_tile(level, tx, ty)
+            key, tile = self._get_tile(level, tx, ty, scale)
             try:
                 out[sy0 - y0 : sy1 - y0, sx0 - x0 : sx1 - x0] = tile[sy0 - ty0 : sy1 - ty0, sx0 - tx0 : sx1 - tx0]
             finally:

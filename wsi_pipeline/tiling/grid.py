@@ -198,6 +198,19 @@ def fill_past_edge(region: np.ndarray, x0: int, y0: int, level_width: int, level
     return region
 
 
+def reduced_factor(slide: Slide, tile: Tile) -> int:
+    """The factor ``k`` by which ``tile`` is read from its level's JPEG tiles decoded reduced
+    (``slide.reduced_decode``, an integer factor the reader offers, an origin on a multiple of
+    ``k``); 0 where it is read at full size and shrunk."""
+    if not slide.reduced_decode or tile.read_size == tile.size:
+        return 0
+    k, rest = divmod(tile.read_size, tile.size)
+    x0, y0 = tile_origin_at_level(slide, tile)
+    if rest or k not in slide.reduced_scales(tile.level) or x0 % k or y0 % k:
+        return 0
+    return k
+
+
 def reads_whole(tile: Tile) -> bool:
     """Whether ``tile``'s region of its level is read whole (else a band at a time: :func:`read_tile`)."""
     return tile.read_size <= max(WHOLE_READ_MAX_PX, 2 * tile.size)
@@ -263,6 +276,10 @@ def read_tile(slide: Slide, tile: Tile, out: np.ndarray | None = None) -> np.nda
     region_size = (tile.read_size, tile.read_size)
     lw, lh = slide.level_dimensions[tile.level]
     x0, y0 = tile_origin_at_level(slide, tile)
+    k = reduced_factor(slide, tile)
+    if k:  # the level's JPEG tiles decoded at 1/k, which stands for INTER_AREA by k
+        region = slide.read_region_reduced(location, tile.level, k, (tile.size, tile.size), out)
+        return fill_past_edge(region, x0 // k, y0 // k, -(-lw // k), -(-lh // k))
     if out is not None and tile.read_size == tile.size:
         return fill_past_edge(slide.read_region_into(location, tile.level, region_size, out), x0, y0, lw, lh)
     if not reads_whole(tile):

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..slide.base import Slide
-from .grid import Tile, read_tile
+from .grid import Tile, read_tile, reduced_factor
 from .loader import TileLoader
 
 log = logging.getLogger("wsi_pipeline")
@@ -105,7 +105,9 @@ def choose_tile_decode(
     """
     if decode == "cpu":
         return TileDecodeChoice("cpu", "decode = cpu", "reader")
-    if on_damaged_tile == "fail":
+    if tiles and any(reduced_factor(slide, t) for t in tiles[:1]):
+        reason = "resample = reduced decodes the JPEG tiles reduced on the CPU reader"
+    elif on_damaged_tile == "fail":
         # The GPU decoders report no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
         reason = "on_damaged_tile = fail needs the CPU decoder's reports of corrupt tiles"
     elif not on_cuda:
