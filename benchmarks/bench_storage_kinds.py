@@ -210,6 +210,9 @@ def main() -> int:
     # by bench_cpu_pipeline.py --storage svs-j2k.
     ap.add_argument("--kinds", default=",".join([*(k for k in STORAGE_KINDS if k != "svs-j2k"), "dicom"]))
     ap.add_argument("--coarse-mpp", type=float, default=0.5, help="the resampled runs' mpp (0: none)")
+    ap.add_argument(
+        "--reduced", action="store_true", help="also run the resampled kinds with resample = reduced (CPU reader)"
+    )
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--monai", action="store_true")
@@ -229,38 +232,44 @@ def main() -> int:
     paths.update(write_corpus(work, synth, [k for k in args.corpus.split(",") if k]))
     extra = user_slides(args.slides)
     paths.update(extra)
-    runs = [(kind, None) for kind in paths]
+    runs = [(kind, None, "area") for kind in paths]
     if args.coarse_mpp:
-        coarse = ("synth", "svs", *(k for k in paths if k.startswith("corpus:")), *extra)
-        runs += [(kind, args.coarse_mpp) for kind in coarse if kind in paths]
+        coarse = [k for k in ("synth", "svs", *(k for k in paths if k.startswith("corpus:")), *extra) if k in paths]
+        runs += [(kind, args.coarse_mpp, "area") for kind in coarse]
+        if args.reduced:
+            runs += [(kind, args.coarse_mpp, "reduced") for kind in coarse if kind != "synth"]
     pipes: dict = {}
     rows = []
-    for kind, mpp in runs:
-        if mpp not in pipes:
-            pipes[mpp] = Pipeline.from_card(CARD, backend=args.backend, **({"mpp": mpp} if mpp else {}))
-        pipe = pipes[mpp]
+    for kind, mpp, resample in runs:
+        if (mpp, resample) not in pipes:
+            pipes[mpp, resample] = Pipeline.from_card(
+                CARD, backend=args.backend, resample=resample, **({"mpp": mpp} if mpp else {})
+            )
+        pipe = pipes[mpp, resample]
+        kind_label = kind if resample == "area" else f"{kind} (reduced)"
         try:
             row = run_kind(pipe, paths[kind], args.rounds)
         except Exception as exc:  # one kind failing is a finding, not the end of the table
             log(f"{kind} mpp={mpp}: failed: {type(exc).__name__}: {exc}")
             rows.append({"kind": kind, "mpp": mpp, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        row.update(kind=kind, mpp=mpp)
+        row.update(kind=kind_label, mpp=mpp, resample=resample)
         rows.append(row)
         log(
-            f"{kind:14} mpp={mpp or 'card'}: {row['median']:8.1f} tiles/s (best {row['best']:.1f}, "
+            f"{kind_label:14} mpp={mpp or 'card'}: {row['median']:8.1f} tiles/s (best {row['best']:.1f}, "
             f"{row['tiles']} tiles) stages={row['stage_seconds']} reader={row['slide_reader']} "
             f"decode={row['tile_decode']}"
         )
-    for mpp, pipe in pipes.items():
-        res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
+    for (mpp, resample), pipe in pipes.items():
+        if resample == "area":
+            res[f"model_alone_tiles_per_s_mpp_{mpp or 'card'}"] = round(model_alone(pipe), 1)
     ref = {r["mpp"]: r for r in rows if r["kind"] == "synth" and "error" not in r}
     for r in rows:
         if "error" in r:
             continue
         alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
         r["over_model_alone"] = round(r["median"] / alone, 3)
-        if r["mpp"] not in ref or r["kind"] in extra:  # only rows of synth's pixels are compared
+        if r["mpp"] not in ref or r["kind"].split(" (")[0] in extra:  # only rows of synth's pixels are compared
             continue
         a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]  # synth's own row is compared too: its boxes stay
         r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)
@@ -269,7 +278,7 @@ def main() -> int:
         r.pop("_boxes", None)
     if args.monai and "gpu" in res:
         try:
-            res["monai"] = monai_sliding_window(pipes[None], synth)
+            res["monai"] = monai_sliding_window(pipes[None, "area"], synth)
         except Exception as exc:
             res["monai"] = f"not run: {type(exc).__name__}: {exc}"
     res["rows"] = rows
