@@ -18,10 +18,13 @@ import json
 import os
 import time
 
-import torch  # noqa: F401  (as many scripts do, at their top)
-from harness import SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, require, synthetic_slide, work_folder, write_json
 
-from wsi_pipeline import Pipeline
+require("bench_first_write.py", "torch")  # one line naming the extra, not a traceback, without torch
+
+import torch  # noqa: E402, F401  (as many scripts do, at their top)
+
+from wsi_pipeline import Pipeline  # noqa: E402
 
 
 def children_rss_mb() -> list[int]:

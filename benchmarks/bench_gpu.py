@@ -3,6 +3,7 @@
 Run by hand on a CUDA machine::
 
     python benchmarks/bench_gpu.py [--model engines/NAME.onnx] [--slide-px 16384] [--json out.json]
+    python benchmarks/bench_gpu.py --smoke      # seconds: a tiny slide, one round of each part
 
 (a) the model alone on device-resident data (CUDA graph replays: the ceiling);
 (b) the executor with 1, 2 and 4 streams fed from host memory (pinned copies,
@@ -13,28 +14,42 @@ Run by hand on a CUDA machine::
 
 Without ``--model`` an untrained detector of the shipped architecture
 (:class:`~wsi_pipeline.models.net.CenterNetSmall`, default widths, top-k 512)
-is exported to a temporary folder: the same compute as the shipped model.
+is exported to a temporary folder: the same compute as the shipped model. Without a CUDA GPU
+(or torch) it ends with one line saying so, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from harness import (
+    SMOKE_ROUNDS,
+    SMOKE_SLIDE_PX,
+    add_common_args,
+    machine,
+    require,
+    require_cuda,
+    synthetic_slide,
+    work_folder,
+    write_json,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+require("bench_gpu.py", "torch", extra="gpu")  # one line naming the extra, not a traceback, without torch
+
+import torch  # noqa: E402
 
 from wsi_pipeline.inference.backend import create_backend  # noqa: E402
 from wsi_pipeline.inference.card import load_card  # noqa: E402
 from wsi_pipeline.inference.executor import Executor  # noqa: E402
+
+# Timed rounds of each part (the best or the median is kept); a smoke run does SMOKE_ROUNDS.
+ROUNDS = 2
 
 
 class HostBatch:
@@ -84,7 +99,7 @@ def realistic_pixels(n: int, seed: int = 0) -> np.ndarray:
     return out
 
 
-def bench_model_alone(backend, batch: int, iters: int = 50) -> float:
+def bench_model_alone(backend, batch: int, iters: int = 50, reps: int = 5) -> float:
     stream = torch.cuda.Stream()
     runner = backend.create_runner(stream)
     runner.input[:batch].copy_(torch.randint(0, 256, runner.input[:batch].shape, dtype=torch.uint8, device="cuda"))
@@ -93,7 +108,7 @@ def bench_model_alone(backend, batch: int, iters: int = 50) -> float:
             runner.run(batch)
         stream.synchronize()
         times = []
-        for _ in range(5):
+        for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             for _ in range(iters):
@@ -104,12 +119,12 @@ def bench_model_alone(backend, batch: int, iters: int = 50) -> float:
     return batch / statistics.median(times)
 
 
-def bench_executor_host(backend, streams: int, host_batches, register_host: bool = True) -> float:
+def bench_executor_host(backend, streams: int, host_batches, register_host: bool = True, rounds: int = ROUNDS) -> float:
     n = sum(len(b.tiles) for b in host_batches)
     with Executor(backend, streams=streams, register_host=register_host) as ex:
         list(ex.run(host_batches[:4]))  # warm-up: graphs, pinned buffers
         best = 0.0
-        for _ in range(2):
+        for _ in range(rounds):
             t0 = time.perf_counter()
             count = sum(len(r.batch) for r in ex.run(host_batches))
             dt = time.perf_counter() - t0
@@ -173,7 +188,9 @@ def make_loader(kind: str, slide, tiles, batch: int, streams: int, reader_worker
     return GpuTileLoader(slide, tiles, batch_size=batch, prefetch=4, decode_threads=2, jpeg_decoder=jpeg)
 
 
-def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: str, reader_workers: int) -> dict:
+def bench_end_to_end(
+    backend, slide_path: str, streams: int, batch: int, kind: str, reader_workers: int, rounds: int = ROUNDS
+) -> dict:
     from wsi_pipeline.slide.tiff_backend import TiffSlide
     from wsi_pipeline.tiling.grid import TileGrid
 
@@ -192,7 +209,7 @@ def bench_end_to_end(backend, slide_path: str, streams: int, batch: int, kind: s
                 out["reader_tiles_per_s"] = len(tiles) / (time.perf_counter() - t0)
     with Executor(backend, streams=streams) as ex:
         best = None
-        for _ in range(2):
+        for _ in range(rounds):
             with TiffSlide(slide_path) as slide:
                 tiles = list(TileGrid(slide))
                 t0 = time.perf_counter()
@@ -295,74 +312,50 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="ONNX model with its card (default: untrained demo architecture)")
-    ap.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--slide-px", type=int, default=16384, help="side of the synthetic slide (0: skip (c))")
-    ap.add_argument("--slide", help="use this JPEG-tiled TIFF instead of writing a synthetic one")
-    ap.add_argument("--host-tiles", type=int, default=4096, help="tiles per pass in (b)")
-    ap.add_argument("--reader-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
-    ap.add_argument("--json", help="write the figures here")
-    ap.add_argument(
-        "--profile-readers",
-        action="store_true",
-        help="only time the readers' stages (ms per batch) and batch-128 executor runs",
-    )
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
-    tmp = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
-    card = load_card(args.model) if args.model else demo_card(tmp)
-    if args.profile_readers:
-        from wsi_pipeline.synthetic import write_synthetic_slide
+def synthetic_slide_for(args: argparse.Namespace, work: Path) -> str:
+    """``--slide``, or a synthetic pathology slide of ``--slide-px`` squared (seed 7) written under ``work``."""
+    if args.slide:
+        return args.slide
+    path = synthetic_slide(work / "synthetic.tif", args.slide_px)
+    print(f"({os.path.getsize(path) / 1e6:.0f} MB)", flush=True)
+    return str(path)
 
-        slide_path = args.slide or str(tmp / "synthetic.tif")
-        if not args.slide:
-            write_synthetic_slide(slide_path, args.slide_px, args.slide_px, seed=7, kind="pathology")
-        prof = {"readers_ms_per_batch": profile_readers(slide_path, args.batch, args.reader_workers)}
-        for k, v in prof["readers_ms_per_batch"].items():
-            print(f"{k}: " + ", ".join(f"{a} {b:,.1f}" for a, b in v.items()), flush=True)
-        be = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=128)
-        pixels = realistic_pixels(128 * 4)
-        hb = [HostBatch(pixels[(i % 4) * 128 : (i % 4 + 1) * 128], fake_tiles(128), i) for i in range(32)]
-        for s in (2, 4, 6):
-            v = bench_executor_host(be, s, hb)
-            prof[f"b_executor_host_batch128_{s}_streams"] = v
-            print(f"(b) executor, host memory, batch 128, {s} streams: {v:,.0f} tiles/s", flush=True)
-        for kind in ("gpu_decode_nvjpeg", "gpu_decode_threads"):
-            for s in (2, 4):
-                r = bench_end_to_end(be, slide_path, s, 128, kind, args.reader_workers)
-                prof[f"c_{kind}_batch128_{s}_streams"] = r
-                print(
-                    f"(c) {kind}, batch 128, {s} streams: {r['tiles_per_s']:,.0f} tiles/s "
-                    f"(reader alone {r['reader_tiles_per_s']:,.0f})",
-                    flush=True,
-                )
-        if args.json:
-            Path(args.json).write_text(json.dumps(prof, indent=2, default=str))
-        return 0
-    results: dict = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "precision": args.precision,
-        "batch": args.batch,
-        "model": str(card.model_path),
-        "cpu_count": os.cpu_count(),
-    }
+
+def profile_main(args: argparse.Namespace, card, work: Path, record: dict) -> dict:
+    """``--profile-readers``: the readers' stages (ms per batch) and batch-128 executor runs."""
+    slide_path = synthetic_slide_for(args, work)
+    prof = {**record, "readers_ms_per_batch": profile_readers(slide_path, args.batch, args.reader_workers)}
+    for k, v in prof["readers_ms_per_batch"].items():
+        print(f"{k}: " + ", ".join(f"{a} {b:,.1f}" for a, b in v.items()), flush=True)
+    be = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=128)
+    pixels = realistic_pixels(128 * 4)
+    hb = [HostBatch(pixels[(i % 4) * 128 : (i % 4 + 1) * 128], fake_tiles(128), i) for i in range(32)]
+    for s in (2, 4, 6):
+        v = bench_executor_host(be, s, hb, rounds=args.rounds)
+        prof[f"b_executor_host_batch128_{s}_streams"] = v
+        print(f"(b) executor, host memory, batch 128, {s} streams: {v:,.0f} tiles/s", flush=True)
+    for kind in ("gpu_decode_nvjpeg", "gpu_decode_threads"):
+        for s in (2, 4):
+            r = bench_end_to_end(be, slide_path, s, 128, kind, args.reader_workers, rounds=args.rounds)
+            prof[f"c_{kind}_batch128_{s}_streams"] = r
+            print(
+                f"(c) {kind}, batch 128, {s} streams: {r['tiles_per_s']:,.0f} tiles/s "
+                f"(reader alone {r['reader_tiles_per_s']:,.0f})",
+                flush=True,
+            )
+    return prof
+
+
+def host_parts(args: argparse.Namespace, card, results: dict):
+    """(a) the model alone and (b) the executor from host memory; returns the executor's backend."""
     backend = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=max(args.batch, 128))
-
-    # (a) ceiling
-    results["a_model_alone"] = {b: bench_model_alone(backend, b) for b in (args.batch, 128)}
+    iters, reps = (5, SMOKE_ROUNDS) if args.smoke else (50, 5)
+    results["a_model_alone"] = {b: bench_model_alone(backend, b, iters, reps) for b in (args.batch, 128)}
     print(
         "(a) model alone, device data: "
         + ", ".join(f"batch {b}: {v:,.0f} tiles/s" for b, v in results["a_model_alone"].items()),
         flush=True,
     )
-
-    # (b) executor from host memory
     pixels = realistic_pixels(args.batch * 8)
     n_batches = max(1, args.host_tiles // args.batch)
     tiles = fake_tiles(args.batch)
@@ -372,48 +365,70 @@ def main() -> int:
     exec_backend = create_backend(card, "torch", device="cuda", precision=args.precision, max_batch=args.batch)
     results["b_executor_host"] = {}
     for s in (1, 2, 4):
-        results["b_executor_host"][s] = bench_executor_host(exec_backend, s, host_batches)
+        results["b_executor_host"][s] = bench_executor_host(exec_backend, s, host_batches, rounds=args.rounds)
         print(f"(b) executor, host memory, {s} stream(s): {results['b_executor_host'][s]:,.0f} tiles/s", flush=True)
-    v = bench_executor_host(exec_backend, 4, host_batches, register_host=False)
+    v = bench_executor_host(exec_backend, 4, host_batches, register_host=False, rounds=args.rounds)
     results["b_executor_host_copy_via_pinned_4_streams"] = v
     print(f"(b) executor, host memory, 4 streams, copying through pinned buffers: {v:,.0f} tiles/s")
-    results["stages_ms_per_batch"] = stage_times_ms(exec_backend, pixels[: args.batch])
+    results["stages_ms_per_batch"] = stage_times_ms(exec_backend, pixels[: args.batch], reps=2 if args.smoke else 20)
     print(
         f"    one stream, per batch of {args.batch}, ms: "
         + ", ".join(f"{k} {v:.2f}" for k, v in results["stages_ms_per_batch"].items()),
         flush=True,
     )
+    return exec_backend
 
-    # (c) end to end from a slide on disk
+
+def slide_parts(args: argparse.Namespace, exec_backend, work: Path, results: dict) -> None:
+    """(c) end to end from a slide on disk, and nvJPEG's pixels against libjpeg-turbo's."""
+    slide_path = synthetic_slide_for(args, work)
+    best_s = max(results["b_executor_host"], key=results["b_executor_host"].get)
+    results["c_end_to_end"] = {"streams": best_s}
+    ceiling = results["a_model_alone"][args.batch]
+    for kind in ("cpu_decode", "gpu_decode_threads", "gpu_decode_nvjpeg"):
+        r = bench_end_to_end(exec_backend, slide_path, best_s, args.batch, kind, args.reader_workers, args.rounds)
+        results["c_end_to_end"][kind] = r
+        print(
+            f"(c) end to end, {kind}, {best_s} streams: {r['tiles_per_s']:,.0f} tiles/s "
+            f"= {100 * r['tiles_per_s'] / ceiling:.0f}% of (a) ({r['tiles']} tiles in "
+            f"{r['seconds']:.2f} s; reader alone {r['reader_tiles_per_s']:,.0f} tiles/s)",
+            flush=True,
+        )
+    results["nvjpeg_vs_libjpeg"] = nvjpeg_vs_libjpeg(slide_path)
+    print(f"    nvJPEG vs libjpeg-turbo pixels: {results['nvjpeg_vs_libjpeg']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="ONNX model with its card (default: untrained demo architecture)")
+    ap.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--slide-px", type=int, default=16384, help="side of the synthetic slide (0: skip (c))")
+    ap.add_argument("--slide", help="use this JPEG-tiled TIFF instead of writing a synthetic one")
+    ap.add_argument("--host-tiles", type=int, default=4096, help="tiles per pass in (b)")
+    ap.add_argument("--reader-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument(
+        "--profile-readers",
+        action="store_true",
+        help="only time the readers' stages (ms per batch) and batch-128 executor runs",
+    )
+    add_common_args(ap)
+    args = ap.parse_args()
+    require_cuda("bench_gpu.py")
+    args.rounds = ROUNDS
+    if args.smoke:
+        args.slide_px, args.host_tiles, args.rounds = SMOKE_SLIDE_PX, 2 * args.batch, SMOKE_ROUNDS
+    work = work_folder("bench_gpu_")
+    card = load_card(args.model) if args.model else demo_card(work)
+    record = {**machine(gpu=True), "smoke": args.smoke, "torch": torch.__version__}
+    if args.profile_readers:
+        write_json(args.json, profile_main(args, card, work, record))
+        return 0
+    results = {**record, "precision": args.precision, "batch": args.batch, "model": str(card.model_path)}
+    exec_backend = host_parts(args, card, results)
     if args.slide or args.slide_px:
-        slide_path = args.slide
-        if slide_path is None:
-            from wsi_pipeline.synthetic import write_synthetic_slide
-
-            slide_path = str(tmp / "synthetic.tif")
-            t0 = time.perf_counter()
-            write_synthetic_slide(slide_path, args.slide_px, args.slide_px, seed=7, kind="pathology")
-            print(
-                f"wrote {args.slide_px}x{args.slide_px} slide in {time.perf_counter() - t0:.1f} s "
-                f"({os.path.getsize(slide_path) / 1e6:.0f} MB)",
-                flush=True,
-            )
-        best_s = max(results["b_executor_host"], key=results["b_executor_host"].get)
-        results["c_end_to_end"] = {"streams": best_s}
-        ceiling = results["a_model_alone"][args.batch]
-        for kind in ("cpu_decode", "gpu_decode_threads", "gpu_decode_nvjpeg"):
-            r = bench_end_to_end(exec_backend, slide_path, best_s, args.batch, kind, args.reader_workers)
-            results["c_end_to_end"][kind] = r
-            print(
-                f"(c) end to end, {kind}, {best_s} streams: {r['tiles_per_s']:,.0f} tiles/s "
-                f"= {100 * r['tiles_per_s'] / ceiling:.0f}% of (a) ({r['tiles']} tiles in "
-                f"{r['seconds']:.2f} s; reader alone {r['reader_tiles_per_s']:,.0f} tiles/s)",
-                flush=True,
-            )
-        results["nvjpeg_vs_libjpeg"] = nvjpeg_vs_libjpeg(slide_path)
-        print(f"    nvJPEG vs libjpeg-turbo pixels: {results['nvjpeg_vs_libjpeg']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        slide_parts(args, exec_backend, work, results)
+    write_json(args.json, results)
     return 0
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from harness import ROOT, add_common_args, machine, write_json
+from harness import ROOT, add_common_args, machine, require, write_json
 
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.inference.decoders import decode
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--tiles-per-scene", type=int, default=6)
     add_common_args(parser)
     args = parser.parse_args()
+    require("bench_object_size.py", "pycocotools")  # detection_counts matches with it
     scales = MODELS[args.kind][1]
     if args.smoke:
         args.scenes, args.tiles_per_scene, scales = 1, 1, scales[:1]

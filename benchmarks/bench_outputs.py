@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import numpy as np
-from harness import add_common_args, machine, write_json
+from harness import add_common_args, machine, require, write_json
 
 from wsi_pipeline.io.detections import DETECTION_DTYPE
 
@@ -125,6 +125,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.n, args.folder)))
         return
+    # the writers of parquet and geoparquet, the readers of READS
+    require("bench_outputs.py", "pyarrow", "shapely", "pandas", "geopandas")
     if args.smoke:
         args.sizes, args.timeout = "2000", 120
     results: dict = {}

@@ -4,6 +4,7 @@ Run on a CUDA machine::
 
     python benchmarks/bench_product_gpu.py [--slide-px 32768] [--batch-slides 6] [--json out.json]
     python benchmarks/bench_product_gpu.py --slide S.tiff --batch-only [--batch-slides 6] [--batch-args="..."]
+    python benchmarks/bench_product_gpu.py --smoke      # a tiny slide, one round of each part
 
 On a synthetic JPEG-tiled slide (``wsi-pipeline synth``, seed 7) and the
 shipped pathology model with the torch backend, it prints:
@@ -27,6 +28,8 @@ shipped pathology model with the torch backend, it prints:
   output, every window of the level, no tissue skipping), where MONAI is
   installed;
 - the ratios the goals are stated in.
+
+Without a CUDA GPU (or torch) it ends with one line saying so, exit code 2.
 """
 
 from __future__ import annotations
@@ -42,12 +45,22 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
+from harness import (
+    ROOT,
+    SMOKE_ROUNDS,
+    SMOKE_SLIDE_PX,
+    add_common_args,
+    log,
+    machine,
+    require,
+    require_cuda,
+    synthetic_slide,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+require("bench_product_gpu.py", "torch", "torchvision", extra="gpu")  # one line, not a traceback, without them
 
+import torch  # noqa: E402
 from bench_gpu import bench_model_alone  # noqa: E402
 
 from wsi_pipeline import Pipeline  # noqa: E402
@@ -55,10 +68,8 @@ from wsi_pipeline.inference.backend import create_backend  # noqa: E402
 from wsi_pipeline.slide.tiff_backend import TiffSlide  # noqa: E402
 
 CARD = ROOT / "engines" / "nuclei_pathology.card.json"
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+# Timed runs of Pipeline.run and MONAI's (a smoke run does SMOKE_ROUNDS of each).
+PRODUCT_RUNS, MONAI_RUNS = 3, 2
 
 
 def stored_tiles(slide_path: str) -> list[bytes]:
@@ -295,7 +306,7 @@ def batch_cli(slide_path: str, n: int, work: Path, extra_args: Sequence[str] = (
     }
 
 
-def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
+def monai_sliding_window(slide_path: str, pipe_backend, rounds: int = MONAI_RUNS) -> dict:
     import tifffile
     from monai.inferers import sliding_window_inference
 
@@ -303,7 +314,7 @@ def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
         return pipe_backend._forward(x.permute(0, 2, 3, 1).to(torch.uint8).contiguous())["heatmap"].half()
 
     best = None
-    for _ in range(2):
+    for _ in range(rounds):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         level = tifffile.imread(slide_path, maxworkers=os.cpu_count())
@@ -321,60 +332,11 @@ def monai_sliding_window(slide_path: str, pipe_backend) -> dict:
     return {"seconds": round(best, 3), "windows": windows, "tiles_per_s": round(windows / best, 1)}
 
 
-def _saver(path: str | None, res: dict):
-    def save() -> None:
-        if path:
-            Path(path).write_text(json.dumps(res, indent=2, default=str))
-
-    return save
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--slide-px", type=int, default=32768)
-    ap.add_argument("--slide", help="use this JPEG-tiled TIFF instead of writing one")
-    ap.add_argument("--batch-slides", type=int, default=6)
-    ap.add_argument("--cpu-workers", default="2,4,8,12", help="reader threads to try with decode = cpu")
-    ap.add_argument("--skip-monai", action="store_true")
-    ap.add_argument("--batch-only", action="store_true", help="only the batch (--slide needed)")
-    ap.add_argument("--batch-args", default="", help="more `wsi-pipeline run` arguments for the batch")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        log("needs a CUDA GPU")
-        return 2
-    work = Path(tempfile.mkdtemp(prefix="bench_product_"))
-    res: dict = {
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    save = _saver(args.json, res)
-    slide_path = args.slide
-    if slide_path is None:
-        from wsi_pipeline.synthetic import write_synthetic_slide
-
-        slide_path = str(work / "s.tiff")
-        t0 = time.perf_counter()
-        write_synthetic_slide(slide_path, args.slide_px, args.slide_px, seed=7, kind="pathology")
-        log(f"slide {args.slide_px}^2 written in {time.perf_counter() - t0:.0f} s")
-    res["slide"] = {"px": args.slide_px, "bytes": os.path.getsize(slide_path)}
-    if args.batch_only:
-        res["batch_cli"] = batch_cli(slide_path, args.batch_slides, work, args.batch_args.split())
-        log(f"batch (wsi-pipeline run {args.batch_args}, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
-        save()
-        return 0
-
-    pipe = Pipeline.from_card(CARD, backend="torch")
-    res["pipeline"] = {
-        "batch_size": pipe.batch_size,
-        "streams": pipe.executor.streams,
-        "reader_workers": pipe.reader_workers,
-    }
-    backend = pipe.executor.backend
+def ceilings(pipe: Pipeline, slide_path: str, res: dict, save, smoke: bool) -> None:
+    """The model alone on device data; the slide's stored tiles decoded by nvJPEG and by libjpeg-turbo."""
     wide = create_backend(pipe.card, "torch", device="cuda", max_batch=128)
-    res["model_alone_tiles_per_s"] = {b: round(bench_model_alone(wide, b), 1) for b in (64, 128)}
+    iters, reps = (5, SMOKE_ROUNDS) if smoke else (50, 5)
+    res["model_alone_tiles_per_s"] = {b: round(bench_model_alone(wide, b, iters, reps), 1) for b in (64, 128)}
     del wide
     log(f"model alone: {res['model_alone_tiles_per_s']}")
     save()
@@ -388,8 +350,11 @@ def main() -> int:
     )
     save()
 
+
+def product_runs(pipe: Pipeline, slide_path: str, work: Path, res: dict, save, runs: int) -> float:
+    """``Pipeline.run`` with GPU decoding: timed runs, where the time goes, then with outputs; the best tiles/s."""
     pipe.run(slide_path)  # warm-up: cuDNN choices, graphs, allocator
-    res["product_gpu_decode"] = [timed_run(pipe, slide_path) for _ in range(3)]
+    res["product_gpu_decode"] = [timed_run(pipe, slide_path) for _ in range(runs)]
     best = max(r["tiles_per_s"] for r in res["product_gpu_decode"])
     res["merging_process_peak_mb"] = merging_process_peak_mb(pipe)
     log(
@@ -414,6 +379,64 @@ def main() -> int:
     res["product_with_outputs"] = timed_run(pipe, slide_path, str(work / "one_out"))
     log(f"Pipeline.run with outputs: {res['product_with_outputs']}")
     save()
+    return best
+
+
+def memory_stages(slide_path: str) -> list[str] | str:
+    """Peak host memory by stage of one ``Pipeline.run`` with outputs, in a process of its own."""
+    mem = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "probes" / "profile_memory_stages.py"), slide_path]
+        + ["--backend", "torch"],
+        capture_output=True,
+        text=True,
+    )
+    stages = mem.stdout.strip().splitlines() if mem.returncode == 0 else mem.stderr[-2000:]
+    log(
+        "peak host memory by stage (one Pipeline.run with outputs):\n  "
+        + "\n  ".join(stages if isinstance(stages, list) else [stages])
+    )
+    return stages
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slide-px", type=int, default=32768)
+    ap.add_argument("--slide", help="use this JPEG-tiled TIFF instead of writing one")
+    ap.add_argument("--batch-slides", type=int, default=6)
+    ap.add_argument("--cpu-workers", default="2,4,8,12", help="reader threads to try with decode = cpu")
+    ap.add_argument("--skip-monai", action="store_true")
+    ap.add_argument("--batch-only", action="store_true", help="only the batch (--slide needed)")
+    ap.add_argument("--batch-args", default="", help="more `wsi-pipeline run` arguments for the batch")
+    add_common_args(ap)
+    args = ap.parse_args()
+    require_cuda("bench_product_gpu.py")
+    runs, monai_runs = PRODUCT_RUNS, MONAI_RUNS
+    if args.smoke:
+        args.slide_px, args.batch_slides, args.cpu_workers = SMOKE_SLIDE_PX, 2, "2"
+        runs = monai_runs = SMOKE_ROUNDS
+    work = Path(tempfile.mkdtemp(prefix="bench_product_"))
+    res: dict = {**machine(gpu=True), "smoke": args.smoke, "torch": torch.__version__}
+
+    def save() -> None:
+        write_json(args.json, res)
+
+    slide_path = args.slide or str(synthetic_slide(work / "s.tiff", args.slide_px))
+    res["slide"] = {"px": args.slide_px, "bytes": os.path.getsize(slide_path)}
+    if args.batch_only:
+        res["batch_cli"] = batch_cli(slide_path, args.batch_slides, work, args.batch_args.split())
+        log(f"batch (wsi-pipeline run {args.batch_args}, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
+        save()
+        return 0
+
+    pipe = Pipeline.from_card(CARD, backend="torch")
+    res["pipeline"] = {
+        "batch_size": pipe.batch_size,
+        "streams": pipe.executor.streams,
+        "reader_workers": pipe.reader_workers,
+    }
+    backend = pipe.executor.backend
+    ceilings(pipe, slide_path, res, save, args.smoke)
+    best = product_runs(pipe, slide_path, work, res, save, runs)
     pipe.close()
 
     res["product_cpu_decode"] = {}
@@ -425,24 +448,12 @@ def main() -> int:
     res["batch_cli"] = batch_cli(slide_path, args.batch_slides, work, args.batch_args.split())
     log(f"batch (wsi-pipeline run, {args.batch_slides} slides, all outputs): {res['batch_cli']}")
     save()
-
-    mem = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "profile_memory_stages.py"), slide_path, "--backend", "torch"],
-        capture_output=True,
-        text=True,
-    )
-    res["memory_stages_mb"] = mem.stdout.strip().splitlines() if mem.returncode == 0 else mem.stderr[-2000:]
-    log(
-        "peak host memory by stage (one Pipeline.run with outputs):\n  "
-        + "\n  ".join(
-            res["memory_stages_mb"] if isinstance(res["memory_stages_mb"], list) else [res["memory_stages_mb"]]
-        )
-    )
+    res["memory_stages_mb"] = memory_stages(slide_path)
     save()
 
     if not args.skip_monai:
         try:
-            res["monai"] = monai_sliding_window(slide_path, backend)
+            res["monai"] = monai_sliding_window(slide_path, backend, monai_runs)
             log(f"MONAI sliding_window_inference: {res['monai']}")
         except ImportError as exc:
             res["monai"] = f"not run: {exc}"

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import argparse
 
-from harness import ROOT, SMOKE_SLIDE_PX, add_common_args, machine, synthetic_slide, work_folder, write_json
+from harness import (
+    ROOT,
+    SMOKE_SLIDE_PX,
+    add_common_args,
+    machine,
+    require,
+    synthetic_slide,
+    work_folder,
+    write_json,
+)
 
 from wsi_pipeline import Pipeline
 from wsi_pipeline.io.detections import detection_boxes
@@ -45,6 +54,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=4096)
     add_common_args(ap)
     args = ap.parse_args()
+    require("bench_stitch_quality.py", "pycocotools")  # detection_counts matches with it
     image_px, seeds = (SMOKE_SLIDE_PX, (2,)) if args.smoke else (2048, (2, 4, 8, 10))
     if args.smoke:
         args.size = SMOKE_SLIDE_PX

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from harness import SMOKE_SLIDE_PX, add_common_args, machine, write_json
+from harness import SMOKE_SLIDE_PX, add_common_args, machine, require, write_json
 
 BAND = 64
 
@@ -191,6 +191,7 @@ def main() -> None:
     if args.stage:
         print(json.dumps(stage(args.stage, args, Path(args.work))))
         return
+    require("bench_zarr_dicom.py", "zarr", "numcodecs", "ome_zarr", "highdicom")  # every stage loads them
     if args.smoke:
         args.width = args.height = SMOKE_SLIDE_PX
         args.detections = 2000

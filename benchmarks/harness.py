@@ -6,7 +6,10 @@ the machine and the date, for the record)::
 
     from harness import add_common_args, machine, synthetic_slide, timed_rounds, write_json
 
-Figures of a smoke run mean nothing: the slide is too small and there is one round.
+Figures of a smoke run mean nothing: the slide is too small and there is one round. A tool that
+cannot run here (an optional package missing: :func:`require`; no CUDA GPU: :func:`require_cuda`)
+ends with one line saying what it needs and exit code :data:`EXIT_CANNOT_RUN`, which the smoke
+test reads as a skip.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the checkout's package, whether or not it is installed
@@ -32,9 +35,49 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 SMOKE_SLIDE_PX = 1024
 SMOKE_ROUNDS = 1
 
+# The exit code of a tool that cannot run here (as the command line's for a missing extra); its
+# last line says what it needs ("... needs the EXTRA extra: pip install ..." or "... needs a CUDA GPU").
+EXIT_CANNOT_RUN = 2
+# Packages the tools use that no extra but dev brings (the package's own are in wsi_pipeline.extras).
+DEV_ONLY_MODULES = {"geopandas": "dev", "psutil": "dev", "monai": "dev"}
+
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def cannot_run(line: str) -> NoReturn:
+    """End the tool with ``line`` on stderr and :data:`EXIT_CANNOT_RUN`."""
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(EXIT_CANNOT_RUN)
+
+
+def require(tool: str, *modules: str, extra: str | None = None) -> None:
+    """End ``tool`` with one line naming the extra to install where any of ``modules`` is missing.
+
+    The extra is ``extra`` where given (torch: ``gpu`` for the GPU tools), else the one
+    ``wsi_pipeline.extras`` names for the module (or ``dev``, :data:`DEV_ONLY_MODULES`).
+    """
+    import importlib.util
+
+    from wsi_pipeline.extras import MODULE_EXTRAS, PACKAGE_NAMES
+
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            name = extra or {**MODULE_EXTRAS, **DEV_ONLY_MODULES}[module]
+            cannot_run(
+                f"{tool} needs the {name} extra: pip install 'wsi-pipeline[{name}]' "
+                f"({PACKAGE_NAMES.get(module, module)} is not installed)"
+            )
+
+
+def require_cuda(tool: str) -> None:
+    """End ``tool`` with one line where torch (the ``gpu`` extra) or a CUDA GPU is missing."""
+    require(tool, "torch", extra="gpu")
+    import torch
+
+    if not torch.cuda.is_available():
+        cannot_run(f"{tool} needs a CUDA GPU")
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 20:5x–21:4x UTC: the heatmap file written by a writer process,
-job arrays through files".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 20:5x–21:4x UTC: the heatmap file written by a writer
+process, job arrays through files".
 
 What a busy Python thread does to work that needs the interpreter lock now and then (a component).
 

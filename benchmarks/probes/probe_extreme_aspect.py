@@ -1,4 +1,4 @@
-"""Probe (2026-12-04, fed BENCHMARKS.md "Hostile sizes").
+"""Probe (2026-12-04, fed benchmarks/HISTORY.md "Hostile sizes").
 
 Memory of `wsi-pipeline run` on slides one pixel high or wide (10,000,000 px the other way).
 

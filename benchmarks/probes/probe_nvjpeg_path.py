@@ -1,4 +1,4 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
 
 Which nvJPEG path decodes a slide's stored tiles, and whether CPU decoding processes add to it.
 

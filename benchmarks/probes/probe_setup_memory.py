@@ -1,4 +1,4 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
 stored tile decoded once".
 
 Where a GPU run's host memory goes before its first slide, and what cuDNN autotuning costs.

@@ -1,4 +1,4 @@
-"""Probe (2026-12-04, fed BENCHMARKS.md "Hostile sizes").
+"""Probe (2026-12-04, fed benchmarks/HISTORY.md "Hostile sizes").
 
 Peak memory of each detection format's writer, and of the overlay, on millions of detections.
 

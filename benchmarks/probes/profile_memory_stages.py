@@ -1,4 +1,4 @@
-"""Probe (2026-12-02), fed BENCHMARKS.md "Peak memory against slide size".
+"""Probe (2026-12-02), fed benchmarks/HISTORY.md "Peak memory against slide size".
 
 Peak resident memory per stage of one slide run (where the memory of a run goes).
 

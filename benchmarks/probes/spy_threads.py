@@ -1,5 +1,5 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 23:0x–23:4x UTC: the heatmap's rows handed over without waiting
-for the device".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 23:0x–23:4x UTC: the heatmap's rows handed over without
+waiting for the device".
 
 Where each thread of a process spends its time, from ``py-spy record --threads --idle -f raw``.
 

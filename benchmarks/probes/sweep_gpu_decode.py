@@ -1,4 +1,4 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 15:4x–16:1x UTC: JPEG helper processes beside nvJPEG".
 
 ``Pipeline.run`` tiles/s on one slide for GPU-decoding settings, in interleaved rounds.
 

@@ -1,5 +1,5 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 08:5x–09:4x UTC: heatmaps blended on the GPU, tiles selected as
-arrays, the next slide planned ahead".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 08:5x–09:4x UTC: heatmaps blended on the GPU, tiles
+selected as arrays, the next slide planned ahead".
 
 ``Pipeline.run`` tiles/s on one slide, box merging on a thread or in the merging process, per queue length.
 

@@ -1,5 +1,5 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 13:1x–13:5x UTC: the slide process's start, the run's first and
-last 0.1 s".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 13:1x–13:5x UTC: the slide process's start, the run's first
+and last 0.1 s".
 
 nvJPEG stored tiles/s and seconds per call against the number of stored tiles a call decodes.
 

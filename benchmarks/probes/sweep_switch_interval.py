@@ -1,4 +1,4 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 05:5x–06:3x UTC: batch arrays, the stitching threads, each
 stored tile decoded once".
 
 ``Pipeline.run`` tiles/s on one slide for interpreter switch intervals, in interleaved rounds.

@@ -1,5 +1,5 @@
-"""Probe (2026-12-03), fed BENCHMARKS.md "2026-12-03 07:0x–07:4x UTC: the batch runs two slides ahead, more writer
-processes, a faster heatmap pyramid".
+"""Probe (2026-12-03), fed benchmarks/HISTORY.md "2026-12-03 07:0x–07:4x UTC: the batch runs two slides ahead, more
+writer processes, a faster heatmap pyramid".
 
 Where a ``wsi-pipeline`` command's wall time goes, by thread, in time windows: stack samples.
 

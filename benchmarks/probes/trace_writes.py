@@ -1,5 +1,5 @@
-"""Probe (2026-12-04), fed BENCHMARKS.md "2026-12-04 01:1x–01:5x UTC: a slide's files queued longest first, nvJPEG
-set up while the model loads".
+"""Probe (2026-12-04), fed benchmarks/HISTORY.md "2026-12-04 01:1x–01:5x UTC: a slide's files queued longest first,
+nvJPEG set up while the model loads".
 
 When each of a slide's output files is written: the writer processes' jobs on a timeline.
 

@@ -450,7 +450,7 @@ def map_large_blocks_alone(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     By default glibc raises that threshold to the largest mapped block freed so far (up to 32 MiB)
     and carves smaller blocks from its heaps, which seldom shrink. A slide process cycles each
     slide's arrays of 1-30 MB through several threads, and grew that way: over four 8k slides its
-    peak went from 651 to 738 MB, against 593-598 MB with this setting (BENCHMARKS.md).
+    peak went from 651 to 738 MB, against 593-598 MB with this setting (benchmarks/HISTORY.md).
     """
     if not sys.platform.startswith("linux"):
         return False

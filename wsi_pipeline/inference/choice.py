@@ -50,7 +50,7 @@ def default_batch_size(card: ModelCard, on_cuda: bool) -> int:
 def default_reader_workers(cores: int) -> int:
     """Tile reader threads for ``cores`` CPU cores: all but two (left to the executor and the
     consumer), between 2 and 4. The readers share the GIL with the executor's and the stitcher's
-    threads: on 16 cores, 4 threads fed the GPU fastest (BENCHMARKS.md: 2 / 4 / 8 / 12 threads
+    threads: on 16 cores, 4 threads fed the GPU fastest (benchmarks/HISTORY.md: 2 / 4 / 8 / 12 threads
     gave 818 / 1,007 / 985 / 880 tiles/s)."""
     return max(2, min(4, cores - 2))
 

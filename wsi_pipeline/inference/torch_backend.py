@@ -174,7 +174,7 @@ class TorchBackend:
         self._infer_lock = threading.Lock()
         # cuDNN picks its kernels by heuristics (torch's default): timing them for every batch bucket
         # (torch.backends.cudnn.benchmark) loaded ~140 MB more host memory and was not faster here
-        # (benchmarks/probes/probe_setup_memory.py, BENCHMARKS.md).
+        # (benchmarks/probes/probe_setup_memory.py, benchmarks/HISTORY.md).
 
     @property
     def is_cuda(self) -> bool:

@@ -41,7 +41,7 @@ TILED_DETECTION_DTYPE = np.dtype(DETECTION_DTYPE.descr + [(k, "<i4") for k in TI
 # peaks at ~70 MiB.
 CHUNK = 65536
 # gzip level of detections.geojson.gz: level 1 compresses this text to ~13 %, level 6 (zlib's
-# default) to ~11 % in 3x the time (BENCHMARKS.md, output formats).
+# default) to ~11 % in 3x the time (benchmarks/HISTORY.md, output formats).
 GZIP_LEVEL = 1
 GZIP_MAGIC = b"\x1f\x8b"
 ZIP_MAGIC = b"PK\x03\x04"

@@ -59,7 +59,7 @@ class StoredJpegTiles(Slide):
         read in one concatenation. (Bytes read past what is asked cost a
         copy from the page cache; a read per tile costs a call and Python
         work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
-        helpers had every other few tiles of each row, BENCHMARKS.md.)
+        helpers had every other few tiles of each row, benchmarks/HISTORY.md.)
         A stream whose headers are those of the level's first stored tile
         is used as it is; any other is checked and told the container's
         colour space one by one (:meth:`_told_jpeg`); one without its

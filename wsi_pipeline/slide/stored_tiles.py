@@ -391,7 +391,7 @@ class StoredTileSlide(StoredJpegTiles):
         ``scale x scale`` block of the level, ``scale`` one of :meth:`reduced_scales`), at level-0
         ``location``: each stored tile decoded reduced in the DCT domain, not decoded whole and
         shrunk. Close to, not equal to, ``cv2.INTER_AREA`` of the full-size pixels
-        (BENCHMARKS.md gives the difference). Past the level: background."""
+        (benchmarks/HISTORY.md gives the difference). Past the level: background."""
         if scale not in self.reduced_scales(level):
             raise SlideError(self.path, f"level {level} cannot be read at 1/{scale}: {self.reduced_scales(level)}")
         self._check_region(level, size)

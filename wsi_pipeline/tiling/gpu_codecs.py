@@ -50,7 +50,7 @@ def _load_image_extension() -> bool:
 
     Importing torchvision runs its package's ``__init__``, which imports its models and, through
     ``torchvision.ops``, ``torch._dynamo``: 3.1 s on a 2-core machine and 6.6 s on the GPU machine
-    (BENCHMARKS.md), in every process that decodes on the GPU; a batch's first slide waited for
+    (benchmarks/HISTORY.md), in every process that decodes on the GPU; a batch's first slide waited for
     it. The decoder is one op of that extension, so the extension is loaded on its own, the way
     torchvision's ``io`` loads it. True when its ops are there with the arguments this module
     passes; False (nothing raised) where it cannot be found or differs.
@@ -120,7 +120,7 @@ def warm_up_nvjpeg(
 
     nvJPEG sets itself up on a process's first calls (its decoder, its host and device buffers,
     the loading of its kernels): a process's first run spent 0.98 s in nvJPEG calls against 0.22 s
-    for the next run of the same slide (BENCHMARKS.md). A pipeline on CUDA calls this on a thread
+    for the next run of the same slide (benchmarks/HISTORY.md). A pipeline on CUDA calls this on a thread
     while its model loads, so that its first slide does not wait for that set-up.
     """
     import simplejpeg

@@ -258,7 +258,7 @@ class GpuTileDecoder:
         nvJPEG copies each stream to the device on its own. From pageable memory the CUDA driver
         stages such a copy and may wait for the decoder's stream first, behind the previous tile's
         work, which waits behind the model's kernels; from page-locked memory each copy is queued
-        and the call goes on (BENCHMARKS.md, 2026-12-04 03:2x–04:2x).
+        and the call goes on (benchmarks/HISTORY.md, 2026-12-04 03:2x–04:2x).
         """
         if not self.cuda:
             return torch.from_numpy(buf)

@@ -8,7 +8,7 @@ only. Padding a tile past the border with a flat colour drew an edge across
 it that a detector took for an object (thin "scratches" along the bottom of
 a frame 448k + 510 px high); reflecting the image into the padding doubled
 objects cut by the border, which the pathology model then missed (measured
-with ``benchmarks/edge_policy.py``, BENCHMARKS.md). With a heatmap the
+with ``benchmarks/edge_policy.py``, benchmarks/HISTORY.md). With a heatmap the
 shifted origin is rounded up to the heatmap stride, so a few pixels (fewer
 than the stride) may lie past the border; those, and an axis shorter than one
 tile (which is then one tile), are filled by reflecting the image

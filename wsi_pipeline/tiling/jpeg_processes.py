@@ -1,14 +1,14 @@
 """Helper processes that decode stored JPEG tiles with libjpeg-turbo while nvJPEG decodes the rest.
 
 torchvision runs one nvJPEG call at a time, and in a run on the GPU the loader's calls follow each
-other without a gap: nvJPEG is what bounds the run (BENCHMARKS.md). These processes decode a fixed
+other without a gap: nvJPEG is what bounds the run (benchmarks/HISTORY.md). These processes decode a fixed
 share of each batch's stored tiles (:func:`cpu_share_tile`) at the same time, straight into a
 host buffer the GPU copies from (:class:`SharedStaging`: a file in ``/dev/shm`` mapped here and
 in each helper, page-locked for CUDA), so the loader adds one asynchronous copy per batch.
 
 Processes, not threads: threads doing the same share ran slower than none at every share tried,
 because each tile's Python work (the read, the call) waited for the interpreter lock that the
-stitching thread holds (BENCHMARKS.md, "Tried and not kept"). Here a batch costs the loader one
+stitching thread holds (benchmarks/HISTORY.md, "Tried and not kept"). Here a batch costs the loader one
 message per helper and one reply.
 
 Which tiles the helpers decode depends only on the stored tile's position and the share, never on
@@ -45,7 +45,7 @@ from ..errors import TileReadError
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
 SHARE_PERIOD = 16
 # The default share splits the work in the ratio of the helpers' rate to nvJPEG's. The rates are
-# fitted to `benchmarks/probes/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (BENCHMARKS.md,
+# fitted to `benchmarks/probes/sweep_gpu_decode.py --helpers` on the 16-core GPU machine (benchmarks/HISTORY.md,
 # 2026-12-03 17:0x-17:5x): `Pipeline.run` was fastest with 8 helpers at 10/16 of the stored tiles
 # (median 5,941 tiles/s, against 4,752 for 6 at 8/16 and 4,835-5,560 at 12/16; in a second sweep
 # 8 at 9/16 led, within the runs' spread). There libjpeg-turbo on one thread decoded 2,831 stored

@@ -40,7 +40,7 @@ def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
     returns the thread.
 
     Importing torchvision took 6.9 s of a GPU machine's first slide where its files were slow to
-    read (BENCHMARKS.md); started while the model loads, it is done or under way when the first
+    read (benchmarks/HISTORY.md); started while the model loads, it is done or under way when the first
     slide asks (Python's import lock makes that wait for it). A failure of the import is left to
     that import; a failure of the warm-up to the first slide's decoding (logged here at debug level).
     The interpreter's exit waits for the thread (:data:`AHEAD_EXIT_WAIT_S` at most).
