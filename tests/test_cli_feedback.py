@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline import cli
-from wsi_pipeline.batch import BatchReport, SlideOutcome
+from wsi_pipeline.batch import BatchReport
+from wsi_pipeline.batch.jobs import SlideOutcome
 from wsi_pipeline.errors import UsageError
 from wsi_pipeline.slide import open_slide
 from wsi_pipeline.synthetic import write_synthetic_slide

@@ -35,7 +35,7 @@ _READ_MODE_RGB = 3
 _OP_ARGUMENTS = {"decode_jpegs_cuda": ["List[Tensor]", "int", "Device"], "decode_jpeg": ["Tensor", "int", "bool"]}
 
 
-def _image_ops_loaded() -> bool:
+def image_ops_loaded() -> bool:
     try:
         return all(
             [str(a.type) for a in getattr(torch.ops.image, name).default._schema.arguments] == args
@@ -64,7 +64,7 @@ def _load_image_extension() -> bool:
         return False
     if spec is None or not spec.submodule_search_locations:
         return False
-    if not _image_ops_loaded():
+    if not image_ops_loaded():
         names = [
             f"{lib}{suffix}" for lib in ("image_stable", "image") for suffix in importlib.machinery.EXTENSION_SUFFIXES
         ]
@@ -79,9 +79,9 @@ def _load_image_extension() -> bool:
                 torch.ops.load_library(path)
             except OSError:
                 continue
-            if _image_ops_loaded():
+            if image_ops_loaded():
                 break
-    return _image_ops_loaded()
+    return image_ops_loaded()
 
 
 if not _load_image_extension():

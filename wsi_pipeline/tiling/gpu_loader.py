@@ -22,43 +22,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .gpu_codecs import (
-    WARM_UP_TILE_PX,
-    WARM_UP_TILES,
     decode_stream,
-    nvimgcodec_decode,
-    nvimgcodec_module,
-    nvjpeg_decode,
-    torch,
-    warm_up_nvjpeg,
 )
 from .gpu_decode import (
-    JPEG_DECODERS,
     GpuTileDecoder,
     StoredTiles,
-    gpu_decode_plan,
-    gpu_decode_refusal,
 )
 from .grid import Tile
 from .jpeg_processes import JpegHelpers
-from .mosaic import stored_tiles_touched
 
-__all__ = [
-    "JPEG_DECODERS",
-    "WARM_UP_TILES",
-    "WARM_UP_TILE_PX",
-    "DeviceBatch",
-    "GpuTileDecoder",
-    "GpuTileLoader",
-    "StoredTiles",
-    "gpu_decode_plan",
-    "gpu_decode_refusal",
-    "nvimgcodec_decode",
-    "nvimgcodec_module",
-    "nvjpeg_decode",
-    "stored_tiles_touched",
-    "torch",
-    "warm_up_nvjpeg",
-]
+try:
+    import torch
+except ImportError as exc:
+    from ..errors import BackendUnavailableError
+
+    raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
+
+__all__ = ["DeviceBatch", "GpuTileLoader"]
 
 
 @dataclass
