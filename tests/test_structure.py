@@ -23,13 +23,13 @@ MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 80
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
 
 def _is_import_module(func: ast.expr) -> bool:
@@ -248,10 +248,10 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.endswith("__")
 
 
-def _names_taken(path: Path, modules: dict[str, Path]) -> list[tuple[int, str, str]]:
+def _names_taken(path: Path, modules: dict[str, Path], package_dir: Path = PACKAGE) -> list[tuple[int, str, str]]:
     """(line, module, name) for each name ``path`` takes by ``from M import name`` from a module M
     of the package other than itself, submodules left out."""
-    own = _module_name(path) if path.is_relative_to(PACKAGE) else None
+    own = _module_name(path, package_dir) if path.is_relative_to(package_dir) else None
     package = (own if path.name == "__init__.py" else own.rpartition(".")[0]) if own else None
     taken = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -270,19 +270,19 @@ def _names_taken(path: Path, modules: dict[str, Path]) -> list[tuple[int, str, s
     return taken
 
 
-def name_faults() -> dict[str, list[str]]:
-    """What breaks the rules on names: ``reexported`` (a name taken from a module that does not
-    define it), ``private`` (a private name taken across modules), ``undeclared_all`` (a module's
-    ``__all__`` naming what it does not define)."""
-    modules = _modules()
+def name_faults(package_dir: Path = PACKAGE, callers: list[Path] = CALLERS) -> dict[str, list[str]]:
+    """What breaks the rules on names in ``package_dir`` and the modules of ``callers``: ``reexported``
+    (a name taken from a module that does not define it), ``private`` (a private name taken across
+    modules), ``undeclared_all`` (a module's ``__all__`` naming what it does not define)."""
+    modules = _modules(package_dir)
     trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in modules.items()}
     defined = {m: _top_level_names(t) for m, t in trees.items()}
     public = {m: _declared_all(t) if modules[m].name == "__init__.py" else set() for m, t in trees.items()}
     faults: dict[str, list[str]] = {"reexported": [], "private": [], "undeclared_all": []}
-    for folder in CALLERS:
+    for folder in callers:
         for path in sorted(folder.rglob("*.py")):
-            where = path.relative_to(PACKAGE.parent)
-            for line, module, name in _names_taken(path, modules):
+            where = path.relative_to(package_dir.parent)
+            for line, module, name in _names_taken(path, modules, package_dir):
                 if _is_private(name):
                     faults["private"].append(f"{where}:{line} {module}.{name}")
                 if name not in defined[module] and name not in public[module]:
@@ -304,6 +304,24 @@ def test_the_rules_on_names_are_read():
     taken = _names_taken(PACKAGE / "pipeline.py", _modules())
     assert ("wsi_pipeline.config", "RunConfig") in {(m, n) for _, m, n in taken}
     assert not [n for _, m, n in taken if m == "wsi_pipeline.stitch" and n == "stitcher"]  # a submodule
+
+
+def test_a_facade_a_private_import_and_an_undeclared_all_are_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub.a import A, B\n__all__ = ['A']\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("import os\nA = 1\nB = 2\n_C = 3\n")
+    (pkg / "sub" / "b.py").write_text("from .a import A, os\nfrom . import a\n__all__ = ['A', 'D']\nD = 4\n")
+    (pkg / "c.py").write_text("from pkg import A, B\nfrom pkg.sub.a import _C\nfrom pkg.sub import b\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("from pkg.sub.b import A\nfrom pkg.sub.a import B\n")
+    faults = name_faults(pkg, [pkg, tmp_path / "tests"])
+    assert faults == {
+        "reexported": ["pkg/c.py:1 pkg.B", "pkg/sub/b.py:1 pkg.sub.a.os", "tests/t.py:1 pkg.sub.b.A"],
+        "private": ["pkg/c.py:2 pkg.sub.a._C"],
+        "undeclared_all": ["pkg.sub.b.A"],
+    }
 
 
 def test_each_name_is_taken_from_the_module_that_defines_it():
