@@ -261,7 +261,7 @@ def test_the_loaders_jpeg_decode_is_torchvisions(slide_path, device):
 
     from wsi_pipeline.tiling import gpu_codecs
 
-    assert gpu_codecs._READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
+    assert gpu_codecs.READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
     with TiffSlide(str(slide_path)) as slide:
         raw = [slide.raw_tile_jpeg(0, tx, ty) for ty in range(2) for tx in range(3)]
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]

@@ -192,7 +192,8 @@ def test_no_class_is_over_the_limit():
 # including those under a top-level ``if``/``try``/``with``/``for``), or M is a package
 # ``__init__`` that lists it in ``__all__`` (the package's declared public API). A module other
 # than a package ``__init__`` lists in ``__all__`` only names it defines. A name with one leading
-# underscore is taken by no other module (its tests included).
+# underscore is taken by no other module (its tests included), nor read as an attribute of a module
+# another module imported.
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -248,13 +249,19 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.endswith("__")
 
 
-def _names_taken(path: Path, modules: dict[str, Path], package_dir: Path = PACKAGE) -> list[tuple[int, str, str]]:
+def _names_taken(
+    path: Path, modules: dict[str, Path], package_dir: Path = PACKAGE
+) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, str]]]:
     """(line, module, name) for each name ``path`` takes by ``from M import name`` from a module M
-    of the package other than itself, submodules left out."""
+    of the package other than itself, submodules left out; and for each attribute it reads of such
+    a module bound by an import (``from pkg import m`` or ``import pkg.m as m``, then ``m.name``)."""
     own = _module_name(path, package_dir) if path.is_relative_to(package_dir) else None
     package = (own if path.name == "__init__.py" else own.rpartition(".")[0]) if own else None
-    taken = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    taken, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
         if not isinstance(node, ast.ImportFrom):
             continue
         if node.level:
@@ -264,10 +271,17 @@ def _names_taken(path: Path, modules: dict[str, Path], package_dir: Path = PACKA
             module = ".".join([*base, *([node.module] if node.module else [])])
         else:
             module = node.module or ""
+        bound.update({a.asname or a.name: f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules})
         if module not in modules or module == own:
             continue
         taken.extend((node.lineno, module, a.name) for a in node.names if f"{module}.{a.name}" not in modules)
-    return taken
+    read = [
+        (node.lineno, bound[node.value.id], node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+        if bound[node.value.id] != own and f"{bound[node.value.id]}.{node.attr}" not in modules
+    ]
+    return taken, read
 
 
 def name_faults(package_dir: Path = PACKAGE, callers: list[Path] = CALLERS) -> dict[str, list[str]]:
@@ -282,11 +296,16 @@ def name_faults(package_dir: Path = PACKAGE, callers: list[Path] = CALLERS) -> d
     for folder in callers:
         for path in sorted(folder.rglob("*.py")):
             where = path.relative_to(package_dir.parent)
-            for line, module, name in _names_taken(path, modules, package_dir):
+            taken, read = _names_taken(path, modules, package_dir)
+            for line, module, name in taken:
                 if _is_private(name):
                     faults["private"].append(f"{where}:{line} {module}.{name}")
                 if name not in defined[module] and name not in public[module]:
                     faults["reexported"].append(f"{where}:{line} {module}.{name}")
+            # A module's attribute read by another: a private one is a private import by another
+            # name. (Its other attributes are left alone: a test patches a module's names where
+            # they are used.)
+            faults["private"].extend(f"{where}:{line} {m}.{name}" for line, m, name in read if _is_private(name))
     for m, path in modules.items():
         if path.name != "__init__.py":
             faults["undeclared_all"].extend(f"{m}.{n}" for n in sorted(_declared_all(trees[m]) - defined[m]))
@@ -301,7 +320,7 @@ def test_the_rules_on_names_are_read():
     assert _top_level_names(tree) == {"A", "B", "f", "C", "__all__"}
     assert _declared_all(tree) == {"A", "y"}
     assert _is_private("_fill") and not _is_private("__version__") and not _is_private("fill")
-    taken = _names_taken(PACKAGE / "pipeline.py", _modules())
+    taken, _ = _names_taken(PACKAGE / "pipeline.py", _modules())
     assert ("wsi_pipeline.config", "RunConfig") in {(m, n) for _, m, n in taken}
     assert not [n for _, m, n in taken if m == "wsi_pipeline.stitch" and n == "stitcher"]  # a submodule
 
@@ -313,13 +332,13 @@ def test_a_facade_a_private_import_and_an_undeclared_all_are_found(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("")
     (pkg / "sub" / "a.py").write_text("import os\nA = 1\nB = 2\n_C = 3\n")
     (pkg / "sub" / "b.py").write_text("from .a import A, os\nfrom . import a\n__all__ = ['A', 'D']\nD = 4\n")
-    (pkg / "c.py").write_text("from pkg import A, B\nfrom pkg.sub.a import _C\nfrom pkg.sub import b\n")
+    (pkg / "c.py").write_text("from pkg import A, B\nfrom pkg.sub.a import _C\nfrom pkg.sub import b\nb._x, b.D\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "t.py").write_text("from pkg.sub.b import A\nfrom pkg.sub.a import B\n")
     faults = name_faults(pkg, [pkg, tmp_path / "tests"])
     assert faults == {
         "reexported": ["pkg/c.py:1 pkg.B", "pkg/sub/b.py:1 pkg.sub.a.os", "tests/t.py:1 pkg.sub.b.A"],
-        "private": ["pkg/c.py:2 pkg.sub.a._C"],
+        "private": ["pkg/c.py:2 pkg.sub.a._C", "pkg/c.py:4 pkg.sub.b._x"],
         "undeclared_all": ["pkg.sub.b.A"],
     }
 

@@ -144,7 +144,7 @@ def _timed(owner, name: str, label: str) -> None:
 RUN_SITES = [
     (stored_tile_decoding, "nvjpeg_decode", "nvJPEG decode_jpeg"),
     (gpu_decode.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
-    (gpu_loader._HandOff, "take", "loader hand-off wait"),
+    (gpu_loader.HandOff, "take", "loader hand-off wait"),
     (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
     (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
     (cuda_worker.CudaWorker, "process", "worker batch (all of it)"),
@@ -165,7 +165,7 @@ RUN_SITES = [
     (gpu_decode, "stored_tiles_touched", "loader: stored tiles touched"),
     (gpu_decode.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
     (jpeg_processes.JpegHelpers, "start", "JPEG helpers: send a batch's share"),
-    (jpeg_processes._Pending, "wait", "JPEG helpers: wait for the share"),
+    (jpeg_processes.PendingShare, "wait", "JPEG helpers: wait for the share"),
     (jpeg_processes.JpegHelpers, "acquire_staging", "JPEG helpers: staging buffer"),
     (gpu_loader.GpuTileLoader, "close", "loader: close"),
     (tiff_backend.TiffSlide, "clear_cache", "slide: clear the cache"),

@@ -65,7 +65,7 @@ class DeviceBatch:
         return len(self.tiles)
 
 
-class _HandOff:
+class HandOff:
     """Each batch's :class:`StoredTiles` passed to the next batch, in sequence order.
 
     Holds one batch's at a time: the next batch takes it, then publishes its
@@ -148,7 +148,7 @@ class GpuTileLoader:
         self._slots_lock = threading.Lock()
         self._next_slot = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._handoff: _HandOff | None = None
+        self._handoff: HandOff | None = None
 
     @property
     def n_batches(self) -> int:
@@ -172,7 +172,7 @@ class GpuTileLoader:
             stream = self._local.stream = decode_stream(self.decoder.device, slot)
         return torch.cuda.stream(stream)
 
-    def _decode_batch(self, seq: int, start: int, handoff: _HandOff) -> DeviceBatch:
+    def _decode_batch(self, seq: int, start: int, handoff: HandOff) -> DeviceBatch:
         tiles = self.tiles[start : start + self.batch_size]
         previous = self.tiles[max(0, start - self.batch_size) : start]
         try:
@@ -190,7 +190,7 @@ class GpuTileLoader:
 
     def __iter__(self) -> Iterator[DeviceBatch]:
         self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="gpu-decode")
-        handoff = self._handoff = _HandOff()
+        handoff = self._handoff = HandOff()
         pending: deque[Future] = deque()
         starts = iter(enumerate(range(0, len(self.tiles), self.batch_size)))
 
