@@ -8,7 +8,7 @@ input buffers, autocast, CUDA graphs, the executor) is one code path.
 Where each job lives: the ONNX interpreter (:class:`OnnxModule`, one torch
 function per ONNX op) in :mod:`.onnx_torch`; the ``.pt2`` loader
 (:class:`ExportedModule`) in :mod:`.torch_export`; here the backend and its
-per-stream CUDA-graph runner. Both model classes are importable from here too.
+per-stream CUDA-graph runner.
 
 On CUDA, :meth:`TorchBackend.create_runner` gives each executor stream its
 own :class:`TorchRunner`: a device input buffer, and one captured CUDA graph

@@ -8,7 +8,7 @@ over in sequence order; only one is held at a time).
 
 How one batch is assembled (stored JPEG tiles decoded once into a mosaic,
 patches gathered from it) is :mod:`.gpu_decode`; the decoder calls are
-:mod:`.gpu_codecs`. The decoding names are importable from here too.
+:mod:`.gpu_codecs`.
 """
 
 from __future__ import annotations
