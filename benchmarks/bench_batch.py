@@ -26,8 +26,9 @@ from pathlib import Path
 
 from harness import SMOKE_SLIDE_PX, add_common_args, machine, work_folder, write_json
 
-from wsi_pipeline.batch import PipelineFactory, run_batch, run_key
+from wsi_pipeline.batch import run_batch, run_key
 from wsi_pipeline.batch.folder import slide_dir
+from wsi_pipeline.batch.jobs import PipelineFactory
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.inference.card import load_card
 from wsi_pipeline.pipeline import DEFAULT_MODEL

@@ -224,7 +224,7 @@ def bench_end_to_end(
 def nvjpeg_vs_libjpeg(slide_path: str) -> str:
     """Pixel differences of nvJPEG against libjpeg-turbo on one batch of patches."""
     from wsi_pipeline.slide.tiff_backend import TiffSlide
-    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
+    from wsi_pipeline.tiling.gpu_decode import GpuTileDecoder
     from wsi_pipeline.tiling.grid import TileGrid
 
     with TiffSlide(slide_path) as slide:
@@ -245,7 +245,7 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
     import threading as _threading
 
     from wsi_pipeline.slide.tiff_backend import TiffSlide
-    from wsi_pipeline.tiling import gpu_decode
+    from wsi_pipeline.tiling import gpu_decode, stored_tile_decoding
     from wsi_pipeline.tiling.grid import TileGrid
 
     out: dict = {}
@@ -272,8 +272,8 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
             dec = gpu_decode.GpuTileDecoder(slide, jpeg_decoder=jpeg)
             dec.decode(tiles[:batch])
             torch.cuda.synchronize()
-            orig_fn = timed(gpu_decode, "nvjpeg_decode", "nvjpeg_call", acc)
-            orig_threads = timed(dec, "_decode_threads", "stored_tiles_cpu_decode_and_h2d", acc)
+            orig_fn = timed(stored_tile_decoding, "nvjpeg_decode", "nvjpeg_call", acc)
+            orig_threads = timed(dec.kinds, "decode_threads", "stored_tiles_cpu_decode_and_h2d", acc)
             orig_raw = timed(slide, "raw_tile_jpeg", "raw_tile_jpeg_thread_time", acc)
             n_batches = 0
             t0 = time.perf_counter()
@@ -282,8 +282,8 @@ def profile_readers(slide_path: str, batch: int, reader_workers: int) -> dict:
                 n_batches += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-            gpu_decode.nvjpeg_decode = orig_fn
-            dec._decode_threads = orig_threads
+            stored_tile_decoding.nvjpeg_decode = orig_fn
+            dec.kinds.decode_threads = orig_threads
             slide.raw_tile_jpeg = orig_raw
             dec.close()
         out[f"gpu_{jpeg}"] = {

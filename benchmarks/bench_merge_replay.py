@@ -62,9 +62,9 @@ def main() -> int:
     def recording_policy(*a, **k) -> MergePolicy:
         return _Recording(merge_policy(*a, **k), calls)
 
-    import wsi_pipeline.pipeline as pipeline_module
+    import wsi_pipeline.slide_run as slide_run
 
-    pipeline_module.merge_policy = recording_policy  # the run's stitcher gets the recording policy
+    slide_run.merge_policy = recording_policy  # the run's stitcher gets the recording policy
     with Pipeline.from_card(backend=args.backend, config=cfg) as pipe:
         result = pipe.run(args.slide)
     added = sum(len(c[1]) for c in calls if c[0] == "add")

@@ -23,7 +23,7 @@ from harness import SMOKE_ROUNDS, add_common_args, machine, write_json
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.geometry import TilingGeometry
 from wsi_pipeline.inference.card import load_card
-from wsi_pipeline.inference.decoders import BatchDetections, TileDetections
+from wsi_pipeline.inference.tile_detections import BatchDetections, TileDetections
 from wsi_pipeline.outputs import SlideOutputs
 from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.stitch.merge_runner import MergeProcess

@@ -21,13 +21,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsi_pipeline.batch import expand_inputs, output_names, plan, run_batch, run_key, runner
-from wsi_pipeline.batch.folder import OutputFolderError, lock_output_folder
+from wsi_pipeline.batch import expand_inputs, run_batch, run_key, runner
+from wsi_pipeline.batch.folder import OutputFolderError, lock_output_folder, output_names
 from wsi_pipeline.batch.resume import RunKey
+from wsi_pipeline.batch.runner import plan
 from wsi_pipeline.config import RunConfig, load_config
 from wsi_pipeline.errors import ConfigError, ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
-from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.outputs import OUTPUT_FILES
+from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 ENGINES = DEFAULT_MODEL.parent
@@ -1008,7 +1010,8 @@ def test_the_batch_package_hands_on_its_names_and_loads_them_on_first_use():
     code = (
         "import sys, wsi_pipeline.batch as b\n"
         "assert 'wsi_pipeline.batch.slide_worker' not in sys.modules\n"
-        "from wsi_pipeline.batch import run_batch, run_key, resume_state\n"
+        "from wsi_pipeline.batch import run_batch, run_key\n"
+        "from wsi_pipeline.batch.runner import resume_state\n"
         "assert callable(run_key) and run_batch.__module__ == 'wsi_pipeline.batch.runner'\n"
     )
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)

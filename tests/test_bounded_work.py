@@ -23,7 +23,7 @@ from wsi_pipeline.slide.area import BAND_BYTES, shrink_banded, shrink_sparse
 from wsi_pipeline.slide.base import Slide, level_shape_agrees
 from wsi_pipeline.slide.dicom_backend import DicomSlide
 from wsi_pipeline.slide.image import ImageSlide
-from wsi_pipeline.slide.stored_tiles import _TileCache
+from wsi_pipeline.slide.stored_tiles import TileCache
 from wsi_pipeline.tiling.grid import (
     TileGrid,
     fill_past_edge,
@@ -146,7 +146,7 @@ def test_a_grid_shrinking_its_level_more_than_the_limit_is_refused_naming_the_re
 
 def test_the_gpu_loader_leaves_grids_it_would_gather_whole_to_the_cpu_reader(tmp_path):
     pytest.importorskip("torchvision")
-    from wsi_pipeline.tiling.gpu_loader import gpu_decode_plan
+    from wsi_pipeline.tiling.gpu_decode import gpu_decode_plan
 
     with open_slide(_single_level_tiff(tmp_path / "one_level.tiff")) as slide:
         decoder, why = gpu_decode_plan(slide, list(TileGrid(slide, 512, 64, mpp=16.0)))
@@ -300,7 +300,7 @@ def test_a_dicom_level_of_tiny_frames_is_refused_at_open(tmp_path):
 
 
 def test_the_tile_cache_bounds_its_slots_as_well_as_its_bytes():
-    cache = _TileCache(1 << 30, max_tiles=64)
+    cache = TileCache(1 << 30, max_tiles=64)
     for key in range(5000):
         slot = cache.slot((1, 1))
         with cache.lock:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline import cli
-from wsi_pipeline.batch import BatchReport, SlideOutcome
+from wsi_pipeline.batch import BatchReport
+from wsi_pipeline.batch.jobs import SlideOutcome
 from wsi_pipeline.errors import UsageError
 from wsi_pipeline.slide import open_slide
 from wsi_pipeline.synthetic import write_synthetic_slide
@@ -266,5 +267,5 @@ def test_decode_help_and_info_follow_the_gpu_decoder_table(coarse_slide, capsys,
     }
     monkeypatch.setattr(info, "_installed", lambda module: False)
     fake = type("Slide", (), {"backend": "tifffile", "stored_tile_format": lambda self, level: rgb})()
-    said = info._gpu_decode(fake)
+    said = info.gpu_decode_info(fake)
     assert said["decoder"] == "nvimgcodec" and "pip install 'wsi-pipeline[gpu]'" in said["why"]

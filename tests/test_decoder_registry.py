@@ -14,7 +14,8 @@ from wsi_pipeline import Pipeline
 from wsi_pipeline.errors import ModelError
 from wsi_pipeline.inference import DECODERS, decode
 from wsi_pipeline.inference.backend import create_backend
-from wsi_pipeline.inference.card import DecoderSpec, load_card, write_card
+from wsi_pipeline.inference.card import load_card, write_card
+from wsi_pipeline.inference.card_spec import DecoderSpec
 from wsi_pipeline.inference.decoder_registry import (
     DECODER_REGISTRY,
     DecoderEntry,
@@ -22,15 +23,10 @@ from wsi_pipeline.inference.decoder_registry import (
     register_decoder,
     unregister_decoder,
 )
-from wsi_pipeline.inference.decoders import (
-    BATCH_DECODERS,
-    BatchDetections,
-    TileDetections,
-    card_heatmaps,
-    decode_batch,
-)
+from wsi_pipeline.inference.decoders import BATCH_DECODERS, card_heatmaps, decode_batch
 from wsi_pipeline.inference.device_decode import DeviceDecoder
 from wsi_pipeline.inference.executor import Executor
+from wsi_pipeline.inference.tile_detections import BatchDetections, TileDetections
 
 pytest.importorskip("onnx")
 

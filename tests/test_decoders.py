@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 
 from wsi_pipeline.errors import ModelError
-from wsi_pipeline.inference.card import (
-    ClassSpec,
-    DecoderSpec,
-    HeatmapSpec,
-    InputSpec,
-    ModelCard,
-    OutputSpec,
-)
-from wsi_pipeline.inference.decoders import TileDetections, decode, validate_decoder_params
+from wsi_pipeline.inference.card_spec import ClassSpec, DecoderSpec, HeatmapSpec, InputSpec, ModelCard, OutputSpec
+from wsi_pipeline.inference.decoder_registry import validate_decoder_params
+from wsi_pipeline.inference.decoders import decode
+from wsi_pipeline.inference.tile_detections import TileDetections
 
 
 def make_card(
@@ -334,12 +329,12 @@ def test_every_decoder_drops_negative_labels_and_non_finite_boxes_by_one_rule():
 
 
 def test_first_by_key_equals_a_stable_sort_cut_short():
-    from wsi_pipeline.inference.decoders import _first_by_key
+    from wsi_pipeline.inference.decoders import first_by_key
 
     rng = np.random.default_rng(3)
     key = rng.choice([-0.9, -0.5, -0.5, -0.2, np.inf], (5, 400))  # ties everywhere, invalid rows (inf)
     for k in (0, 1, 7, 30, 49, 400):
-        np.testing.assert_array_equal(_first_by_key(key, k), np.argsort(key, axis=1, kind="stable")[:, :k])
+        np.testing.assert_array_equal(first_by_key(key, k), np.argsort(key, axis=1, kind="stable")[:, :k])
 
 
 @pytest.mark.parametrize("decoder", ["centernet", "boxes_scores_labels", "yolo"])

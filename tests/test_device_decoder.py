@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from wsi_pipeline.errors import ModelError
-from wsi_pipeline.inference.card import HeatmapSpec, OutputSpec, load_card
+from wsi_pipeline.inference.card import load_card
+from wsi_pipeline.inference.card_spec import HeatmapSpec, OutputSpec
 from wsi_pipeline.inference.decoders import decode
 
 torch = pytest.importorskip("torch")

@@ -154,7 +154,7 @@ def test_unsupported_op_is_refused_by_name(tmp_path, tiny_card):
     import onnx
     from onnx import TensorProto, helper
 
-    from wsi_pipeline.inference.torch_backend import OnnxModule
+    from wsi_pipeline.inference.onnx_torch.module import OnnxModule
 
     node = helper.make_node("Einsum", ["x", "x"], ["y"], equation="ij,ij->ij")
     graph = helper.make_graph(

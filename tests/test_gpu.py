@@ -338,7 +338,7 @@ def test_gpu_decoding_of_each_storage_kind_equals_the_cpu_reader(storage_kinds, 
     """Each JPEG kind on the decoder the run would choose (nvJPEG for YCbCr, nvImageCodec for RGB),
     read as stored and resampled on the device, against the CPU reader's tiles."""
     from wsi_pipeline.slide import open_slide
-    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder, gpu_decode_plan
+    from wsi_pipeline.tiling.gpu_decode import GpuTileDecoder, gpu_decode_plan
     from wsi_pipeline.tiling.grid import read_tile
 
     with open_slide(storage_kinds[kind]) as slide:
@@ -364,7 +364,7 @@ def test_gpu_decoding_of_each_storage_kind_equals_the_cpu_reader(storage_kinds, 
 
 def test_a_20x_model_on_an_aperio_40x_scan_runs_on_the_gpu_and_agrees_with_the_cpu(storage_kinds):
     from wsi_pipeline import Pipeline
-    from wsi_pipeline.tiling.gpu_loader import nvimgcodec_module
+    from wsi_pipeline.tiling.gpu_codecs import nvimgcodec_module
 
     if nvimgcodec_module() is None:
         pytest.skip("RGB JPEG on the GPU needs nvImageCodec")

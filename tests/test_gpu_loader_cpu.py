@@ -213,7 +213,7 @@ def _touched_pixel_by_pixel(xs0, ys0, size, tw, th, lw, lh) -> list:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_stored_tiles_touched_equals_a_pixel_by_pixel_reference(seed):
-    from wsi_pipeline.tiling.gpu_loader import stored_tiles_touched
+    from wsi_pipeline.tiling.mosaic import stored_tiles_touched
 
     rng = np.random.default_rng(seed)
     size, tw, th = int(rng.integers(5, 40)), int(rng.integers(3, 17)), int(rng.integers(3, 17))
@@ -259,13 +259,13 @@ def test_the_loaders_jpeg_decode_is_torchvisions(slide_path, device):
     import torch
     import torchvision.io
 
-    from wsi_pipeline.tiling import gpu_codecs, gpu_loader
+    from wsi_pipeline.tiling import gpu_codecs
 
-    assert gpu_codecs._READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
+    assert gpu_codecs.READ_MODE_RGB == torchvision.io.ImageReadMode.RGB.value
     with TiffSlide(str(slide_path)) as slide:
         raw = [slide.raw_tile_jpeg(0, tx, ty) for ty in range(2) for tx in range(3)]
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
-    got = gpu_loader.nvjpeg_decode(data, torch.device(device))
+    got = gpu_codecs.nvjpeg_decode(data, torch.device(device))
     want = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
     assert len(got) == len(want) == 6
     for g, w in zip(got, want, strict=True):
@@ -281,7 +281,7 @@ def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
     code = (
         "import sys\n"
         "from wsi_pipeline.tiling import gpu_codecs, gpu_loader\n"
-        "assert gpu_codecs._image_ops_loaded()\n"
+        "assert gpu_codecs.image_ops_loaded()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -292,17 +292,17 @@ def test_the_gpu_loader_loads_the_jpeg_ops_without_importing_torchvision():
 def test_without_torchvisions_jpeg_ops_the_slide_is_decoded_on_the_cpu(slide_path, monkeypatch):
     """A torchvision whose image extension is missing or differs: GPU decoding is refused, with the reason."""
     from wsi_pipeline.errors import ConfigError
-    from wsi_pipeline.tiling import gpu_decode, gpu_loader
+    from wsi_pipeline.tiling import gpu_decode
     from wsi_pipeline.tiling.slide_loader import choose_tile_decode
 
-    monkeypatch.setattr(gpu_decode, "_image_ops_loaded", lambda: False)
+    monkeypatch.setattr(gpu_decode, "image_ops_loaded", lambda: False)
     with TiffSlide(str(slide_path)) as slide:
         tiles = list(TileGrid(slide))
-        assert "no JPEG decoding ops" in gpu_loader.gpu_decode_refusal(slide, tiles)
+        assert "no JPEG decoding ops" in gpu_decode.gpu_decode_refusal(slide, tiles)
         where, why, _ = choose_tile_decode(slide, tiles, "auto", "warn", "torch", on_cuda=True)
         assert (where, "no JPEG decoding ops" in why) == ("cpu", True)
         with pytest.raises(ConfigError, match="no JPEG decoding ops"):
-            gpu_loader.GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg")
+            gpu_decode.GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg")
 
 
 # -- helper processes decoding a share of the stored tiles ------------------------------------
@@ -482,13 +482,13 @@ def test_the_warm_up_decodes_its_tiles_and_the_loader_then_decodes_as_before(sli
     import torch
     import torchvision.io
 
-    from wsi_pipeline.tiling import gpu_loader
+    from wsi_pipeline.tiling import gpu_codecs
 
-    assert gpu_loader.warm_up_nvjpeg(device, tiles=8, tile_px=64) > 0
+    assert gpu_codecs.warm_up_nvjpeg(device, tiles=8, tile_px=64) > 0
     with TiffSlide(str(slide_path)) as slide:
         raw = [slide.raw_tile_jpeg(0, tx, 0) for tx in range(3)]
     data = [torch.frombuffer(bytearray(r), dtype=torch.uint8) for r in raw]
-    got = gpu_loader.nvjpeg_decode(data, torch.device(device))
+    got = gpu_codecs.nvjpeg_decode(data, torch.device(device))
     want = torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
@@ -496,10 +496,10 @@ def test_the_warm_up_decodes_its_tiles_and_the_loader_then_decodes_as_before(sli
 def test_a_pipeline_warms_nvjpeg_up_on_its_import_thread_only_where_cuda_is(monkeypatch):
     import torch
 
-    from wsi_pipeline.tiling import gpu_loader, slide_loader
+    from wsi_pipeline.tiling import gpu_codecs, slide_loader
 
     calls = []
-    monkeypatch.setattr(gpu_loader, "warm_up_nvjpeg", lambda: calls.append(True) or 0.0)
+    monkeypatch.setattr(gpu_codecs, "warm_up_nvjpeg", lambda: calls.append(True) or 0.0)
     for available, warm_up in ((False, True), (True, False), (True, True)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
         slide_loader.import_gpu_loader_ahead(warm_up=warm_up).join(60)
@@ -515,11 +515,11 @@ def test_the_interpreter_waits_at_exit_for_the_warm_up_under_way(tmp_path):
     mark = tmp_path / "warmed"
     script = (
         "import threading, time, torch\n"
-        "from wsi_pipeline.tiling import gpu_loader, slide_loader\n"
+        "from wsi_pipeline.tiling import gpu_codecs, slide_loader\n"
         "torch.cuda.is_available = lambda: True\n"
         "started = threading.Event()\n"
         f"def slow():\n    started.set()\n    time.sleep(1.5)\n    open({str(mark)!r}, 'w').close()\n    return 1.5\n"
-        "gpu_loader.warm_up_nvjpeg = slow\n"
+        "gpu_codecs.warm_up_nvjpeg = slow\n"
         "slide_loader.import_gpu_loader_ahead()\n"
         "assert started.wait(60)\n"  # the script ends while the warm-up is under way
     )

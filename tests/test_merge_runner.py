@@ -14,7 +14,7 @@ import pytest
 
 from wsi_pipeline.errors import WSIPipelineError
 from wsi_pipeline.geometry import TilingGeometry
-from wsi_pipeline.inference.decoders import TileDetections
+from wsi_pipeline.inference.tile_detections import TileDetections
 from wsi_pipeline.stitch.merge_runner import MergeProcess, ThreadedMerge
 from wsi_pipeline.stitch.policies import CrossTileMerge, merge_policy
 from wsi_pipeline.stitch.stitcher import Stitcher

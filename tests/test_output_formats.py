@@ -16,8 +16,8 @@ import pytest
 from helpers import random_detections
 
 from wsi_pipeline import Pipeline
-from wsi_pipeline.batch import resume_state
 from wsi_pipeline.batch.resume import RunKey
+from wsi_pipeline.batch.runner import resume_state
 from wsi_pipeline.commands.run import build_config
 from wsi_pipeline.config import RunConfig, load_config
 from wsi_pipeline.errors import ConfigError, WSIPipelineError
@@ -28,7 +28,8 @@ from wsi_pipeline.io import parquet as parquet_io
 from wsi_pipeline.io.detections import make_detections, polygon_rows, read_geojson, write_geojson
 from wsi_pipeline.io.formats import DEFAULT_FORMATS, FORMATS, output_files, parse_formats
 from wsi_pipeline.io.parquet import write_geoparquet, write_parquet
-from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.outputs import OUTPUT_FILES
+from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 _WHY = "the format validators come with the dev extra"
@@ -401,9 +402,9 @@ def test_the_resume_key_covers_formats_and_keeps_default_keys():
     del settings["formats"]
     for k in ("model", "mask"):
         settings.pop(k)
-    from wsi_pipeline.batch.resume import _digest
+    from wsi_pipeline.batch.resume import settings_digest
 
-    assert default.parts["settings"] == _digest(settings)  # as before formats could be chosen
+    assert default.parts["settings"] == settings_digest(settings)  # as before formats could be chosen
     assert RunKey.of(RunConfig(formats="overlay,csv,ome-tiff,geojson"), card) == default
     other = RunKey.of(RunConfig(formats="geojson.gz,parquet"), card)
     assert other.value != default.value and other.changes_from(default.parts) == ["the settings"]

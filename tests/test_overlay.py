@@ -83,7 +83,7 @@ def _he_picture() -> tuple[np.ndarray, np.ndarray]:
 def test_boxes_of_a_colour_like_what_they_surround_are_drawn_in_a_contrasting_one():
     """A purple class on purple nuclei is drawn in a colour far from the nuclei and the stroma; a
     yellow class keeps its colour."""
-    from wsi_pipeline.io.overlay import MIN_CONTRAST_DELTA_E, _delta_e
+    from wsi_pipeline.io.overlay import MIN_CONTRAST_DELTA_E, delta_e
 
     img, boxes = _he_picture()
     purple, yellow = (123, 44, 191), (255, 255, 0)
@@ -94,7 +94,7 @@ def test_boxes_of_a_colour_like_what_they_surround_are_drawn_in_a_contrasting_on
     drawn_1 = tuple(int(v) for v in out[int(boxes[1, 1]), int(boxes[1, 0]) + 3])
     assert drawn_1 == yellow
     assert drawn_0 not in (purple, yellow)
-    assert _delta_e(np.array([drawn_0]), np.array([(95, 40, 140), (225, 160, 205)])).min() >= MIN_CONTRAST_DELTA_E
+    assert delta_e(np.array([drawn_0]), np.array([(95, 40, 140), (225, 160, 205)])).min() >= MIN_CONTRAST_DELTA_E
     kept = render_overlay(img, 1.0, boxes=boxes, labels=labels, class_colors=[purple, yellow], contrast=False)
     assert tuple(int(v) for v in kept[y0, x0 + 3]) == purple
 

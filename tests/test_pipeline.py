@@ -16,7 +16,7 @@ from wsi_pipeline.io.atomic import write_json
 from wsi_pipeline.io.detections import detection_boxes, read_geojson
 from wsi_pipeline.io.ome_tiff import HeatmapFile
 from wsi_pipeline.models.evaluate import detection_counts, dice
-from wsi_pipeline.pipeline import OUTPUT_FILES
+from wsi_pipeline.outputs import OUTPUT_FILES
 from wsi_pipeline.result import PendingResult, Result
 from wsi_pipeline.synthetic import SyntheticScene, load_truth, write_synthetic_slide
 
@@ -67,10 +67,10 @@ def test_slide_detections_match_the_ground_truth(pipe, slide_path):
 def test_a_slide_merged_in_the_merging_process_gives_the_same_detections(pipe, slide_path, run_out, monkeypatch):
     """Small images merge their boxes on a thread, large slides in the pipeline's merging process:
     the same detections either way (the module's fixture slide is small, so its threshold is lowered)."""
-    from wsi_pipeline import pipeline
+    from wsi_pipeline import slide_run
 
     on_thread = run_out[0]
-    monkeypatch.setattr(pipeline, "MERGE_PROCESS_MIN_TILES", 0)
+    monkeypatch.setattr(slide_run, "MERGE_PROCESS_MIN_TILES", 0)
     in_process = pipe.run(slide_path)
     assert (on_thread.summary["box_merge"], in_process.summary["box_merge"]) == ("thread", "process")
     assert len(in_process.detections) > 100

@@ -47,7 +47,8 @@ def setup(tmp_path_factory):
     from helpers.toy_extensions import write_rawrgb
     from helpers.toy_models import build_toy_model
 
-    from wsi_pipeline.inference.card import DecoderSpec, write_card
+    from wsi_pipeline.inference.card import write_card
+    from wsi_pipeline.inference.card_spec import DecoderSpec
 
     root = tmp_path_factory.mktemp("plugins")
     plugin_dir = root / "site"

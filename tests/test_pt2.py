@@ -29,18 +29,11 @@ from torch import nn  # noqa: E402
 from wsi_pipeline import Pipeline  # noqa: E402
 from wsi_pipeline.errors import ModelError  # noqa: E402
 from wsi_pipeline.inference.backend import create_backend, resolve_backend  # noqa: E402
-from wsi_pipeline.inference.card import (  # noqa: E402
-    ClassSpec,
-    DecoderSpec,
-    InputSpec,
-    ModelCard,
-    OutputSpec,
-    file_sha256,
-    load_card,
-    write_card,
-)
-from wsi_pipeline.inference.decoders import TileDetections, decode  # noqa: E402
+from wsi_pipeline.inference.card import file_sha256, load_card, write_card  # noqa: E402
+from wsi_pipeline.inference.card_spec import ClassSpec, DecoderSpec, InputSpec, ModelCard, OutputSpec  # noqa: E402
+from wsi_pipeline.inference.decoders import decode  # noqa: E402
 from wsi_pipeline.inference.executor import Executor  # noqa: E402
+from wsi_pipeline.inference.tile_detections import TileDetections  # noqa: E402
 from wsi_pipeline.synthetic import write_synthetic_slide  # noqa: E402
 
 _GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,7 +8,7 @@ import tifffile
 from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import open_slide
-from wsi_pipeline.slide.stored_tiles import _TileCache
+from wsi_pipeline.slide.stored_tiles import TileCache
 from wsi_pipeline.slide.tiff_backend import TiffSlide
 from wsi_pipeline.tiling import TileGrid, read_tile
 
@@ -88,7 +88,7 @@ def test_threads_with_a_tiny_cache_read_exact_pixels(pyramid_tiff):
 
 
 def test_cache_never_hands_out_a_pinned_slot():
-    cache = _TileCache(2 * TILE_BYTES)
+    cache = TileCache(2 * TILE_BYTES)
     a = cache.slot((256, 256))
     a[...] = 1
     with cache.lock:

@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 from helpers import corrupt_stored_tile
 
-from wsi_pipeline.batch import expand_inputs, output_names, run_batch, run_key
+from wsi_pipeline.batch import expand_inputs, run_batch, run_key
+from wsi_pipeline.batch.folder import output_names
 from wsi_pipeline.batch.jobs import process_slide
 from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.config import RunConfig
 from wsi_pipeline.errors import ModelError, UsageError
 from wsi_pipeline.inference.card import load_card
-from wsi_pipeline.pipeline import DEFAULT_MODEL, OUTPUT_FILES
+from wsi_pipeline.outputs import OUTPUT_FILES
+from wsi_pipeline.pipeline import DEFAULT_MODEL
 from wsi_pipeline.synthetic import write_synthetic_slide
 
 

@@ -131,7 +131,7 @@ def test_merge_recovers_objects_larger_than_the_overlap():
 
 @pytest.mark.parametrize("n", [0, 1, 1000])
 def test_reading_order_equals_lexsort(n):
-    from wsi_pipeline.stitch.stitcher import reading_order
+    from wsi_pipeline.boxes.nms import reading_order
 
     rng = np.random.default_rng(n)
     boxes = rng.uniform(0, 50, (n, 4)).round(0).astype(np.float32)  # many ties

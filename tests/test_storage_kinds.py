@@ -107,7 +107,7 @@ def test_the_gpu_loaders_assembly_equals_the_cpu_reader(storage_kinds, kind, mpp
     """Same tiles through the GPU loader's assembly and resampling (CPU device, libjpeg-turbo
     decoding) and through the CPU reader (``read_tile``: region then ``cv2.INTER_AREA``)."""
     pytest.importorskip("torch")
-    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
+    from wsi_pipeline.tiling.gpu_decode import GpuTileDecoder
 
     with open_slide(storage_kinds[kind]) as slide:
         grid = TileGrid(slide, 512, 64, mpp=mpp) if mpp else TileGrid(slide)

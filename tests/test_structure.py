@@ -1,6 +1,9 @@
-"""The package's shape: no import circle, no module over 600 lines, no function over 80.
+"""The package's shape: no import circle, no module over 600 lines, no class over 300, no function
+over 80; each name imported from the module that defines it, and no private name across modules.
 
-A module that grows past these limits is split by job; a function, into named steps.
+A module that grows past these limits is split by job; a class, by job into classes or modules it
+uses; a function, into named steps. ``python tests/test_structure.py`` prints what breaks the rules
+on names, with counts.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from pathlib import Path
 import wsi_pipeline
 
 PACKAGE = Path(wsi_pipeline.__path__[0])
+# The package's callers held to the rules on names too.
+CALLERS = [PACKAGE, PACKAGE.parent / "tests", PACKAGE.parent / "benchmarks"]
 MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 80
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
 
 def _is_import_module(func: ast.expr) -> bool:
@@ -166,3 +172,197 @@ def test_no_function_is_over_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     over[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = lines
     assert over == {}
+
+
+def test_no_class_is_over_the_limit():
+    over = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    over[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = lines
+    assert over == {}
+
+
+# -- names: defined where they are imported from -------------------------------------------------
+#
+# The rule: a name that a module takes with ``from M import name`` (M a module of the package, the
+# name not a submodule of M) is defined in M (a top-level ``def``, ``class`` or assignment,
+# including those under a top-level ``if``/``try``/``with``/``for``), or M is a package
+# ``__init__`` that lists it in ``__all__`` (the package's declared public API). A module other
+# than a package ``__init__`` lists in ``__all__`` only names it defines. A name with one leading
+# underscore is taken by no other module (its tests included), nor read as an attribute of a module
+# another module imported.
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """The names a module defines at its top level (not those it imports)."""
+    defined: set[str] = set()
+
+    def targets(node: ast.expr) -> None:
+        if isinstance(node, ast.Name):
+            defined.add(node.id)
+        elif isinstance(node, (ast.Tuple, ast.List)):
+            for e in node.elts:
+                targets(e)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    def body(stmts: list[ast.stmt]) -> None:
+        for s in stmts:
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(s.name)
+            elif isinstance(s, ast.Assign):
+                for t in s.targets:
+                    targets(t)
+            elif isinstance(s, (ast.AnnAssign, ast.AugAssign)):
+                targets(s.target)
+            elif isinstance(s, (ast.For, ast.AsyncFor)):
+                targets(s.target)
+                body(s.body + s.orelse)
+            elif isinstance(s, (ast.If, ast.While)):
+                body(s.body + s.orelse)
+            elif isinstance(s, (ast.With, ast.AsyncWith)):
+                for item in s.items:
+                    if item.optional_vars is not None:
+                        targets(item.optional_vars)
+                body(s.body)
+            elif isinstance(s, ast.Try):
+                body(s.body + s.orelse + s.finalbody + [x for h in s.handlers for x in h.body])
+
+    body(tree.body)
+    return defined
+
+
+def _declared_all(tree: ast.Module) -> set[str]:
+    for s in tree.body:
+        if isinstance(s, (ast.Assign, ast.AnnAssign)):
+            names = s.targets if isinstance(s, ast.Assign) else [s.target]
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in names):
+                assert isinstance(s.value, (ast.List, ast.Tuple)), "__all__ is a list of names written out"
+                return {e.value for e in s.value.elts if isinstance(e, ast.Constant)}
+    return set()
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _names_taken(
+    path: Path, modules: dict[str, Path], package_dir: Path = PACKAGE
+) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, str]]]:
+    """(line, module, name) for each name ``path`` takes by ``from M import name`` from a module M
+    of the package other than itself, submodules left out; and for each attribute it reads of such
+    a module bound by an import (``from pkg import m`` or ``import pkg.m as m``, then ``m.name``)."""
+    own = _module_name(path, package_dir) if path.is_relative_to(package_dir) else None
+    package = (own if path.name == "__init__.py" else own.rpartition(".")[0]) if own else None
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    taken, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            if package is None:
+                continue
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            module = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            module = node.module or ""
+        bound.update({a.asname or a.name: f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in modules})
+        if module not in modules or module == own:
+            continue
+        taken.extend((node.lineno, module, a.name) for a in node.names if f"{module}.{a.name}" not in modules)
+    read = [
+        (node.lineno, bound[node.value.id], node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+        if bound[node.value.id] != own and f"{bound[node.value.id]}.{node.attr}" not in modules
+    ]
+    return taken, read
+
+
+def name_faults(package_dir: Path = PACKAGE, callers: list[Path] = CALLERS) -> dict[str, list[str]]:
+    """What breaks the rules on names in ``package_dir`` and the modules of ``callers``: ``reexported``
+    (a name taken from a module that does not define it), ``private`` (a private name taken across
+    modules), ``undeclared_all`` (a module's ``__all__`` naming what it does not define)."""
+    modules = _modules(package_dir)
+    trees = {m: ast.parse(p.read_text(encoding="utf-8")) for m, p in modules.items()}
+    defined = {m: _top_level_names(t) for m, t in trees.items()}
+    public = {m: _declared_all(t) if modules[m].name == "__init__.py" else set() for m, t in trees.items()}
+    faults: dict[str, list[str]] = {"reexported": [], "private": [], "undeclared_all": []}
+    for folder in callers:
+        for path in sorted(folder.rglob("*.py")):
+            where = path.relative_to(package_dir.parent)
+            taken, read = _names_taken(path, modules, package_dir)
+            for line, module, name in taken:
+                if _is_private(name):
+                    faults["private"].append(f"{where}:{line} {module}.{name}")
+                if name not in defined[module] and name not in public[module]:
+                    faults["reexported"].append(f"{where}:{line} {module}.{name}")
+            # A module's attribute read by another: a private one is a private import by another
+            # name. (Its other attributes are left alone: a test patches a module's names where
+            # they are used.)
+            faults["private"].extend(f"{where}:{line} {m}.{name}" for line, m, name in read if _is_private(name))
+    for m, path in modules.items():
+        if path.name != "__init__.py":
+            faults["undeclared_all"].extend(f"{m}.{n}" for n in sorted(_declared_all(trees[m]) - defined[m]))
+    return faults
+
+
+def test_the_rules_on_names_are_read():
+    tree = ast.parse(
+        "import os\nfrom x import y\ntry:\n    A = 1\nexcept ImportError:\n    B = 2\n"
+        "if True:\n    def f(): pass\nclass C: pass\n__all__ = ['A', 'y']\n"
+    )
+    assert _top_level_names(tree) == {"A", "B", "f", "C", "__all__"}
+    assert _declared_all(tree) == {"A", "y"}
+    assert _is_private("_fill") and not _is_private("__version__") and not _is_private("fill")
+    taken, _ = _names_taken(PACKAGE / "pipeline.py", _modules())
+    assert ("wsi_pipeline.config", "RunConfig") in {(m, n) for _, m, n in taken}
+    assert not [n for _, m, n in taken if m == "wsi_pipeline.stitch" and n == "stitcher"]  # a submodule
+
+
+def test_a_facade_a_private_import_and_an_undeclared_all_are_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .sub.a import A, B\n__all__ = ['A']\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("import os\nA = 1\nB = 2\n_C = 3\n")
+    (pkg / "sub" / "b.py").write_text("from .a import A, os\nfrom . import a\n__all__ = ['A', 'D']\nD = 4\n")
+    (pkg / "c.py").write_text("from pkg import A, B\nfrom pkg.sub.a import _C\nfrom pkg.sub import b\nb._x, b.D\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("from pkg.sub.b import A\nfrom pkg.sub.a import B\n")
+    faults = name_faults(pkg, [pkg, tmp_path / "tests"])
+    assert faults == {
+        "reexported": ["pkg/c.py:1 pkg.B", "pkg/sub/b.py:1 pkg.sub.a.os", "tests/t.py:1 pkg.sub.b.A"],
+        "private": ["pkg/c.py:2 pkg.sub.a._C", "pkg/c.py:4 pkg.sub.b._x"],
+        "undeclared_all": ["pkg.sub.b.A"],
+    }
+
+
+def test_each_name_is_taken_from_the_module_that_defines_it():
+    assert name_faults()["reexported"] == []
+
+
+def test_no_private_name_is_taken_from_another_module():
+    assert name_faults()["private"] == []
+
+
+def test_a_module_declares_only_its_own_names():
+    """Only a package's ``__init__`` hands on names it does not define (those of its ``__all__``)."""
+    assert name_faults()["undeclared_all"] == []
+
+
+if __name__ == "__main__":
+    for kind, found in name_faults().items():
+        print(f"{kind}: {len(found)} ({len({f.split()[-1] for f in found})} names)")
+        for f in found:
+            print("   ", f)
+    print("classes over", MAX_CLASS_LINES, "lines:")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                print(f"    {path.relative_to(PACKAGE)} {node.name}: {node.end_lineno - node.lineno + 1}")

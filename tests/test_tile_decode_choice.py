@@ -12,7 +12,7 @@ from wsi_pipeline.slide import open_slide
 from wsi_pipeline.tiling import TileGrid
 
 pytest.importorskip("torchvision")
-from wsi_pipeline.tiling.gpu_loader import gpu_decode_refusal  # noqa: E402
+from wsi_pipeline.tiling.gpu_decode import gpu_decode_refusal  # noqa: E402
 
 
 def _tiff(path, photometric: str, compression: str = "jpeg"):
@@ -56,7 +56,7 @@ def test_gpu_decode_takes_ycbcr_jpeg_and_rgb_jpeg_where_nvimgcodec_is(
 
 
 def test_resized_grids_go_to_the_gpu_and_plain_images_stay_on_the_cpu(tmp_path):
-    from wsi_pipeline.tiling.gpu_loader import gpu_decode_plan
+    from wsi_pipeline.tiling.gpu_decode import gpu_decode_plan
 
     with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
         decoder, why = gpu_decode_plan(slide, list(TileGrid(slide, 512, 64, mpp=0.37)))
@@ -92,14 +92,14 @@ def test_failing_on_damaged_tiles_keeps_decoding_on_the_cpu(tmp_path):
 
 def test_a_batch_nvjpeg_refuses_is_decoded_by_libjpeg_turbo(tmp_path, monkeypatch):
     """The fallback inside the GPU loader (run here on the CPU device): same pixels as the CPU reader."""
-    from wsi_pipeline.tiling import gpu_decode
-    from wsi_pipeline.tiling.gpu_loader import GpuTileDecoder
+    from wsi_pipeline.tiling import stored_tile_decoding
+    from wsi_pipeline.tiling.gpu_decode import GpuTileDecoder
     from wsi_pipeline.tiling.grid import read_tile
 
     def refuse(*args, **kwargs):
         raise RuntimeError("nvjpeg: unsupported stream")
 
-    monkeypatch.setattr(gpu_decode, "nvjpeg_decode", refuse)
+    monkeypatch.setattr(stored_tile_decoding, "nvjpeg_decode", refuse)
     with open_slide(_tiff(tmp_path / "s.tiff", "ycbcr")) as slide:
         tiles = list(TileGrid(slide))
         dec = GpuTileDecoder(slide, device="cpu", jpeg_decoder="nvjpeg", threads=2)

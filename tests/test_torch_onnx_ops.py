@@ -18,7 +18,7 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from wsi_pipeline.errors import ModelError  # noqa: E402
-from wsi_pipeline.inference.torch_backend import OnnxModule  # noqa: E402
+from wsi_pipeline.inference.onnx_torch.module import OnnxModule  # noqa: E402
 
 ATOL = 1e-5
 RTOL = 1e-5
@@ -211,26 +211,27 @@ def test_training_mode_batchnorm_is_refused(tmp_path):
 def test_host_values_recorded_before_a_capture_are_reused_in_it():
     """A CUDA graph capture cannot copy pageable host memory: the warm-up pass records the device
     copies of host values (shape arithmetic) and the capture reuses them, in order."""
-    from wsi_pipeline.inference.torch_backend import _host_to_device, _HostCopies
+    from wsi_pipeline.inference.onnx_torch.host_values import HostCopies, host_to_device
 
     meta = torch.device("meta")  # a device on every machine; the bookkeeping is the same
-    with _HostCopies("record", []) as copies:
-        first = _host_to_device(torch.arange(4.0), meta)
-        second = _host_to_device(torch.ones(2, 3), meta)
+    with HostCopies("record", []) as copies:
+        first = host_to_device(torch.arange(4.0), meta)
+        second = host_to_device(torch.ones(2, 3), meta)
     assert [c[1] for c in copies] == [first, second]
-    with _HostCopies("replay", copies):
-        assert _host_to_device(torch.arange(4.0), meta) is first
-        assert _host_to_device(torch.ones(2, 3), meta) is second
-    with _HostCopies("replay", copies), pytest.raises(ModelError, match="CUDA graph"):
-        _host_to_device(torch.arange(5.0), meta)  # not what the warm-up pass saw
-    assert _host_to_device(torch.arange(3.0), meta).device == meta  # outside a capture: a plain copy
+    with HostCopies("replay", copies):
+        assert host_to_device(torch.arange(4.0), meta) is first
+        assert host_to_device(torch.ones(2, 3), meta) is second
+    with HostCopies("replay", copies), pytest.raises(ModelError, match="CUDA graph"):
+        host_to_device(torch.arange(5.0), meta)  # not what the warm-up pass saw
+    assert host_to_device(torch.arange(3.0), meta).device == meta  # outside a capture: a plain copy
 
 
-def test_the_interpreter_is_one_class_importable_from_the_backend_and_its_own_package():
-    """Split by job, the backend module still offers the interpreter and the .pt2 loader."""
+def test_the_interpreter_is_one_class_that_the_backend_runs():
+    """Split by job, the backend runs the interpreter and the .pt2 loader of their own modules."""
     from wsi_pipeline.inference import onnx_torch, torch_backend, torch_export
+    from wsi_pipeline.inference.onnx_torch import host_values, module
 
-    assert torch_backend.OnnxModule is onnx_torch.OnnxModule
+    assert torch_backend.OnnxModule is onnx_torch.OnnxModule is module.OnnxModule
     assert torch_backend.ExportedModule is torch_export.ExportedModule
-    assert torch_backend._HostCopies is onnx_torch.HostCopies
+    assert torch_backend.HostCopies is onnx_torch.HostCopies is host_values.HostCopies
     assert "Conv" in onnx_torch.OnnxModule.SUPPORTED_OPS

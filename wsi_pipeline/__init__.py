@@ -21,8 +21,12 @@ __all__ = [
 
 def __getattr__(name: str):
     # The pipeline pulls in the inference stack; load it on first use only.
-    if name in ("Pipeline", "Result"):
-        from . import pipeline
+    if name == "Pipeline":
+        from .pipeline import Pipeline
 
-        return getattr(pipeline, name)
+        return Pipeline
+    if name == "Result":
+        from .result import Result
+
+        return Result
     raise AttributeError(f"module 'wsi_pipeline' has no attribute {name!r}")

@@ -32,7 +32,7 @@ import numpy as np
 
 from .config import RunConfig
 from .geometry import TilingGeometry
-from .inference.card import ModelCard
+from .inference.card_spec import ModelCard
 from .io.atomic import partial_name, write_joined, write_json
 from .io.detections import PartsWriter, detection_boxes, feature_ids, parse_color, with_tiles
 from .io.formats import (

@@ -17,7 +17,7 @@ from . import slide_warnings
 from .config import RunConfig
 from .errors import SlideError
 from .geometry import TilingGeometry
-from .inference.card import ModelCard
+from .inference.card_spec import ModelCard
 from .slide import Slide, as_slide
 from .stages import StageTimer
 from .stitch import blend

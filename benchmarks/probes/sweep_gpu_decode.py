@@ -67,11 +67,11 @@ def main() -> int:
                     pipe.jpeg_helpers = None
                 elif setting[0] == "combo":
                     slide_loader.GPU_DECODE_BATCHES, slide_loader.GPU_DECODE_THREADS = setting[1:3]
-                    jpeg_processes._KEPT_STAGING = max(2, setting[2])  # a staging buffer per loader thread
+                    jpeg_processes.KEPT_STAGING = max(2, setting[2])  # a staging buffer per loader thread
                     pipe.jpeg_helpers = setting[3]
                 else:
                     slide_loader.GPU_DECODE_BATCHES, slide_loader.GPU_DECODE_THREADS = 4, 2
-                    jpeg_processes._KEPT_STAGING = 2
+                    jpeg_processes.KEPT_STAGING = 2
                     pipe.jpeg_helpers = setting[1]
                 t0 = time.perf_counter()
                 r = pipe.run(args.slide)

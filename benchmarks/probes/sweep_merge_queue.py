@@ -8,7 +8,7 @@ Usage: ``python benchmarks/probes/sweep_merge_queue.py SLIDE [--rounds 3]
 
 The stitching thread hands each row's mapped boxes to the merge policy
 A variant ``process`` runs it in the pipeline's merging process (what
-slides of at least ``pipeline.MERGE_PROCESS_MIN_TILES`` tiles do), ``thread:N``
+slides of at least ``slide_run.MERGE_PROCESS_MIN_TILES`` tiles do), ``thread:N``
 on a thread of the run's own process (the threshold is raised past the
 slide) with ``stitch.stitcher.MERGE_QUEUE`` = N calls that may wait. One process, one pipeline; each round runs every
 variant once, so machine drift spreads over all of them. Prints the median
@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 
-from wsi_pipeline import Pipeline, pipeline
+from wsi_pipeline import Pipeline, slide_run
 from wsi_pipeline.stitch import stitcher
 
 
@@ -40,19 +40,19 @@ def main() -> int:
     variants = [(v, 0) if v == "process" else ("thread", int(v[7:])) for v in names]
     rates: dict[str, list[float]] = {v: [] for v in names}
     stitch: dict[str, list[float]] = {k: [] for k in rates}
-    defaults = stitcher.MERGE_QUEUE, pipeline.MERGE_PROCESS_MIN_TILES
+    defaults = stitcher.MERGE_QUEUE, slide_run.MERGE_PROCESS_MIN_TILES
     with Pipeline.from_card(backend=args.backend) as pipe:
         pipe.run(args.slide)  # warm-up: CUDA graphs, cuDNN, the merging process
         for _ in range(args.rounds):
             for name, (where, n) in zip(names, variants, strict=True):
                 stitcher.MERGE_QUEUE = n or defaults[0]
-                pipeline.MERGE_PROCESS_MIN_TILES = defaults[1] if where == "process" else 1 << 62
+                slide_run.MERGE_PROCESS_MIN_TILES = defaults[1] if where == "process" else 1 << 62
                 try:
                     t0 = time.perf_counter()
                     r = pipe.run(args.slide)
                     seconds = time.perf_counter() - t0
                 finally:
-                    stitcher.MERGE_QUEUE, pipeline.MERGE_PROCESS_MIN_TILES = defaults
+                    stitcher.MERGE_QUEUE, slide_run.MERGE_PROCESS_MIN_TILES = defaults
                 if r.summary["box_merge"] != where:
                     raise SystemExit(f"{name} ran its merge on a {r.summary['box_merge']}")
                 rates[name].append(round(r.summary["tiles"]["read"] / seconds, 1))

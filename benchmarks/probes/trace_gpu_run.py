@@ -44,14 +44,14 @@ from pathlib import Path
 
 import torch
 
-from wsi_pipeline import Pipeline, outputs, pipeline
+from wsi_pipeline import Pipeline, outputs, pipeline, slide_run
 from wsi_pipeline.batch import run_key
 from wsi_pipeline.batch.jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import cuda_worker, device_decode, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
 from wsi_pipeline.slide import base, tiff_backend
 from wsi_pipeline.stitch import blend, merge_runner, stitcher
-from wsi_pipeline.tiling import gpu_decode, gpu_loader, jpeg_processes
+from wsi_pipeline.tiling import gpu_decode, gpu_loader, jpeg_processes, stored_tile_decoding
 
 _totals: dict = collections.defaultdict(lambda: [0.0, 0])
 _lock = threading.Lock()
@@ -142,9 +142,9 @@ def _timed(owner, name: str, label: str) -> None:
 
 # (owner, attribute, label) of the calls timed in a run, and of those added for a batch's outputs.
 RUN_SITES = [
-    (gpu_decode, "nvjpeg_decode", "nvJPEG decode_jpeg"),
-    (gpu_loader.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
-    (gpu_loader._HandOff, "take", "loader hand-off wait"),
+    (stored_tile_decoding, "nvjpeg_decode", "nvJPEG decode_jpeg"),
+    (gpu_decode.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
+    (gpu_loader.HandOff, "take", "loader hand-off wait"),
     (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
     (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
     (cuda_worker.CudaWorker, "process", "worker batch (all of it)"),
@@ -157,15 +157,15 @@ RUN_SITES = [
     (stitcher.Stitcher, "finish", "stitcher finish"),
     # before the first batch and after the last
     (pipeline.Pipeline, "plan", "plan the slide"),
-    (pipeline, "SlideOutputs", "outputs: set up"),
-    (pipeline, "Stitcher", "stitcher: set up"),
+    (slide_run, "SlideOutputs", "outputs: set up"),
+    (slide_run, "Stitcher", "stitcher: set up"),
     (merge_runner.MergeProcess, "merge", "box merge: open the slide's session"),
-    (pipeline, "choose_tile_decode", "choose the decoder"),
-    (pipeline, "make_slide_loader", "make the loader"),
+    (slide_run, "choose_tile_decode", "choose the decoder"),
+    (slide_run, "make_slide_loader", "make the loader"),
     (gpu_decode, "stored_tiles_touched", "loader: stored tiles touched"),
-    (gpu_loader.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
+    (gpu_decode.GpuTileDecoder, "_decode_into", "loader: decode into the mosaic"),
     (jpeg_processes.JpegHelpers, "start", "JPEG helpers: send a batch's share"),
-    (jpeg_processes._Pending, "wait", "JPEG helpers: wait for the share"),
+    (jpeg_processes.PendingShare, "wait", "JPEG helpers: wait for the share"),
     (jpeg_processes.JpegHelpers, "acquire_staging", "JPEG helpers: staging buffer"),
     (gpu_loader.GpuTileLoader, "close", "loader: close"),
     (tiff_backend.TiffSlide, "clear_cache", "slide: clear the cache"),
@@ -175,7 +175,7 @@ RUN_SITES = [
 ]
 OUTPUT_SITES = [
     (pipeline, "tissue_mask", "tissue mask"),
-    (pipeline, "build_summary", "summary"),
+    (slide_run, "build_summary", "summary"),
     (outputs.SlideOutputs, "write", "outputs: start the files"),
     (outputs.SlideOutputs, "overlay_inputs", "outputs: overlay inputs"),
     (outputs.SlideOutputs, "heatmap_scores", "outputs: heatmap statistics"),

@@ -30,18 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from wsi_pipeline.inference.card import (
-    ClassSpec,
-    DecoderSpec,
-    HeatmapSpec,
-    InputSpec,
-    ModelCard,
-    OutputSpec,
-    file_sha256,
-    format_for,
-    load_card,
-    write_card,
-)
+from wsi_pipeline.inference.card import file_sha256, format_for, load_card, write_card
+from wsi_pipeline.inference.card_spec import ClassSpec, DecoderSpec, HeatmapSpec, InputSpec, ModelCard, OutputSpec
 
 TILE = 64
 MEAN = (120.0, 110.0, 100.0)

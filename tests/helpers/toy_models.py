@@ -14,17 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wsi_pipeline.inference.card import (
-    ClassSpec,
-    DecoderSpec,
-    HeatmapSpec,
-    InputSpec,
-    ModelCard,
-    OutputSpec,
-    file_sha256,
-    load_card,
-    write_card,
-)
+from wsi_pipeline.inference.card import file_sha256, load_card, write_card
+from wsi_pipeline.inference.card_spec import ClassSpec, DecoderSpec, HeatmapSpec, InputSpec, ModelCard, OutputSpec
 
 # Detections of a white tile, in tile pixels (xyxy) for the boxes_scores_labels model.
 TOY_BOXES = np.array([[2, 3, 12, 14], [20, 20, 30, 28], [5, 5, 9, 9]], np.float32)

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 from ..file_identity import input_identity
-from ..inference.card import ModelCard
+from ..inference.card_spec import ModelCard
 from .folder import remove_or_warn, slide_dir, slides_dir
 from .resume import RunKey
 
@@ -89,7 +89,7 @@ class PipelineFactory:
     card: ModelCard | None = None
 
     def __call__(self) -> Any:
-        from ..inference.card import verify_model_file
+        from ..inference.model_signature import verify_model_file
         from ..pipeline import Pipeline
 
         try:

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import ConfigError, UsageError
-from ..inference.card import ModelCard
+from ..inference.card_spec import ModelCard
 from ..io.formats import DEFAULT_FORMATS
 
 KEY_FORMAT = 2
@@ -29,7 +29,7 @@ KEY_FORMAT = 2
 PART_NAMES = {"settings": "the settings", "card": "the model card", "model": "the model file", "mask": "the mask file"}
 
 
-def _digest(obj: Any) -> str:
+def settings_digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -41,10 +41,10 @@ def mask_sha256(path: str | os.PathLike[str]) -> str:
     if not os.path.isfile(p):
         raise UsageError(f"{p}: mask file not found (--tissue file needs --mask PATH of an image or GeoJSON)")
     if p.lower().endswith((".geojson", ".json")):
-        from ..tiling.tissue import _geojson_polygons
+        from ..tiling.tissue import geojson_polygons
 
         try:
-            _geojson_polygons(p)
+            geojson_polygons(p)
         except (ConfigError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as exc:
             raise UsageError(f"{p}: not a usable mask: {exc}") from None
     try:
@@ -72,14 +72,14 @@ class RunKey:
         if tuple(settings.get("formats", DEFAULT_FORMATS)) == DEFAULT_FORMATS:
             settings.pop("formats", None)
         card_doc = card.to_dict()
-        parts = {"settings": _digest(settings), "card": _digest(card_doc), "model": card.sha256[:16]}
+        parts = {"settings": settings_digest(settings), "card": settings_digest(card_doc), "model": card.sha256[:16]}
         if config.mask:
             parts["mask"] = mask_sha256(config.mask)[:16]
         return cls(parts, config.slide_hash)
 
     @property
     def value(self) -> str:
-        return _digest({"format": KEY_FORMAT, **self.parts})
+        return settings_digest({"format": KEY_FORMAT, **self.parts})
 
     def changes_from(self, recorded: dict[str, Any] | None) -> list[str]:
         """What differs from the parts a summary recorded (names from :data:`PART_NAMES`)."""

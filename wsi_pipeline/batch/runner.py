@@ -39,14 +39,13 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import UsageError
 from ..file_identity import input_identity
-from ..inference.card import ModelCard
+from ..inference.card_spec import ModelCard
 from ..io.atomic import write_json
 from ..slide.readers import lists_slide
 from ..special_files import special_kind
 from ..summary import read_summary
 from .dicom_series import one_file_per_dicom_series
 from .folder import (
-    LOG_FILE,
     MANIFEST,
     SLIDES_DIR,
     OutputFolderError,
@@ -58,7 +57,7 @@ from .folder import (
     slide_dir,
     slides_dir,
 )
-from .jobs import PipelineFactory, SlideOutcome, path_record, process_slide
+from .jobs import SlideOutcome, path_record
 from .resume import RunKey, why_redo
 from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
 
@@ -66,19 +65,7 @@ log = logging.getLogger("wsi_pipeline")
 
 LIST_EXTENSIONS = (".txt", ".csv")
 _counter = itertools.count()
-__all__ = [
-    "LOG_FILE",
-    "MANIFEST",
-    "BatchReport",
-    "Manifest",
-    "PipelineFactory",
-    "SlideOutcome",
-    "expand_inputs",
-    "output_names",
-    "process_slide",
-    "run_batch",
-    "run_key",
-]
+__all__ = ["BatchReport", "Manifest", "expand_inputs", "run_batch", "run_key"]
 
 
 # -- inputs ---------------------------------------------------------------------

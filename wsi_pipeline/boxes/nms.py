@@ -70,7 +70,7 @@ def check_boxes(
     return boxes, scores, labels
 
 
-def _check_options(iou_threshold: float, metric: str) -> None:
+def check_nms_options(iou_threshold: float, metric: str) -> None:
     if metric not in METRICS:
         msg = f"metric: expected one of {METRICS}, found {metric!r}"
         raise ValueError(msg)
@@ -175,7 +175,7 @@ def global_nms(
         boxes when no two scores tie.
     """
     boxes, scores, labels = check_boxes(boxes, scores, labels)
-    _check_options(iou_threshold, metric)
+    check_nms_options(iou_threshold, metric)
     n = len(boxes)
     if n == 0:
         return np.zeros(0, dtype=np.int64)

@@ -52,8 +52,9 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from ..inference.card import CARD_SUFFIX, card_path_for
+    from ..inference.card import card_path_for
     from ..inference.card_init import check_card
+    from ..inference.card_spec import CARD_SUFFIX
 
     path = args.card if args.card.endswith((CARD_SUFFIX, ".json")) else str(card_path_for(args.card))
     card = check_card(path, run=not args.no_run)

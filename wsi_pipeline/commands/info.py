@@ -11,7 +11,7 @@ from ..errors import PluginError, UsageError
 from ..inference.backend import cuda_may_be_present
 from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
 from ..plugins import load_plugins
-from ..slide import BACKENDS, open_slide
+from ..slide import BACKENDS, Slide, open_slide
 from ..slide.readers import reader_names
 from ..tiling.gpu_choice import storage_gpu_decoder
 
@@ -33,11 +33,11 @@ def describe(path: str, backend: str = "auto") -> dict:
             "vendor": slide.vendor,
             "background_rgb": list(slide.background_rgb),
             "storage": slide.stored_tile_format(0),
-            "gpu_decode": _gpu_decode(slide),
+            "gpu_decode": gpu_decode_info(slide),
         }
 
 
-def _gpu_decode(slide) -> dict:
+def gpu_decode_info(slide: Slide) -> dict:
     """How a run on a CUDA backend would decode level 0's stored tiles, and whether this machine
     has CUDA (``cuda``; without it, a run decodes on the CPU)."""
     decoder, why = storage_gpu_decoder(slide.stored_tile_format(0), slide.backend, 0)

@@ -9,12 +9,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..batch import LOG_FILE, PipelineFactory, expand_inputs, run_batch, run_key
-from ..batch.folder import LOCK_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
+from ..batch import expand_inputs, run_batch, run_key
+from ..batch.folder import LOCK_FILE, LOG_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
+from ..batch.jobs import PipelineFactory
 from ..config import (
-    BACKEND_CHOICES,
     BLEND_CHOICES,
-    DAMAGED_TILE_CHOICES,
     DECODE_CHOICES,
     MERGE_CHOICES,
     RESAMPLE_CHOICES,
@@ -24,8 +23,10 @@ from ..config import (
     load_config,
 )
 from ..errors import ConfigError, ModelError, UsageError
+from ..inference.backend import BACKEND_CHOICES
 from ..inference.shipped import DEFAULT_MODEL_NAME, shipped_names
 from ..io.formats import DEFAULT_FORMATS, FORMATS
+from ..slide.damage import DAMAGED_TILE_CHOICES
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
 DESCRIPTION = """\

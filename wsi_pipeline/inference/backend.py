@@ -17,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
-from .card import ModelCard, load_card, require_onnx
+from .card import load_card, require_onnx
+from .card_spec import ModelCard
 
 
 @runtime_checkable

@@ -27,16 +27,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ModelError, UsageError
-from .card import (
-    INPUT_DTYPES,
-    SCHEMA_VERSION,
-    ModelCard,
-    card_path_for,
-    file_sha256,
-    format_for,
-    load_card,
-)
+from .card import card_path_for, file_sha256, format_for, load_card
 from .card_fields import Dim
+from .card_spec import INPUT_DTYPES, SCHEMA_VERSION, ModelCard
 from .decoder_registry import decoder_types
 from .model_signature import ort_session, ort_signature
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError
 from .backend import resolve_backend
-from .card import ModelCard
+from .card_spec import ModelCard
 from .executor import Executor
 
 log = logging.getLogger("wsi_pipeline")

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .decoders import BatchDetections
 from .device_decode import DeviceDecoder
+from .tile_detections import BatchDetections
 
 
 class HostRegistry:

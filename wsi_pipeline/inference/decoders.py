@@ -60,11 +60,9 @@ from .decoder_registry import (
     EntryField,
     ParamTable,
     decoder_entry,
+    decoder_params,
     register_decoder,
 )
-from .decoder_registry import decode_names as decode_names
-from .decoder_registry import decoder_params as decoder_params
-from .decoder_registry import validate_decoder_params as validate_decoder_params
 from .tile_detections import BatchDetections, TileDetections, row_offsets, rows_over_cap
 
 if TYPE_CHECKING:
@@ -183,7 +181,7 @@ def detection_rows(boxes: np.ndarray, scores: np.ndarray, labels: np.ndarray, sc
     return (scores >= score_threshold) & (labels >= 0) & np.isfinite(boxes).all(axis=-1)
 
 
-def _first_by_key(key: np.ndarray, k: int) -> np.ndarray:
+def first_by_key(key: np.ndarray, k: int) -> np.ndarray:
     """Each row's columns of its ``k`` smallest keys, in key order, ties in column order: the first ``k``
     of a stable argsort, without sorting a row of a million rows where ``k`` is small."""
     b, n = key.shape
@@ -220,7 +218,7 @@ def _ranked(
     if limit is not None:
         counts = np.minimum(counts, limit)
     k = int(counts.max(initial=0))
-    order = _first_by_key(key, k)
+    order = first_by_key(key, k)
     rows = np.arange(len(order))[:, None]
     take = np.arange(k)[None, :] < counts[:, None]
     return (
@@ -349,7 +347,7 @@ def _decode_yolo(outputs: Mapping[str, np.ndarray], card: ModelCard) -> list[Til
         cand = np.flatnonzero(detection_rows(rows[:, :4], scores, labels, p["score_threshold"]))
         dropped = max(0, cand.size - cap)
         if dropped:  # the highest scores, in row order
-            cand = np.sort(cand[_first_by_key(-scores[cand][None].astype(np.float64), cap)[0]])
+            cand = np.sort(cand[first_by_key(-scores[cand][None].astype(np.float64), cap)[0]])
         hm = None if heatmaps is None else heatmaps[i]
         if cand.size == 0:
             results.append(TileDetections.empty(hm))

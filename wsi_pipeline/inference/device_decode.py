@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from .card import ModelCard
-from .decoder_registry import decoder_entry
-from .decoders import BatchDetections, check_heatmap_shape, decode_batch, decode_names, decoder_params
+from .card_spec import ModelCard
+from .decoder_registry import decode_names, decoder_entry, decoder_params
+from .decoders import check_heatmap_shape, decode_batch
+from .tile_detections import BatchDetections
 
 COUNT = "\0rows kept"  # the compacted row count per tile, beside the model outputs
 

@@ -35,10 +35,12 @@ import numpy as np
 
 from ..errors import ClosedError, ConfigError, InferenceError, WSIPipelineError
 from .backend import Backend
-from .card import ModelCard, load_card
+from .card import load_card
+from .card_spec import ModelCard
 from .cuda_worker import CudaWorker
-from .decoders import BatchDetections, TileDetections, decode_batch
+from .decoders import decode_batch
 from .device_decode import DeviceDecoder
+from .tile_detections import BatchDetections, TileDetections
 
 if TYPE_CHECKING:  # the executor reads only a tile's ``index``
     from ..tiling.grid import Tile

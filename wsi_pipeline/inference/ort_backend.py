@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError, ModelError
-from .card import ModelCard, load_card, require_onnx
+from .card import load_card, require_onnx
+from .card_spec import ModelCard
 
 
 def check_tile_batch(batch: np.ndarray, card: ModelCard) -> np.ndarray:

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..errors import ClosedError, InferenceError, WSIPipelineError
-from .decoders import TileDetections
+from .tile_detections import TileDetections
 
 InferFn = Callable[[np.ndarray], list[TileDetections]]
 

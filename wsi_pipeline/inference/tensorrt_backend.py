@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
-from .card import ModelCard, load_card, require_onnx
+from .card import load_card, require_onnx
+from .card_spec import ModelCard
 from .engine_build import DEFAULT_MAX_BATCH, build_engine, import_tensorrt
 from .ort_backend import check_tile_batch
 

@@ -8,7 +8,7 @@ input buffers, autocast, CUDA graphs, the executor) is one code path.
 Where each job lives: the ONNX interpreter (:class:`OnnxModule`, one torch
 function per ONNX op) in :mod:`.onnx_torch`; the ``.pt2`` loader
 (:class:`ExportedModule`) in :mod:`.torch_export`; here the backend and its
-per-stream CUDA-graph runner. Both model classes are importable from here too.
+per-stream CUDA-graph runner.
 
 On CUDA, :meth:`TorchBackend.create_runner` gives each executor stream its
 own :class:`TorchRunner`: a device input buffer, and one captured CUDA graph
@@ -27,7 +27,8 @@ import threading
 import numpy as np
 
 from ..errors import BackendUnavailableError, ConfigError, ModelError
-from .card import ModelCard, load_card
+from .card import load_card
+from .card_spec import ModelCard
 from .ort_backend import check_tile_batch
 
 try:
@@ -35,12 +36,10 @@ try:
 except ImportError as exc:  # the torch extra is not installed
     raise BackendUnavailableError("PyTorch is not installed (the 'gpu' extra installs it)") from exc
 
-from .onnx_torch import HostCopies as _HostCopies
-from .onnx_torch import OnnxModule
-from .onnx_torch import host_to_device as _host_to_device  # noqa: F401  (re-exported)
+from .onnx_torch import HostCopies, OnnxModule
 from .torch_export import ExportedModule
 
-__all__ = ["PRECISIONS", "ExportedModule", "OnnxModule", "TorchBackend", "TorchRunner"]
+__all__ = ["PRECISIONS", "TorchBackend", "TorchRunner"]
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 _AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -75,7 +74,7 @@ class TorchRunner:
         self.stream.wait_stream(torch.cuda.current_stream(self.backend.device))
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # warm-up: cuDNN algorithm choice and lazy init stay out of the graph
-                with _HostCopies("record", []) as copies:
+                with HostCopies("record", []) as copies:
                     self.backend._forward(x)
         self.stream.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -85,7 +84,7 @@ class TorchRunner:
         with self._capture_lock:
             with (
                 torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"),
-                _HostCopies("replay", copies),
+                HostCopies("replay", copies),
             ):
                 outs = self.backend._forward(x)
         self.stream.synchronize()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BackendUnavailableError, ModelError
-from .card import ModelCard
+from .card_spec import ModelCard
 from .model_signature import check_signature_matches_card
 
 try:

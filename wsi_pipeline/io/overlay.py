@@ -42,7 +42,7 @@ def _lab(colors: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(rgb, cv2.COLOR_RGB2Lab).reshape(-1, 3)
 
 
-def _delta_e(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def delta_e(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """ΔE 1976 between each colour of ``a`` (N x 3 RGB) and each of ``b`` (M x 3): N x M."""
     return np.linalg.norm(_lab(a)[:, None, :] - _lab(b)[None, :, :], axis=2)
 
@@ -82,11 +82,11 @@ def contrasting_colors(
         xs = np.clip(centres[:, 0].astype(np.int64), 0, w - 1)
         ys = np.clip(centres[:, 1].astype(np.int64), 0, h - 1)
         under = np.stack([np.median(picture[ys, xs], axis=0), tissue_rgb])
-        if _delta_e(np.array([color]), under).min() >= MIN_CONTRAST_DELTA_E:
+        if delta_e(np.array([color]), under).min() >= MIN_CONTRAST_DELTA_E:
             continue
         others = np.array([c for j, c in enumerate(out) if j != k] or [tissue_rgb])
         candidates = np.array(CONTRAST_COLORS)
-        score = _delta_e(candidates, under).min(1) + np.where(_delta_e(candidates, others).min(1) < 1, -1000, 0)
+        score = delta_e(candidates, under).min(1) + np.where(delta_e(candidates, others).min(1) < 1, -1000, 0)
         out[k] = tuple(int(v) for v in candidates[int(np.argmax(score))])  # type: ignore[assignment]
     return out
 

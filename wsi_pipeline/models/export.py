@@ -10,17 +10,8 @@ from typing import Any
 
 import torch
 
-from ..inference.card import (
-    ClassSpec,
-    DecoderSpec,
-    HeatmapSpec,
-    InputSpec,
-    ModelCard,
-    OutputSpec,
-    card_path_for,
-    file_sha256,
-    write_card,
-)
+from ..inference.card import card_path_for, file_sha256, write_card
+from ..inference.card_spec import ClassSpec, DecoderSpec, HeatmapSpec, InputSpec, ModelCard, OutputSpec
 from .net import OBJECT_STRIDE, REGION_STRIDE, CenterNetSmall, DetectorWithDecode
 
 OPSET = 17

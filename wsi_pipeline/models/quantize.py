@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, ModelError
-from ..inference.card import ModelCard, file_sha256, load_card, require_onnx, write_card
+from ..inference.card import file_sha256, load_card, require_onnx, write_card
+from ..inference.card_spec import ModelCard
 from ..inference.ort_backend import prepare_input
 
 PRECISIONS = ("fp16", "int8")

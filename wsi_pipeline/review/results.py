@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import WSIPipelineError
-from ..inference.card import read_card_json
+from ..inference.card_fields import read_card_json
 from ..io.detections import DETECTION_DTYPE, load_geojson, parse_color, read_geojson
 from ..io.ome_tiff import HeatmapFile
 from ..slide import Slide, as_slide, open_slide
@@ -385,4 +385,4 @@ def load_run(run_dir: str | os.PathLike[str], slide: str | os.PathLike[str] | Sl
     )
 
 
-__all__ = ["DETECTION_FILES", "PALETTE", "NoDetectionFileWarning", "ReviewRun", "load_run", "parse_color"]
+__all__ = ["DETECTION_FILES", "PALETTE", "NoDetectionFileWarning", "ReviewRun", "load_run"]

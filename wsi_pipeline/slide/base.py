@@ -279,34 +279,13 @@ class Slide(abc.ABC):
         lw, lh = self._level_dimensions[level]
         present = self.stored_tiles_present(level)
         if present is not None:
-            return self._thumbnail_of_stored_tiles(level, tw, th, present)
+            return _thumbnail_of_stored_tiles(self, level, tw, th, present)
         if lw * lh * 3 > THUMBNAIL_BAND_BYTES:
-            return self._banded_thumbnail(level, tw, th)
+            return _banded_thumbnail(self, level, tw, th)
         region = self.read_region((0, 0), level, (lw, lh))
         if (lw, lh) == (tw, th):
             return region
         return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
-
-    def _banded_thumbnail(self, level: int, tw: int, th: int) -> np.ndarray:
-        """``level`` shrunk to ``th x tw``, read in bands of whole thumbnail rows."""
-        lw, lh = self._level_dimensions[level]
-        ds = self._level_downsamples[level]
-        level_rows_per_row = lh / th
-        rows_per_band = max(1, int(THUMBNAIL_BAND_BYTES // (lw * 3 * max(level_rows_per_row, 1.0))))
-        out = np.empty((th, tw, 3), np.uint8)
-        for r0 in range(0, th, rows_per_band):
-            r1 = min(th, r0 + rows_per_band)
-            y0 = round(r0 * level_rows_per_row)
-            y1 = lh if r1 == th else max(y0 + 1, round(r1 * level_rows_per_row))
-            band = self.read_region((0, round(y0 * ds)), level, (lw, y1 - y0))
-            out[r0:r1] = cv2.resize(band, (tw, r1 - r0), interpolation=cv2.INTER_AREA)
-        return out
-
-    def _thumbnail_of_stored_tiles(self, level: int, tw: int, th: int, present: np.ndarray) -> np.ndarray:
-        """``level`` shrunk to ``th x tw`` from its ``present`` stored tiles, decoded one at a time."""
-        lw, lh = self._level_dimensions[level]
-        parts = self.stored_tile_pixels(level, present, (0, 0, lw, lh))
-        return shrink_sparse(np.arange(lw), np.arange(lh), tw, th, parts, self.background_rgb)
 
     def stored_tile_pixels(
         self, level: int, present: np.ndarray, box: tuple[int, int, int, int]
@@ -344,6 +323,32 @@ class Slide(abc.ABC):
     def __repr__(self) -> str:
         w, h = self.dimensions
         return f"<{type(self).__name__} {os.path.basename(self.path)!r} {w}x{h} levels={self.level_count}>"
+
+
+# The thumbnail's ways of reading a level too large to read whole (Slide.get_thumbnail).
+
+
+def _banded_thumbnail(slide: Slide, level: int, tw: int, th: int) -> np.ndarray:
+    """``level`` of ``slide`` shrunk to ``th x tw``, read in bands of whole thumbnail rows."""
+    lw, lh = slide.level_dimensions[level]
+    ds = slide.level_downsamples[level]
+    level_rows_per_row = lh / th
+    rows_per_band = max(1, int(THUMBNAIL_BAND_BYTES // (lw * 3 * max(level_rows_per_row, 1.0))))
+    out = np.empty((th, tw, 3), np.uint8)
+    for r0 in range(0, th, rows_per_band):
+        r1 = min(th, r0 + rows_per_band)
+        y0 = round(r0 * level_rows_per_row)
+        y1 = lh if r1 == th else max(y0 + 1, round(r1 * level_rows_per_row))
+        band = slide.read_region((0, round(y0 * ds)), level, (lw, y1 - y0))
+        out[r0:r1] = cv2.resize(band, (tw, r1 - r0), interpolation=cv2.INTER_AREA)
+    return out
+
+
+def _thumbnail_of_stored_tiles(slide: Slide, level: int, tw: int, th: int, present: np.ndarray) -> np.ndarray:
+    """``level`` of ``slide`` shrunk to ``th x tw`` from its ``present`` stored tiles, decoded one at a time."""
+    lw, lh = slide.level_dimensions[level]
+    parts = slide.stored_tile_pixels(level, present, (0, 0, lw, lh))
+    return shrink_sparse(np.arange(lw), np.arange(lh), tw, th, parts, slide.background_rgb)
 
 
 def level_shape_agrees(w0: int, h0: int, w: int, h: int) -> bool:

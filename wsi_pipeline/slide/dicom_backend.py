@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import TileReadError
 from .base import checked_mpp
 from .dicom_file import DicomLevel, read_level, series_files
-from .stored_tiles import StoredTileSlide, _fill
+from .stored_tiles import StoredTileSlide, fill_rgb
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -167,7 +167,7 @@ class DicomSlide(StoredTileSlide):
             out = np.empty((lv.tile_h, lv.tile_w, 3), np.uint8)
         data = self.raw_tile(level, tx, ty)
         if not data:
-            _fill(out, self.background_rgb)
+            fill_rgb(out, self.background_rgb)
             return out
         return self._decode_jpeg_checked(level, tx, ty, data, out)
 

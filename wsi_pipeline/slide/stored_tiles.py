@@ -41,7 +41,7 @@ MAX_RESERVED_CACHE_BYTES = 1024 * 1024 * 1024
 MAX_CACHED_TILES = 65536
 
 
-def _fill(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
+def fill_rgb(region: np.ndarray, rgb: tuple[int, int, int]) -> None:
     """Set every pixel of ``region`` (``... x 3`` uint8) to ``rgb``.
 
     A grey background is one byte fill; a coloured one a fill per channel.
@@ -81,7 +81,7 @@ class TileCacheInfo(NamedTuple):
     decoding: int
 
 
-class _TileCache:
+class TileCache:
     """Bounded LRU of decoded stored tiles whose memory is reused, not freed.
 
     Tiles are ``tile_h x tile_w x 3`` uint8 views into slabs allocated as
@@ -257,7 +257,7 @@ class StoredTileSlide(StoredJpegTiles):
                 for lv in self._levels
             )
             cache_bytes = min(DEFAULT_CACHE_BYTES, band)
-        self._cache = _TileCache(cache_bytes)
+        self._cache = TileCache(cache_bytes)
 
     @abc.abstractmethod
     def _level_fd(self, level: int) -> int:
@@ -407,7 +407,7 @@ class StoredTileSlide(StoredJpegTiles):
         """Stored tile (tx, ty) of ``level`` decoded at ``out``'s size (1/k of the tile's)."""
         data = self.raw_tile(level, tx, ty)
         if not data:
-            _fill(out, self.background_rgb)
+            fill_rgb(out, self.background_rgb)
             return out
         return self._decode_jpeg_checked(level, tx, ty, data, out)
 
@@ -432,18 +432,18 @@ class StoredTileSlide(StoredJpegTiles):
         ix0, iy0 = max(x0, 0), max(y0, 0)
         ix1, iy1 = min(x0 + w, -(-lv.width // scale)), min(y0 + h, -(-lv.height // scale))
         if ix0 >= ix1 or iy0 >= iy1:
-            _fill(out, self.background_rgb)
+            fill_rgb(out, self.background_rgb)
             return
         # Background only where the region leaves the level: bands above, below, left, right.
         bg = self.background_rgb
         if iy0 > y0:
-            _fill(out[: iy0 - y0], bg)
+            fill_rgb(out[: iy0 - y0], bg)
         if iy1 < y0 + h:
-            _fill(out[iy1 - y0 :], bg)
+            fill_rgb(out[iy1 - y0 :], bg)
         if ix0 > x0:
-            _fill(out[iy0 - y0 : iy1 - y0, : ix0 - x0], bg)
+            fill_rgb(out[iy0 - y0 : iy1 - y0, : ix0 - x0], bg)
         if ix1 < x0 + w:
-            _fill(out[iy0 - y0 : iy1 - y0, ix1 - x0 :], bg)
+            fill_rgb(out[iy0 - y0 : iy1 - y0, ix1 - x0 :], bg)
         tw, th = lv.tile_w // scale, lv.tile_h // scale
         cache = self._cache
 

@@ -30,7 +30,7 @@ from ..io.ome_xml import read_ome_pixels
 from .base import checked_mpp, composite_rgba
 from .jpeg_kind import JpegKind
 from .resolution import aperio_mpp, tiff_page_mpp
-from .stored_tiles import StoredTileSlide, _fill
+from .stored_tiles import StoredTileSlide, fill_rgb
 from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
 from .tiff_levels import tiff_pyramid
 
@@ -243,7 +243,7 @@ class TiffSlide(StoredTileSlide):
         i = ty * lv.tiles_across + tx
         data = self.raw_tile(level, tx, ty)
         if not data:
-            _fill(out, self.background_rgb)
+            fill_rgb(out, self.background_rgb)
             return out
         if lv.decoder == "simplejpeg":
             return self._decode_jpeg_checked(level, tx, ty, data, out)

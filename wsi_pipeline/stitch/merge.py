@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from wsi_pipeline.boxes.nms import (
-    _check_options,
     check_boxes,
+    check_nms_options,
     matching_pairs,
     resolve_greedy,
     score_order,
@@ -52,7 +52,7 @@ def cluster_leaders(
         the index of the highest-ranked kept box that matches box ``k``.
     """
     boxes, scores, labels = check_boxes(boxes, scores, labels)
-    _check_options(iou_threshold, metric)
+    check_nms_options(iou_threshold, metric)
     n = len(boxes)
     order = score_order(scores)
     groups = None if labels is None or class_agnostic else labels[order]

@@ -185,4 +185,4 @@ class Stitcher:
         return boxes[order], scores[order], labels[order]
 
 
-__all__ = ["Stitcher", "reading_order"]
+__all__ = ["Stitcher"]

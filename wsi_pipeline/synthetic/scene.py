@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -29,14 +28,13 @@ import numpy as np
 from ..errors import ConfigError
 from ..validation import is_instance
 from .noise import LatticeField, PeriodicTexture, make_texture, mix_int
+from .objects import CellObjects, coverage, industrial_objects, pathology_objects
 
 CELL_SIZE_LEVEL0 = 512
 MAX_SIDE = 1_000_000
 KINDS = ("pathology", "industrial")
 
 _CACHE_CELLS = 512
-_SUBPIXEL_BITS = 4  # cv2 drawing shift: coordinates in 1/16 pixel
-_SUBPIXEL = 1 << _SUBPIXEL_BITS
 
 # Pathology look (RGB), tuned by eye to H&E slides.
 _BG = np.array([241.0, 240.0, 243.0], np.float32)
@@ -47,9 +45,6 @@ _TUMOUR = np.array([192.0, 112.0, 178.0], np.float32)
 _FIBRE = np.array([-7.0, -11.0, -6.0], np.float32)
 _NUC_TISSUE = np.array([98.0, 52.0, 142.0], np.float32)
 _NUC_TUMOUR = np.array([64.0, 28.0, 110.0], np.float32)
-# Nuclei per level-0 pixel at mpp 0.25 (candidates, before overlap rejection).
-_RHO_TISSUE = 90.0 / CELL_SIZE_LEVEL0**2
-_RHO_TUMOUR = 340.0 / CELL_SIZE_LEVEL0**2
 
 # From this downsample on, nuclei are under ~1.5 output px: they are drawn as their mean
 # coverage of tissue and tumour (measured on rendered scenes; independent of mpp) instead
@@ -58,72 +53,12 @@ _STATISTICAL_DOWNSAMPLE = 16.0
 _COVERAGE_TISSUE = 0.017
 _COVERAGE_TUMOUR = 0.151
 
-# Industrial look (grey, slightly blue) and defect rates per cell.
+# Industrial look (grey, slightly blue).
 _METAL = 150.0
 _METAL_TINT = np.array([0.985, 1.0, 1.03], np.float32)
-_SPOTS_PER_CELL = 0.25
-_SCRATCHES_PER_CELL = 0.12
 _DARK, _BRIGHT = 38.0, 236.0
 # Defects are left out from this downsample on (all under ~1 output px, and sparse).
 _INDUSTRIAL_NO_DEFECTS_DOWNSAMPLE = 64.0
-
-
-@dataclass
-class _CellObjects:
-    """Objects whose centre lies in one cell.
-
-    boxes (N, 4) float32 x0, y0, x1, y1 level-0; labels (N,) int64; geom (N, 5) float64:
-    ellipse (cx, cy, semi-axis a, semi-axis b, angle degrees) or, where ``is_line``,
-    segment (xa, ya, xb, yb, thickness); value (N,) float32 in (0, 1] is the drawing
-    strength; bright (N,) bool picks the bright defect colour (industrial).
-    """
-
-    boxes: np.ndarray
-    labels: np.ndarray
-    geom: np.ndarray
-    value: np.ndarray
-    is_line: np.ndarray
-    bright: np.ndarray
-
-    @staticmethod
-    def empty() -> _CellObjects:
-        return _CellObjects(
-            np.zeros((0, 4), np.float32),
-            np.zeros(0, np.int64),
-            np.zeros((0, 5), np.float64),
-            np.zeros(0, np.float32),
-            np.zeros(0, bool),
-            np.zeros(0, bool),
-        )
-
-    @staticmethod
-    def concat(parts: list[_CellObjects]) -> _CellObjects:
-        if not parts:
-            return _CellObjects.empty()
-        return _CellObjects(
-            *(
-                np.concatenate([getattr(p, f) for p in parts])
-                for f in ("boxes", "labels", "geom", "value", "is_line", "bright")
-            )
-        )
-
-    def select(self, keep: np.ndarray) -> _CellObjects:
-        return _CellObjects(
-            self.boxes[keep],
-            self.labels[keep],
-            self.geom[keep],
-            self.value[keep],
-            self.is_line[keep],
-            self.bright[keep],
-        )
-
-
-def _quantise_down(v: np.ndarray) -> np.ndarray:
-    return np.floor(v * _SUBPIXEL) / _SUBPIXEL
-
-
-def _quantise_up(v: np.ndarray) -> np.ndarray:
-    return np.ceil(v * _SUBPIXEL) / _SUBPIXEL
 
 
 def _centres(origin: int, length: int, downsample: float) -> np.ndarray:
@@ -170,7 +105,7 @@ class SyntheticScene:
         self.cell_size = CELL_SIZE_LEVEL0
         self.cells_x = -(-self.width // self.cell_size)
         self.cells_y = -(-self.height // self.cell_size)
-        self._cache: OrderedDict[tuple[int, int], _CellObjects] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], CellObjects] = OrderedDict()
         self._key = mix_int(self.seed, KINDS.index(kind))
         if kind == "pathology":
             self.class_names = ["nucleus"]
@@ -279,7 +214,7 @@ class SyntheticScene:
     def _cell_rng(self, cx: int, cy: int) -> np.random.Generator:
         return np.random.default_rng(mix_int(self._key, 7, cx, cy))
 
-    def _cell(self, cx: int, cy: int) -> _CellObjects:
+    def _cell(self, cx: int, cy: int) -> CellObjects:
         key = (cx, cy)
         hit = self._cache.get(key)
         if hit is not None:
@@ -291,96 +226,15 @@ class SyntheticScene:
             self._cache.popitem(last=False)
         return objs
 
-    def _inside(self, x: np.ndarray, y: np.ndarray, hx: np.ndarray, hy: np.ndarray) -> np.ndarray:
-        return (x - hx >= 0) & (y - hy >= 0) & (x + hx <= self.width) & (y + hy <= self.height)
-
-    def _gen_pathology(self, cx: int, cy: int) -> _CellObjects:
-        rng = self._cell_rng(cx, cy)
-        c = self.cell_size
-        k = self._size_scale
-        n = int(rng.poisson(_RHO_TUMOUR * c * c / (k * k)))
-        px = _quantise_down(cx * c + rng.random(n) * c)
-        py = _quantise_down(cy * c + rng.random(n) * c)
-        u = rng.random((5, n))
-        lab = self.labels_at(px, py)
-        tumour = lab == 2
-        keep = u[0] < np.where(tumour, 1.0, np.where(lab == 1, _RHO_TISSUE / _RHO_TUMOUR, 0.0))
-        a = np.where(tumour, 6.0 + 4.0 * u[1], 4.0 + 3.0 * u[1]) * k
-        b = a * np.where(tumour, 0.7 + 0.25 * u[2], 0.55 + 0.35 * u[2])
-        angle = 180.0 * u[3]
-        value = np.where(tumour, 0.86 + 0.14 * u[4], 0.6 + 0.25 * u[4]).astype(np.float32)
-        th = np.deg2rad(angle)
-        hx = _quantise_up(np.sqrt((a * np.cos(th)) ** 2 + (b * np.sin(th)) ** 2))
-        hy = _quantise_up(np.sqrt((a * np.sin(th)) ** 2 + (b * np.cos(th)) ** 2))
-        keep &= self._inside(px, py, hx, hy)
-        idx = np.flatnonzero(keep)
-        if idx.size > 1:
-            # Greedy rejection of heavy overlaps, in generation order.
-            r = 0.5 * (a[idx] + b[idx])
-            d2 = (px[idx, None] - px[None, idx]) ** 2 + (py[idx, None] - py[None, idx]) ** 2
-            conflict = d2 < (0.9 * (r[:, None] + r[None, :])) ** 2
-            np.fill_diagonal(conflict, False)
-            blocked = np.zeros(idx.size, bool)
-            chosen = np.zeros(idx.size, bool)
-            for i in range(idx.size):
-                if not blocked[i]:
-                    chosen[i] = True
-                    blocked |= conflict[i]
-            idx = idx[chosen]
-        boxes = np.stack([px - hx, py - hy, px + hx, py + hy], axis=1)[idx].astype(np.float32)
-        geom = np.stack([px, py, a, b, angle], axis=1)[idx]
-        m = idx.size
-        return _CellObjects(boxes, np.zeros(m, np.int64), geom, value[idx], np.zeros(m, bool), np.zeros(m, bool))
-
-    def _gen_industrial(self, cx: int, cy: int) -> _CellObjects:
-        rng = self._cell_rng(cx, cy)
-        c = self.cell_size
-        parts = []
-        n = int(rng.poisson(_SPOTS_PER_CELL))
-        px = _quantise_down(cx * c + rng.random(n) * c)
-        py = _quantise_down(cy * c + rng.random(n) * c)
-        r = _quantise_up(3.0 + 17.0 * rng.random(n))
-        bright = rng.random(n) < 0.5
-        value = (0.55 + 0.45 * rng.random(n)).astype(np.float32)
-        keep = self._inside(px, py, r, r)
-        parts.append(
-            _CellObjects(
-                np.stack([px - r, py - r, px + r, py + r], axis=1).astype(np.float32),
-                np.zeros(n, np.int64),
-                np.stack([px, py, r, r, np.zeros(n)], axis=1),
-                value,
-                np.zeros(n, bool),
-                bright,
-            ).select(keep)
+    def _gen_pathology(self, cx: int, cy: int) -> CellObjects:
+        return pathology_objects(
+            self._cell_rng(cx, cy), cx, cy, self.cell_size, self._size_scale, self.labels_at, self.width, self.height
         )
-        n = int(rng.poisson(_SCRATCHES_PER_CELL))
-        px = _quantise_down(cx * c + rng.random(n) * c)
-        py = _quantise_down(cy * c + rng.random(n) * c)
-        half = 0.5 * (30.0 + 170.0 * rng.random(n))
-        th = np.pi * rng.random(n)
-        thickness = 1.0 + 2.0 * rng.random(n)
-        bright = rng.random(n) < 0.6
-        value = (0.5 + 0.5 * rng.random(n)).astype(np.float32)
-        xa, xb = _quantise_down(px - half * np.cos(th)), _quantise_down(px + half * np.cos(th))
-        ya, yb = _quantise_down(py - half * np.sin(th)), _quantise_down(py + half * np.sin(th))
-        t2 = _quantise_up(thickness / 2)
-        boxes = np.stack(
-            [np.minimum(xa, xb) - t2, np.minimum(ya, yb) - t2, np.maximum(xa, xb) + t2, np.maximum(ya, yb) + t2], axis=1
-        )
-        keep = (boxes[:, 0] >= 0) & (boxes[:, 1] >= 0) & (boxes[:, 2] <= self.width) & (boxes[:, 3] <= self.height)
-        parts.append(
-            _CellObjects(
-                boxes.astype(np.float32),
-                np.ones(n, np.int64),
-                np.stack([xa, ya, xb, yb, thickness], axis=1),
-                value,
-                np.ones(n, bool),
-                bright,
-            ).select(keep)
-        )
-        return _CellObjects.concat(parts)
 
-    def _objects_near(self, x0: float, y0: float, x1: float, y1: float) -> _CellObjects:
+    def _gen_industrial(self, cx: int, cy: int) -> CellObjects:
+        return industrial_objects(self._cell_rng(cx, cy), cx, cy, self.cell_size, self.width, self.height)
+
+    def _objects_near(self, x0: float, y0: float, x1: float, y1: float) -> CellObjects:
         """Objects whose box meets [x0, x1) x [y0, y1), cells visited in row-major order."""
         m = self._max_half_extent
         c = self.cell_size
@@ -397,7 +251,7 @@ class SyntheticScene:
                     hit = (b[:, 2] > x0) & (b[:, 0] < x1) & (b[:, 3] > y0) & (b[:, 1] < y1)
                     if hit.any():
                         parts.append(objs.select(hit))
-        return _CellObjects.concat(parts)
+        return CellObjects.concat(parts)
 
     def objects_in(
         self, x0_level0: float, y0_level0: float, width: float, height: float
@@ -419,56 +273,6 @@ class SyntheticScene:
                 yield cx, cy, objs.boxes, objs.labels
 
     # ------------------------------------------------------------------ drawing
-
-    def _coverage(
-        self, objs: _CellObjects, select: np.ndarray, x0: float, y0: float, shape: tuple[int, int], d: float
-    ) -> np.ndarray:
-        """Coverage in [0, 1] of the selected objects on the output grid: (H, W) float32.
-
-        Objects at least ~1.5 output px across are drawn anti-aliased on a canvas padded
-        by the largest object, so none is clipped (clipping changes cv2's rasterisation,
-        and renders must not depend on where the window starts). Smaller ones add their
-        area to the pixel holding their centre.
-        """
-        h, w = shape
-        pad = int(math.ceil(self._max_half_extent / d)) + 3
-        canvas = np.zeros((h + 2 * pad, w + 2 * pad), np.uint8)
-        splat = np.zeros((h, w), np.float32)
-        g = objs.geom
-        s = float(_SUBPIXEL)
-        for i in np.flatnonzero(select):
-            v = float(objs.value[i])
-            if objs.is_line[i]:
-                xa, ya, xb, yb, t = g[i]
-                t_out = t / d
-                length_out = math.hypot(xb - xa, yb - ya) / d
-                if length_out < 1.0:
-                    self._splat(splat, 0.5 * (xa + xb), 0.5 * (ya + yb), x0, y0, d, v * t_out * length_out)
-                    continue
-                thick = max(round(t_out), 1)
-                strength = v * min(t_out / thick, 1.0)
-                pa = (round(((xa - x0) / d - 0.5 + pad) * s), round(((ya - y0) / d - 0.5 + pad) * s))
-                pb = (round(((xb - x0) / d - 0.5 + pad) * s), round(((yb - y0) / d - 0.5 + pad) * s))
-                cv2.line(canvas, pa, pb, round(255 * strength), thick, cv2.LINE_AA, _SUBPIXEL_BITS)
-            else:
-                cx, cy, a, b, angle = g[i]
-                if (a + b) / (2 * d) < 0.75:
-                    self._splat(splat, cx, cy, x0, y0, d, v * math.pi * a * b / (d * d))
-                    continue
-                centre = (round(((cx - x0) / d - 0.5 + pad) * s), round(((cy - y0) / d - 0.5 + pad) * s))
-                axes = (round(a / d * s), round(b / d * s))
-                cv2.ellipse(canvas, centre, axes, float(angle), 0, 360, round(255 * v), -1, cv2.LINE_AA, _SUBPIXEL_BITS)
-        cov = canvas[pad : pad + h, pad : pad + w].astype(np.float32)
-        cov *= 1.0 / 255.0
-        cov += splat
-        return np.minimum(cov, 1.0, out=cov)
-
-    @staticmethod
-    def _splat(out: np.ndarray, x: float, y: float, x0: float, y0: float, d: float, amount: float) -> None:
-        c = math.floor((x - x0) / d)
-        r = math.floor((y - y0) / d)
-        if 0 <= r < out.shape[0] and 0 <= c < out.shape[1]:
-            out[r, c] += amount
 
     def _window_objects(self, x0: float, y0: float, xs: np.ndarray, ys: np.ndarray, d: float):
         # Margin of 2 output px: anti-aliasing reaches about a pixel beyond an object's box.
@@ -525,11 +329,11 @@ class SyntheticScene:
             cov = w_tumour * (_COVERAGE_TUMOUR - _COVERAGE_TISSUE)
             cov += _COVERAGE_TISSUE
             cov *= alpha
-            objs = _CellObjects.empty()
+            objs = CellObjects.empty()
         else:
             objs = self._window_objects(x0, y0, xs, ys, d)
         if objs.labels.size:
-            cov = self._coverage(objs, np.ones(objs.labels.size, bool), x0, y0, shape, d)
+            cov = coverage(objs, np.ones(objs.labels.size, bool), x0, y0, shape, d, self._max_half_extent)
             if not cov.any():
                 cov = None
         planes = []
@@ -562,7 +366,7 @@ class SyntheticScene:
         for bright, colour in ((False, _DARK), (True, _BRIGHT)):
             sel = objs.bright == bright
             if sel.any():
-                cov = self._coverage(objs, sel, x0, y0, shape, d)
+                cov = coverage(objs, sel, x0, y0, shape, d, self._max_half_extent)
                 for v in planes:
                     v += cov * (colour - v)
         return planes

@@ -30,12 +30,12 @@ except ImportError as exc:
     raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
 
 # torchvision.io.ImageReadMode.RGB.value, the mode argument of torchvision's decoding ops.
-_READ_MODE_RGB = 3
+READ_MODE_RGB = 3
 # The arguments of the two ops this module calls, as torchvision's image extension declares them.
 _OP_ARGUMENTS = {"decode_jpegs_cuda": ["List[Tensor]", "int", "Device"], "decode_jpeg": ["Tensor", "int", "bool"]}
 
 
-def _image_ops_loaded() -> bool:
+def image_ops_loaded() -> bool:
     try:
         return all(
             [str(a.type) for a in getattr(torch.ops.image, name).default._schema.arguments] == args
@@ -64,7 +64,7 @@ def _load_image_extension() -> bool:
         return False
     if spec is None or not spec.submodule_search_locations:
         return False
-    if not _image_ops_loaded():
+    if not image_ops_loaded():
         names = [
             f"{lib}{suffix}" for lib in ("image_stable", "image") for suffix in importlib.machinery.EXTENSION_SUFFIXES
         ]
@@ -79,9 +79,9 @@ def _load_image_extension() -> bool:
                 torch.ops.load_library(path)
             except OSError:
                 continue
-            if _image_ops_loaded():
+            if image_ops_loaded():
                 break
-    return _image_ops_loaded()
+    return image_ops_loaded()
 
 
 if not _load_image_extension():
@@ -101,8 +101,8 @@ def nvjpeg_decode(data: list[torch.Tensor], device: torch.device) -> list[torch.
     CPU decoder per stream otherwise. Raises RuntimeError for a stream it cannot decode.
     """
     if device.type == "cuda":
-        return torch.ops.image.decode_jpegs_cuda(data, _READ_MODE_RGB, device)
-    return [torch.ops.image.decode_jpeg(d, _READ_MODE_RGB, False) for d in data]
+        return torch.ops.image.decode_jpegs_cuda(data, READ_MODE_RGB, device)
+    return [torch.ops.image.decode_jpeg(d, READ_MODE_RGB, False) for d in data]
 
 
 # The stored tiles :func:`warm_up_nvjpeg` decodes, and their size: the usual stored tile of a slide,

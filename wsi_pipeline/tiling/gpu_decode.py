@@ -13,6 +13,7 @@ the whole bounding box of the batch (the other mosaic slots are never read).
 
 :class:`GpuTileDecoder` assembles one batch; :class:`~.gpu_loader.GpuTileLoader`
 runs it over a slide's tiles, handing each batch's mosaic to the next. The
+stored tiles are decoded into the mosaic by :mod:`.stored_tile_decoding`, by the kinds below; the
 decoder calls themselves (nvJPEG, nvImageCodec, warm-up) are :mod:`.gpu_codecs`.
 
 Three stored-tile decoders (``jpeg_decoder``), chosen by the level's JPEG kind
@@ -53,21 +54,26 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, TileReadError
+from ..errors import ConfigError
 from .gpu_choice import storage_gpu_decoder
-
-# torch by way of gpu_codecs, which raises BackendUnavailableError where it is not installed
-from .gpu_codecs import _image_ops_loaded, nvimgcodec_decode, nvimgcodec_module, nvjpeg_decode, torch
+from .gpu_codecs import image_ops_loaded, nvimgcodec_module
 from .grid import Tile, reads_whole, reflect_index
-from .jpeg_processes import JpegHelpers, cpu_share_tile
+from .jpeg_processes import JpegHelpers
 from .mosaic import MosaicLayout, mosaic_layout, stored_tiles_touched
 from .resample import resample_patches
+from .stored_tile_decoding import StoredTileDecoding
+
+try:
+    import torch
+except ImportError as exc:
+    from ..errors import BackendUnavailableError
+
+    raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +100,7 @@ def gpu_decode_plan(slide: Any, tiles: Sequence[Tile]) -> tuple[str | None, str]
             "gather whole on the device (the CPU reader shrinks it a band at a time)"
         )
     decoder, why = storage_gpu_decoder(slide.stored_tile_format(level), slide.backend, level)
-    if decoder == "nvjpeg" and not _image_ops_loaded():
+    if decoder == "nvjpeg" and not image_ops_loaded():
         return None, "this torchvision has no JPEG decoding ops with the expected arguments"
     if decoder == "nvimgcodec" and nvimgcodec_module() is None:
         return None, f"{why}, which is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
@@ -126,7 +132,6 @@ class StoredTiles:
 
 
 JPEG_DECODERS = ("threads", "nvjpeg", "nvimgcodec")
-_POOL_LOCK = threading.Lock()
 
 
 class GpuTileDecoder:
@@ -151,7 +156,7 @@ class GpuTileDecoder:
     ):
         if jpeg_decoder not in JPEG_DECODERS:
             raise ConfigError(f"jpeg_decoder: expected one of {list(JPEG_DECODERS)}, found {jpeg_decoder!r}")
-        if jpeg_decoder == "nvjpeg" and not _image_ops_loaded():
+        if jpeg_decoder == "nvjpeg" and not image_ops_loaded():
             raise ConfigError(
                 "jpeg_decoder 'nvjpeg': this torchvision has no JPEG decoding ops with the expected arguments"
             )
@@ -161,8 +166,6 @@ class GpuTileDecoder:
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
         # With a GPU decoder: helper processes decode helpers.tile_share / SHARE_PERIOD of the stored tiles.
         self.helpers = helpers if helpers is not None and helpers.tile_share else None
-        self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()
         if slide.stored_tile_format(0) is None:
             raise ConfigError(
                 f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "
@@ -173,11 +176,14 @@ class GpuTileDecoder:
         self.cpu_fallback_batches = 0
         self.stored_tiles_decoded = 0
         self.stored_tiles_by_helpers = 0
-        self._warned_staging = False
         self.stored_tiles_reused = 0
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.background = torch.tensor(list(slide.background_rgb), dtype=torch.uint8, device=self.device)
+        # The decoding of a batch's stored tiles by this decoder's kind.
+        self.kinds = StoredTileDecoding(
+            slide, self.device, self.background, jpeg_decoder, self.threads, self.helpers, self._count
+        )
 
     def _count(self, decoded: int = 0, reused: int = 0, fallback: int = 0, helped: int = 0) -> None:
         with self._counts_lock:
@@ -210,212 +216,20 @@ class GpuTileDecoder:
         lw, lh = self.slide.level_dimensions[level]
         return stored_tiles_touched(*self._origins(tiles, level), tiles[0].read_size, tw, th, lw, lh)
 
-    def _fail(self, level: int, tx: int, ty: int, exc: Exception) -> TileReadError:
-        return TileReadError(
-            self.slide.path, f"cannot decode stored tile ({tx}, {ty}) of level {level}: {exc}", None, level
-        )
-
-    def _decode_gpu(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        """Decode ``slots`` with this decoder's GPU decoder (nvJPEG or nvImageCodec)."""
-        # All the streams in one read and one array; the streams the decoder takes are views of it.
-        buf, lengths = self.slide.raw_tiles_jpeg(level, [(tx, ty) for _, tx, ty in slots])
-        sizes = lengths.tolist()
-        where = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if n]
-        empty = [slot for (slot, _, _), n in zip(slots, sizes, strict=True) if not n]
-        if empty:
-            stored[empty] = self.background
-        if where:
-            try:
-                if self.jpeg_decoder == "nvimgcodec":
-                    decoded = self._nvimgcodec_from_buffer(buf, [n for n in sizes if n])
-                else:
-                    decoded = self._nvjpeg_from_buffer(
-                        list(torch.split(self._streams_buffer(buf), [n for n in sizes if n]))
-                    )
-            except RuntimeError:
-                # nvJPEG refuses some streams (and damaged ones): libjpeg-turbo decodes the
-                # batch instead and reports the tile that really cannot be decoded.
-                self._count(fallback=1)
-                self._decode_threads(stored, level, slots, th, tw)
-                return
-            try:  # one check of the stacked shape; tiles of differing shapes do not stack
-                stacked = torch.stack(decoded)
-            except RuntimeError:
-                stacked = None
-            if stacked is None or stacked.shape[1:] != (th, tw, 3):
-                found = next(list(d.shape) for d in decoded if d.shape != (th, tw, 3))
-                raise TileReadError(
-                    self.slide.path, f"stored tile decoded to {found}, expected [{th}, {tw}, 3]", None, level
-                )
-            stored[where] = stacked
-            if self.jpeg_decoder == "nvimgcodec" and self.cuda:
-                self._keep_nvimgcodec_images()
-
-    def _streams_buffer(self, buf: np.ndarray) -> torch.Tensor:
-        """The JPEG streams ``buf`` as a tensor nvJPEG reads: on CUDA, a copy in this thread's
-        page-locked buffer (kept for its next batches, grown as needed).
-
-        nvJPEG copies each stream to the device on its own. From pageable memory the CUDA driver
-        stages such a copy and may wait for the decoder's stream first, behind the previous tile's
-        work, which waits behind the model's kernels; from page-locked memory each copy is queued
-        and the call goes on (benchmarks/HISTORY.md, 2026-12-04 03:2x–04:2x).
-        """
-        if not self.cuda:
-            return torch.from_numpy(buf)
-        pinned = getattr(self._local, "streams", None)
-        copied = getattr(self._local, "streams_copied", None)
-        if copied is None:
-            copied = self._local.streams_copied = torch.cuda.Event()
-        copied.synchronize()  # the previous batch's streams have been copied out of it
-        if pinned is None or pinned.numel() < len(buf):
-            size = max(len(buf) * 5 // 4, 1 << 20)
-            pinned = self._local.streams = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        out = pinned[: len(buf)]
-        out.numpy()[:] = buf
-        return out
-
-    def _nvjpeg_from_buffer(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:func:`nvjpeg_decode` of views of :meth:`_streams_buffer` as ``h x w x 3`` tensors; on
-        CUDA, marks when nvJPEG's copies out of it are done (its stream is waited on by the current
-        one), even if it raised."""
-        try:
-            return [d.permute(1, 2, 0) for d in nvjpeg_decode(data, self.device)]
-        finally:
-            if self.cuda:
-                self._local.streams_copied.record(torch.cuda.current_stream(self.device))
-
-    def _nvimgcodec_from_buffer(self, buf: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
-        """:func:`nvimgcodec_decode` of the streams in ``buf`` (``sizes`` bytes each, back to back).
-
-        The images nvImageCodec returns own the pixels; they are kept until the next batch of this
-        thread, once the work of this one on its stream is done (an event), so that no pixel is
-        freed while a copy out of it is queued.
-        """
-        kept = getattr(self._local, "nvimgcodec_kept", None)
-        if kept is not None:
-            kept[1].synchronize()
-            self._local.nvimgcodec_kept = None
-        bounds = np.cumsum([0, *sizes]).tolist()
-        data = [buf[a:b].tobytes() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        stream = torch.cuda.current_stream(self.device)
-        tensors, images = nvimgcodec_decode(data, self.device, stream)
-        self._local.nvimgcodec_pending = images
-        return tensors
-
-    def _keep_nvimgcodec_images(self) -> None:
-        """Keep this thread's last nvImageCodec images until its stream has used them."""
-        images = getattr(self._local, "nvimgcodec_pending", None)
-        if images is not None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._local.nvimgcodec_kept = (images, event)
-            self._local.nvimgcodec_pending = None
-
-    def _staging(self, m: int, th: int, tw: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """This thread's pinned staging buffer of at least ``m`` stored tiles (free to write)."""
-        buf = getattr(self._local, "staging", None)
-        event = getattr(self._local, "event", None)
-        if event is not None:
-            event.synchronize()  # the previous H2D copy out of it has finished
-        if buf is None or buf.shape[0] < m or tuple(buf.shape[1:]) != (th, tw, 3):
-            buf = torch.empty((max(m, 64), th, tw, 3), dtype=torch.uint8, pin_memory=self.cuda)
-            self._local.staging = buf
-        if event is None and self.cuda:
-            event = self._local.event = torch.cuda.Event()
-        return buf, event
-
-    def _decode_threads(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        m = len(slots)
-        staging, event = self._staging(m, th, tw)
-        host = staging.numpy()
-        slide = self.slide
-
-        def run(chunk: list) -> None:
-            for i, (_, tx, ty) in chunk:
-                try:  # the CPU reader's own decoding: its colour space, its damage reports
-                    slide.decode_stored_tile(level, tx, ty, host[i])
-                except (TileReadError, OSError):  # named by the reader, or a failed read as it is
-                    raise
-                except Exception as exc:  # codecs raise their own error types
-                    raise self._fail(level, tx, ty, exc) from exc
-
-        if self._pool is None:
-            with _POOL_LOCK:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="jpeg-decode")
-        # Chunks rather than one task per tile: the per-tile Python work then
-        # runs in the pool threads, which release the GIL while decoding.
-        items = list(enumerate(slots))
-        n_chunks = min(m, self.threads)
-        futures = [self._pool.submit(run, items[i::n_chunks]) for i in range(n_chunks)]
-        for f in futures:
-            f.result()
-        decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
-        decoded.copy_(staging[:m], non_blocking=event is not None)
-        if event is not None:
-            event.record(torch.cuda.current_stream(self.device))
-        stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
-
-    def _decode_shared(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        """Decode ``slots``: the helper processes their share (:func:`cpu_share_tile`) into a shared
-        staging buffer, then one copy to the device; nvJPEG the rest, at the same time."""
-        helpers = self.helpers
-        assert helpers is not None
-        mine, rest = [], []
-        for s in slots:
-            (mine if cpu_share_tile(s[1], s[2], helpers.tile_share) else rest).append(s)
-        if not mine:
-            self._decode_gpu(stored, level, slots, th, tw)
-            return
-        try:
-            staging = helpers.acquire_staging(len(mine), th, tw, self.cuda)
-        except OSError as exc:  # no room for the shared buffer: nvJPEG decodes the whole batch
-            if not self._warned_staging:
-                self._warned_staging = True
-                log.warning("%s: the JPEG helper processes are not used: %s", self.slide.path, exc)
-            self._decode_gpu(stored, level, slots, th, tw)
-            return
-        try:
-            pending = helpers.start(
-                self.slide.path,
-                level,
-                [(i, tx, ty) for i, (_, tx, ty) in enumerate(mine)],
-                staging,
-                reader=self.slide.backend,
-                on_damage=self.slide.report_damage,
-            )
-            try:
-                if rest:
-                    self._decode_gpu(stored, level, rest, th, tw)
-            finally:
-                pending.wait()
-            m = len(mine)
-            decoded = torch.empty((m, th, tw, 3), dtype=torch.uint8, device=self.device)
-            decoded.copy_(staging.tensor[:m], non_blocking=self.cuda)
-            if self.cuda:
-                staging.event = torch.cuda.Event()
-                staging.event.record(torch.cuda.current_stream(self.device))
-            stored[torch.tensor([slot for slot, _, _ in mine], device=self.device)] = decoded
-        finally:
-            helpers.release_staging(staging)
-        self._count(helped=len(mine))
-
     def _decode_into(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
         """Decode the stored tiles ``slots`` (``(slot, tx, ty)``) into their slots of ``stored``."""
         if not slots:
             return
         if self.jpeg_decoder == "threads":
-            self._decode_threads(stored, level, slots, th, tw)
+            self.kinds.decode_threads(stored, level, slots, th, tw)
         elif self.helpers is not None:
-            self._decode_shared(stored, level, slots, th, tw)
+            self.kinds.decode_shared(stored, level, slots, th, tw)
         else:
-            self._decode_gpu(stored, level, slots, th, tw)
+            self.kinds.decode_gpu(stored, level, slots, th, tw)
         self._count(decoded=len(slots))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.kinds.close()
 
     def decode(self, tiles: Sequence[Tile]) -> torch.Tensor:
         """The tiles' pixels: ``n x size x size x 3`` uint8 on the device (current stream).

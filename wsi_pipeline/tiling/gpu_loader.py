@@ -8,7 +8,7 @@ over in sequence order; only one is held at a time).
 
 How one batch is assembled (stored JPEG tiles decoded once into a mosaic,
 patches gathered from it) is :mod:`.gpu_decode`; the decoder calls are
-:mod:`.gpu_codecs`. The decoding names are importable from here too.
+:mod:`.gpu_codecs`.
 """
 
 from __future__ import annotations
@@ -22,43 +22,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .gpu_codecs import (
-    WARM_UP_TILE_PX,
-    WARM_UP_TILES,
     decode_stream,
-    nvimgcodec_decode,
-    nvimgcodec_module,
-    nvjpeg_decode,
-    torch,
-    warm_up_nvjpeg,
 )
 from .gpu_decode import (
-    JPEG_DECODERS,
     GpuTileDecoder,
     StoredTiles,
-    gpu_decode_plan,
-    gpu_decode_refusal,
 )
 from .grid import Tile
 from .jpeg_processes import JpegHelpers
-from .mosaic import stored_tiles_touched
 
-__all__ = [
-    "JPEG_DECODERS",
-    "WARM_UP_TILES",
-    "WARM_UP_TILE_PX",
-    "DeviceBatch",
-    "GpuTileDecoder",
-    "GpuTileLoader",
-    "StoredTiles",
-    "gpu_decode_plan",
-    "gpu_decode_refusal",
-    "nvimgcodec_decode",
-    "nvimgcodec_module",
-    "nvjpeg_decode",
-    "stored_tiles_touched",
-    "torch",
-    "warm_up_nvjpeg",
-]
+try:
+    import torch
+except ImportError as exc:
+    from ..errors import BackendUnavailableError
+
+    raise BackendUnavailableError("GPU JPEG decoding needs torch and torchvision (the 'gpu' extra)") from exc
+
+__all__ = ["DeviceBatch", "GpuTileLoader"]
 
 
 @dataclass
@@ -85,7 +65,7 @@ class DeviceBatch:
         return len(self.tiles)
 
 
-class _HandOff:
+class HandOff:
     """Each batch's :class:`StoredTiles` passed to the next batch, in sequence order.
 
     Holds one batch's at a time: the next batch takes it, then publishes its
@@ -168,7 +148,7 @@ class GpuTileLoader:
         self._slots_lock = threading.Lock()
         self._next_slot = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._handoff: _HandOff | None = None
+        self._handoff: HandOff | None = None
 
     @property
     def n_batches(self) -> int:
@@ -192,7 +172,7 @@ class GpuTileLoader:
             stream = self._local.stream = decode_stream(self.decoder.device, slot)
         return torch.cuda.stream(stream)
 
-    def _decode_batch(self, seq: int, start: int, handoff: _HandOff) -> DeviceBatch:
+    def _decode_batch(self, seq: int, start: int, handoff: HandOff) -> DeviceBatch:
         tiles = self.tiles[start : start + self.batch_size]
         previous = self.tiles[max(0, start - self.batch_size) : start]
         try:
@@ -210,7 +190,7 @@ class GpuTileLoader:
 
     def __iter__(self) -> Iterator[DeviceBatch]:
         self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="gpu-decode")
-        handoff = self._handoff = _HandOff()
+        handoff = self._handoff = HandOff()
         pending: deque[Future] = deque()
         starts = iter(enumerate(range(0, len(self.tiles), self.batch_size)))
 

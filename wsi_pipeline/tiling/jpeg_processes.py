@@ -58,7 +58,7 @@ _MAX_SHARE = 12
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
-_KEPT_STAGING = 2
+KEPT_STAGING = 2
 
 
 def default_helpers(cpu_count: int | None) -> int:
@@ -257,7 +257,7 @@ class _Generation:
             p.wait()
 
 
-class _Pending:
+class PendingShare:
     """One batch's share under way in the helpers: :meth:`wait` for it."""
 
     def __init__(
@@ -376,7 +376,7 @@ class JpegHelpers:
         staging: SharedStaging,
         reader: str = "tifffile",
         on_damage: Callable[[int, int, int, tuple[int, int], str], None] | None = None,
-    ) -> _Pending:
+    ) -> PendingShare:
         """Start decoding stored tiles ``items`` (``(i, tx, ty)``) of ``level`` into ``staging.array[i]``;
         returns at once: ``wait()`` on the result before reading ``staging``. ``on_damage(level,
         col, row, origin_level0, message)`` is called from ``wait()`` for each tile decoded with a
@@ -392,7 +392,7 @@ class JpegHelpers:
         except RuntimeError as exc:
             self._restart_after(str(exc))
             raise TileReadError(slide_path, str(exc), None, level) from None
-        return _Pending(self, request, str(slide_path), int(level), on_damage)
+        return PendingShare(self, request, str(slide_path), int(level), on_damage)
 
     def acquire_staging(self, slots: int, th: int, tw: int, cuda: bool) -> SharedStaging:
         """A staging buffer of at least ``slots`` stored tiles, free to write (its last copy done).
@@ -425,7 +425,7 @@ class JpegHelpers:
         """Give back a buffer :meth:`acquire_staging` gave (its copy's ``event`` recorded)."""
         with self._pool_lock:
             self._free.append(staging)
-            extra = sorted(self._free, key=lambda b: b.shape[0])[: max(0, len(self._free) - _KEPT_STAGING)]
+            extra = sorted(self._free, key=lambda b: b.shape[0])[: max(0, len(self._free) - KEPT_STAGING)]
             for b in extra:
                 self._free.remove(b)
         for b in extra:

@@ -74,4 +74,4 @@ def resample_patches(
     return out
 
 
-__all__ = ["area_weights", "resample_patches"]
+__all__ = ["resample_patches"]

@@ -36,7 +36,7 @@ GPU_DECODE_THREADS = 2
 
 def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
     """Import the GPU loader (torch and torchvision) on a thread of its own, then, with
-    ``warm_up`` and where CUDA is there, set nvJPEG up (:func:`~.gpu_loader.warm_up_nvjpeg`);
+    ``warm_up`` and where CUDA is there, set nvJPEG up (:func:`~.gpu_codecs.warm_up_nvjpeg`);
     returns the thread.
 
     Importing torchvision took 6.9 s of a GPU machine's first slide where its files were slow to
@@ -48,13 +48,15 @@ def import_gpu_loader_ahead(warm_up: bool = True) -> threading.Thread:
 
     def run() -> None:
         try:
-            from . import gpu_loader
+            from . import gpu_codecs, gpu_loader  # noqa: F401  (imported ahead: the point of the thread)
         except Exception:  # raised again, with its message, where the loader is needed
             return
-        if not warm_up or not gpu_loader.torch.cuda.is_available():
+        import torch  # there: the loader imported it
+
+        if not warm_up or not torch.cuda.is_available():
             return
         try:
-            seconds = gpu_loader.warm_up_nvjpeg()
+            seconds = gpu_codecs.warm_up_nvjpeg()
         except Exception as exc:
             log.debug("nvJPEG's warm-up failed: %s", exc)
         else:
@@ -113,7 +115,7 @@ def choose_tile_decode(
     elif not on_cuda:
         reason = f"the {backend} backend runs on the CPU"
     else:
-        from .gpu_loader import gpu_decode_plan  # needs torch: only with a CUDA backend
+        from .gpu_decode import gpu_decode_plan  # needs torch: only with a CUDA backend
 
         decoder, reason = gpu_decode_plan(slide, tiles)
         if decoder is not None:

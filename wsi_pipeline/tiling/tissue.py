@@ -224,7 +224,7 @@ def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAU
         scale = max(w0, h0) / size
         mw, mh = max(1, round(w0 / scale)), max(1, round(h0 / scale))
         mask = np.zeros((mh, mw), np.uint8)
-        for ring in _geojson_polygons(path):
+        for ring in geojson_polygons(path):
             pts = np.round(np.asarray(ring, np.float64) / [w0 / mw, h0 / mh]).astype(np.int32)
             cv2.fillPoly(mask, [pts], 1)
         return TissueMask(mask.astype(bool), (w0 / mw, h0 / mh))
@@ -236,7 +236,7 @@ def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAU
     return TissueMask(img > 0, (w0 / mw, h0 / mh))
 
 
-def _geojson_polygons(path: str) -> list[list[list[float]]]:
+def geojson_polygons(path: str) -> list[list[list[float]]]:
     """Outer rings of every Polygon / MultiPolygon in a GeoJSON file."""
     try:
         with open_regular(path, "r") as f:

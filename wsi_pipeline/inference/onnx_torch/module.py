@@ -7,7 +7,7 @@ import os
 import torch
 
 from ...errors import ModelError
-from .ops import _HOST_INPUTS, _OPS, _attr, _op_softmax, _op_softmax_before_13
+from .ops import HOST_INPUTS, OPS, node_attr, op_softmax, op_softmax_before_13
 
 
 class OnnxModule(torch.nn.Module):
@@ -22,7 +22,7 @@ class OnnxModule(torch.nn.Module):
     constants are evaluated once here (constant folding).
     """
 
-    SUPPORTED_OPS = frozenset(_OPS) | {"Constant"}
+    SUPPORTED_OPS = frozenset(OPS) | {"Constant"}
 
     def __init__(self, model_path: str | os.PathLike[str]):
         super().__init__()
@@ -36,7 +36,7 @@ class OnnxModule(torch.nn.Module):
         graph = model.graph
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
         # Ops whose meaning changed with the opset: the version this graph was written for.
-        self._ops = {**_OPS, "Softmax": _op_softmax if opset >= 13 else _op_softmax_before_13}
+        self._ops = {**OPS, "Softmax": op_softmax if opset >= 13 else op_softmax_before_13}
         unsupported = sorted(
             {n.op_type for n in graph.node if n.op_type not in self.SUPPORTED_OPS or n.domain not in ("", "ai.onnx")}
         )
@@ -58,7 +58,7 @@ class OnnxModule(torch.nn.Module):
         nodes = []
         for node in graph.node:
             if node.op_type == "Constant":
-                value = _attr(node, "value")
+                value = node_attr(node, "value")
                 if value is None:
                     raise ModelError(f"{model_path}: node {node.name!r}: Constant without 'value' is not supported")
                 consts[node.output[0]] = torch.from_numpy(numpy_helper.to_array(value).copy())
@@ -79,7 +79,7 @@ class OnnxModule(torch.nn.Module):
         self._host_consts: dict[str, torch.Tensor] = consts
         self._buffer_names: dict[str, str] = {}
         for node in nodes:
-            host_pos = _HOST_INPUTS.get(node.op_type, ())
+            host_pos = HOST_INPUTS.get(node.op_type, ())
             for pos, name in enumerate(node.input):
                 if name in consts and pos not in host_pos and name not in self._buffer_names:
                     key = f"c{len(self._buffer_names)}"
@@ -97,7 +97,7 @@ class OnnxModule(torch.nn.Module):
             # A constant goes in as its device copy when the node's other data
             # inputs live on the device, else as the host tensor.
             on_device = any(i in env and env[i].device.type != "cpu" for i in node.input)
-            host_pos = _HOST_INPUTS.get(node.op_type, ())
+            host_pos = HOST_INPUTS.get(node.op_type, ())
             args = []
             for pos, name in enumerate(node.input):
                 if not name:

@@ -1,8 +1,8 @@
-"""ONNX ops as torch functions: ``_OPS[op_type](node, *inputs)``, and which inputs are read on the host.
+"""ONNX ops as torch functions: ``OPS[op_type](node, *inputs)``, and which inputs are read on the host.
 
 Each function takes the ONNX node (for its attributes) and its inputs as
 tensors, and returns a tensor or a tuple of them. Inputs listed in
-``_HOST_INPUTS`` (shapes, axes, scales, k) are always host tensors, read as
+``HOST_INPUTS`` (shapes, axes, scales, k) are always host tensors, read as
 Python numbers, so the forward pass never synchronises with the device.
 """
 
@@ -47,7 +47,7 @@ def _binary(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callabl
     return op
 
 
-def _attr(node, name: str, default: Any = None) -> Any:
+def node_attr(node, name: str, default: Any = None) -> Any:
     import onnx
 
     for a in node.attribute:
@@ -59,12 +59,12 @@ def _attr(node, name: str, default: Any = None) -> Any:
 
 def _pads_2d(node, x: torch.Tensor, fill: float) -> tuple[torch.Tensor, list[int]]:
     """ONNX pads [t, l, b, r] -> symmetric padding for torch, padding explicitly when asymmetric."""
-    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+    if node_attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         raise ModelError(
-            f"node {node.name!r} ({node.op_type}): auto_pad={_attr(node, 'auto_pad')!r} "
+            f"node {node.name!r} ({node.op_type}): auto_pad={node_attr(node, 'auto_pad')!r} "
             "is not supported (export with explicit pads)"
         )
-    pads = list(_attr(node, "pads", [0, 0, 0, 0]))
+    pads = list(node_attr(node, "pads", [0, 0, 0, 0]))
     nd = len(pads) // 2
     begin, end = pads[:nd], pads[nd:]
     if begin == end:
@@ -77,9 +77,9 @@ def _pads_2d(node, x: torch.Tensor, fill: float) -> tuple[torch.Tensor, list[int
 
 def _op_conv(node, x, w, b=None):
     x, padding = _pads_2d(node, x, 0.0)
-    strides = _attr(node, "strides", [1] * (w.dim() - 2))
-    dilations = _attr(node, "dilations", [1] * (w.dim() - 2))
-    group = _attr(node, "group", 1)
+    strides = node_attr(node, "strides", [1] * (w.dim() - 2))
+    dilations = node_attr(node, "dilations", [1] * (w.dim() - 2))
+    group = node_attr(node, "group", 1)
     conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[w.dim()]
     return conv(x, w, b, stride=strides, padding=padding, dilation=dilations, groups=group)
 
@@ -88,33 +88,33 @@ def _op_maxpool(node, x):
     if len(node.output) > 1 and node.output[1]:
         raise ModelError(f"node {node.name!r}: MaxPool with an Indices output is not supported")
     x, padding = _pads_2d(node, x, -math.inf)
-    k = _attr(node, "kernel_shape")
+    k = node_attr(node, "kernel_shape")
     return F.max_pool2d(
         x,
         k,
-        stride=_attr(node, "strides", [1] * len(k)),
+        stride=node_attr(node, "strides", [1] * len(k)),
         padding=padding,
-        dilation=_attr(node, "dilations", [1] * len(k)),
-        ceil_mode=bool(_attr(node, "ceil_mode", 0)),
+        dilation=node_attr(node, "dilations", [1] * len(k)),
+        ceil_mode=bool(node_attr(node, "ceil_mode", 0)),
     )
 
 
 def _op_avgpool(node, x):
     x, padding = _pads_2d(node, x, 0.0)
-    k = _attr(node, "kernel_shape")
+    k = node_attr(node, "kernel_shape")
     return F.avg_pool2d(
         x,
         k,
-        stride=_attr(node, "strides", [1] * len(k)),
+        stride=node_attr(node, "strides", [1] * len(k)),
         padding=padding,
-        ceil_mode=bool(_attr(node, "ceil_mode", 0)),
-        count_include_pad=bool(_attr(node, "count_include_pad", 0)),
+        ceil_mode=bool(node_attr(node, "ceil_mode", 0)),
+        count_include_pad=bool(node_attr(node, "count_include_pad", 0)),
     )
 
 
 def _op_resize(node, x, roi=None, scales=None, sizes=None):
-    mode = _attr(node, "mode", "nearest")
-    ctm = _attr(node, "coordinate_transformation_mode", "half_pixel")
+    mode = node_attr(node, "mode", "nearest")
+    ctm = node_attr(node, "coordinate_transformation_mode", "half_pixel")
     size = None
     scale = None
     if sizes is not None and sizes.numel():
@@ -125,7 +125,7 @@ def _op_resize(node, x, roi=None, scales=None, sizes=None):
             raise ModelError(f"node {node.name!r}: Resize over batch/channel axes is not supported")
         scale = s[2:]
     if mode == "nearest":
-        if ctm != "asymmetric" or _attr(node, "nearest_mode", "round_prefer_floor") != "floor":
+        if ctm != "asymmetric" or node_attr(node, "nearest_mode", "round_prefer_floor") != "floor":
             raise ModelError(
                 f"node {node.name!r}: nearest Resize needs coordinate_transformation_mode="
                 f"asymmetric and nearest_mode=floor (found {ctm})"
@@ -139,7 +139,7 @@ def _op_resize(node, x, roi=None, scales=None, sizes=None):
 
 def _op_reshape(node, x, shape):
     dims = _ints(shape)
-    if not _attr(node, "allowzero", 0):
+    if not node_attr(node, "allowzero", 0):
         dims = [x.shape[i] if d == 0 else d for i, d in enumerate(dims)]
     return x.reshape(dims)
 
@@ -154,7 +154,7 @@ def _op_expand(node, x, shape):
 
 
 def _op_unsqueeze(node, x, axes=None):
-    axes = _ints(axes) if axes is not None else list(_attr(node, "axes"))
+    axes = _ints(axes) if axes is not None else list(node_attr(node, "axes"))
     rank = x.dim() + len(axes)
     for a in sorted(a % rank for a in axes):
         x = x.unsqueeze(a)
@@ -162,9 +162,9 @@ def _op_unsqueeze(node, x, axes=None):
 
 
 def _op_squeeze(node, x, axes=None):
-    if axes is None and _attr(node, "axes") is None:
+    if axes is None and node_attr(node, "axes") is None:
         return x.squeeze()
-    axes = _ints(axes) if axes is not None else list(_attr(node, "axes"))
+    axes = _ints(axes) if axes is not None else list(node_attr(node, "axes"))
     for a in sorted((a % x.dim() for a in axes), reverse=True):
         x = x.squeeze(a)
     return x
@@ -186,7 +186,7 @@ def _op_slice(node, x, starts, ends, axes=None, steps=None):
 
 
 def _op_gather(node, x, idx):
-    axis = _attr(node, "axis", 0) % x.dim()
+    axis = node_attr(node, "axis", 0) % x.dim()
     if idx.dim() == 0:
         i = int(idx) if idx.device.type == "cpu" else idx
         if isinstance(i, int):
@@ -198,7 +198,7 @@ def _op_gather(node, x, idx):
 
 
 def _op_gather_elements(node, x, idx):
-    axis = _attr(node, "axis", 0) % x.dim()
+    axis = node_attr(node, "axis", 0) % x.dim()
     idx = on_device(idx, x.device).long()
     return torch.gather(x, axis, torch.where(idx < 0, idx + x.shape[axis], idx))
 
@@ -207,23 +207,23 @@ def _op_topk(node, x, k):
     values, indices = torch.topk(
         x,
         int(k.reshape(-1)[0]),
-        dim=_attr(node, "axis", -1),
-        largest=bool(_attr(node, "largest", 1)),
-        sorted=bool(_attr(node, "sorted", 1)),
+        dim=node_attr(node, "axis", -1),
+        largest=bool(node_attr(node, "largest", 1)),
+        sorted=bool(node_attr(node, "sorted", 1)),
     )
     return values, indices
 
 
 def _op_clip(node, x, lo=None, hi=None):
-    lo = float(lo) if lo is not None and lo.numel() else _attr(node, "min")
-    hi = float(hi) if hi is not None and hi.numel() else _attr(node, "max")
+    lo = float(lo) if lo is not None and lo.numel() else node_attr(node, "min")
+    hi = float(hi) if hi is not None and hi.numel() else node_attr(node, "max")
     return torch.clamp(x, lo, hi)
 
 
 def _op_concat(node, *xs):
     dev = next((x.device for x in xs if x.device.type != "cpu"), xs[0].device)
     # torch.cat promotes mixed float widths (autocast leaves fp16 beside fp32).
-    return torch.cat([x.to(dev) for x in xs], dim=_attr(node, "axis"))
+    return torch.cat([x.to(dev) for x in xs], dim=node_attr(node, "axis"))
 
 
 def _op_where(node, c, a, b):
@@ -232,7 +232,7 @@ def _op_where(node, c, a, b):
 
 
 def _op_constant_of_shape(node, shape):
-    value = _attr(node, "value")
+    value = node_attr(node, "value")
     if value is None:
         return torch.zeros(_ints(shape), dtype=torch.float32)
     from onnx import numpy_helper
@@ -241,34 +241,34 @@ def _op_constant_of_shape(node, shape):
     return torch.full(_ints(shape), v[0].item(), dtype=_ONNX_DTYPES[value.data_type])
 
 
-def _op_softmax(node, x):
-    return torch.softmax(x, dim=_attr(node, "axis", -1))
+def op_softmax(node, x):
+    return torch.softmax(x, dim=node_attr(node, "axis", -1))
 
 
-def _op_softmax_before_13(node, x):
+def op_softmax_before_13(node, x):
     """Softmax of opsets 1-12: over all axes from ``axis`` (default 1) on, as one flattened axis."""
-    axis = _attr(node, "axis", 1) % max(x.dim(), 1)
+    axis = node_attr(node, "axis", 1) % max(x.dim(), 1)
     return torch.softmax(x.reshape(*x.shape[:axis], -1), dim=-1).reshape(x.shape)
 
 
 def _op_cast(node, x):
-    return x.to(_ONNX_DTYPES[_attr(node, "to")])
+    return x.to(_ONNX_DTYPES[node_attr(node, "to")])
 
 
 def _op_transpose(node, x):
-    perm = _attr(node, "perm")
+    perm = node_attr(node, "perm")
     return x.permute(perm if perm is not None else list(reversed(range(x.dim()))))
 
 
 def _op_flatten(node, x):
-    axis = _attr(node, "axis", 1) % max(x.dim(), 1)
+    axis = node_attr(node, "axis", 1) % max(x.dim(), 1)
     return x.reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
 
 
 def _op_reduce(fn):
     def op(node, x, axes=None):
-        axes = _ints(axes) if axes is not None else _attr(node, "axes")
-        keep = bool(_attr(node, "keepdims", 1))
+        axes = _ints(axes) if axes is not None else node_attr(node, "axes")
+        keep = bool(node_attr(node, "keepdims", 1))
         if axes is None:
             return fn(x, dim=tuple(range(x.dim())), keepdim=keep)
         return fn(x, dim=tuple(axes), keepdim=keep)
@@ -277,17 +277,17 @@ def _op_reduce(fn):
 
 
 def _op_argmax(node, x):
-    return torch.argmax(x, dim=_attr(node, "axis", 0), keepdim=bool(_attr(node, "keepdims", 1)))
+    return torch.argmax(x, dim=node_attr(node, "axis", 0), keepdim=bool(node_attr(node, "keepdims", 1)))
 
 
 def _op_conv_transpose(node, x, w, b=None):
     """ConvTranspose: explicit (possibly asymmetric) pads cropped from the full output."""
     nd = w.dim() - 2
-    if _attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID") or _attr(node, "output_shape") is not None:
+    if node_attr(node, "auto_pad", "NOTSET") not in ("NOTSET", "VALID") or node_attr(node, "output_shape") is not None:
         raise ModelError(
             f"node {node.name!r} (ConvTranspose): auto_pad / output_shape are not supported (export with explicit pads)"
         )
-    pads = list(_attr(node, "pads", [0] * (2 * nd)))
+    pads = list(node_attr(node, "pads", [0] * (2 * nd)))
     begin, end = pads[:nd], pads[nd:]
     conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
     sym = begin == end
@@ -295,11 +295,11 @@ def _op_conv_transpose(node, x, w, b=None):
         x,
         w,
         b,
-        stride=_attr(node, "strides", [1] * nd),
+        stride=node_attr(node, "strides", [1] * nd),
         padding=begin if sym else 0,
-        output_padding=_attr(node, "output_padding", [0] * nd),
-        groups=_attr(node, "group", 1),
-        dilation=_attr(node, "dilations", [1] * nd),
+        output_padding=node_attr(node, "output_padding", [0] * nd),
+        groups=node_attr(node, "group", 1),
+        dilation=node_attr(node, "dilations", [1] * nd),
     )
     if sym:
         return y
@@ -310,25 +310,25 @@ def _op_conv_transpose(node, x, w, b=None):
 
 
 def _op_batch_norm(node, x, scale, bias, mean, var):
-    if _attr(node, "training_mode", 0) or (len(node.output) > 1 and any(node.output[1:])):
+    if node_attr(node, "training_mode", 0) or (len(node.output) > 1 and any(node.output[1:])):
         raise ModelError(
             f"node {node.name!r}: BatchNormalization in training mode is not supported (export the model in eval mode)"
         )
     x, scale = to_device_of(x, scale)
     bias, mean, var = (on_device(t, x.device) for t in (bias, mean, var))
-    return F.batch_norm(x, mean, var, scale, bias, False, 0.0, _attr(node, "epsilon", 1e-5))
+    return F.batch_norm(x, mean, var, scale, bias, False, 0.0, node_attr(node, "epsilon", 1e-5))
 
 
 def _op_layer_norm(node, x, scale, bias=None):
     if len(node.output) > 1 and any(node.output[1:]):
         raise ModelError(f"node {node.name!r}: LayerNormalization's Mean / InvStdDev outputs are not supported")
-    if _attr(node, "stash_type", 1) != 1:
+    if node_attr(node, "stash_type", 1) != 1:
         raise ModelError(
-            f"node {node.name!r}: LayerNormalization stash_type {_attr(node, 'stash_type')} "
+            f"node {node.name!r}: LayerNormalization stash_type {node_attr(node, 'stash_type')} "
             "is not supported (expected 1: float32)"
         )
-    axis = _attr(node, "axis", -1) % x.dim()
-    y = F.layer_norm(x, x.shape[axis:], eps=_attr(node, "epsilon", 1e-5))
+    axis = node_attr(node, "axis", -1) % x.dim()
+    y = F.layer_norm(x, x.shape[axis:], eps=node_attr(node, "epsilon", 1e-5))
     y, scale = to_device_of(y, scale)
     y = y * scale
     if bias is not None:
@@ -339,12 +339,12 @@ def _op_layer_norm(node, x, scale, bias=None):
 
 def _op_gemm(node, a, b, c=None):
     a, b = to_device_of(a, b)
-    if _attr(node, "transA", 0):
+    if node_attr(node, "transA", 0):
         a = a.transpose(0, 1)
-    if _attr(node, "transB", 0):
+    if node_attr(node, "transB", 0):
         b = b.transpose(0, 1)
     y = torch.matmul(a, b)
-    alpha, beta = _attr(node, "alpha", 1.0), _attr(node, "beta", 1.0)
+    alpha, beta = node_attr(node, "alpha", 1.0), node_attr(node, "beta", 1.0)
     if alpha != 1.0:
         y = y * alpha
     if c is not None:
@@ -354,13 +354,13 @@ def _op_gemm(node, a, b, c=None):
 
 
 def _op_split(node, x, split=None):
-    axis = _attr(node, "axis", 0) % x.dim()
+    axis = node_attr(node, "axis", 0) % x.dim()
     if split is not None and split.numel():
         sizes = _ints(split)
-    elif _attr(node, "split") is not None:  # opset < 13: an attribute
-        sizes = list(_attr(node, "split"))
+    elif node_attr(node, "split") is not None:  # opset < 13: an attribute
+        sizes = list(node_attr(node, "split"))
     else:  # equal parts; opset 18's num_outputs makes the last one smaller when it does not divide
-        parts = _attr(node, "num_outputs", len(node.output))
+        parts = node_attr(node, "num_outputs", len(node.output))
         sizes = [-(-x.shape[axis] // parts)] * parts
         sizes[-1] = x.shape[axis] - sizes[0] * (parts - 1)
     return tuple(torch.split(x, sizes, dim=axis))
@@ -370,11 +370,11 @@ _PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate",
 
 
 def _op_pad(node, x, pads=None, value=None, axes=None):
-    mode = _attr(node, "mode", "constant")
+    mode = node_attr(node, "mode", "constant")
     if mode not in _PAD_MODES:
         raise ModelError(f"node {node.name!r}: Pad mode {mode!r} is not supported")
-    pad_list = _ints(pads) if pads is not None else list(_attr(node, "pads"))  # opset < 11: attributes
-    fill = float(value.reshape(-1)[0]) if value is not None and value.numel() else _attr(node, "value", 0.0)
+    pad_list = _ints(pads) if pads is not None else list(node_attr(node, "pads"))  # opset < 11: attributes
+    fill = float(value.reshape(-1)[0]) if value is not None and value.numel() else node_attr(node, "value", 0.0)
     rank = x.dim()
     ax = [a % rank for a in _ints(axes)] if axes is not None else list(range(rank))
     n = len(ax)
@@ -397,7 +397,7 @@ def _op_pad(node, x, pads=None, value=None, axes=None):
 
 
 # Inputs read as Python numbers (shapes, axes, scales, k): always passed as host tensors.
-_HOST_INPUTS: dict[str, tuple[int, ...]] = {
+HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Resize": (1, 2, 3),
     "Reshape": (1,),
     "Expand": (1,),
@@ -415,7 +415,7 @@ _HOST_INPUTS: dict[str, tuple[int, ...]] = {
     "Range": (0, 1, 2),
 }
 
-_OPS: dict[str, Callable[..., Any]] = {
+OPS: dict[str, Callable[..., Any]] = {
     "Conv": _op_conv,
     "MaxPool": _op_maxpool,
     "AveragePool": _op_avgpool,
@@ -430,8 +430,8 @@ _OPS: dict[str, Callable[..., Any]] = {
     "Abs": lambda n, x: torch.abs(x),
     "Log": lambda n, x: torch.log(x),
     "Not": lambda n, x: torch.logical_not(x),
-    "LeakyRelu": lambda n, x: F.leaky_relu(x, _attr(n, "alpha", 0.01)),
-    "HardSigmoid": lambda n, x: torch.clamp(x * _attr(n, "alpha", 0.2) + _attr(n, "beta", 0.5), 0, 1),
+    "LeakyRelu": lambda n, x: F.leaky_relu(x, node_attr(n, "alpha", 0.01)),
+    "HardSigmoid": lambda n, x: torch.clamp(x * node_attr(n, "alpha", 0.2) + node_attr(n, "beta", 0.5), 0, 1),
     "Add": _binary(torch.add),
     "Sub": _binary(torch.sub),
     "Mul": _binary(torch.mul),
@@ -450,7 +450,7 @@ _OPS: dict[str, Callable[..., Any]] = {
     "Or": _binary(torch.logical_or),
     "Xor": _binary(torch.logical_xor),
     # fmod=0: the remainder takes the divisor's sign (integers only); fmod=1: the dividend's (C fmod).
-    "Mod": lambda n, a, b: _binary(torch.fmod if _attr(n, "fmod", 0) else torch.remainder)(n, a, b),
+    "Mod": lambda n, a, b: _binary(torch.fmod if node_attr(n, "fmod", 0) else torch.remainder)(n, a, b),
     "Max": _binary(torch.maximum),
     "Min": _binary(torch.minimum),
     "Cast": _op_cast,
@@ -467,7 +467,7 @@ _OPS: dict[str, Callable[..., Any]] = {
     "Concat": _op_concat,
     "Where": _op_where,
     "ConstantOfShape": _op_constant_of_shape,
-    "Softmax": _op_softmax,
+    "Softmax": op_softmax,
     "Flatten": _op_flatten,
     "ArgMax": _op_argmax,
     "ReduceMax": _op_reduce(torch.amax),
