@@ -13,7 +13,7 @@ import cv2
 import numpy as np
 import pytest
 import tifffile
-from fuzz_slides import tiny_tile_tiff
+from fuzz_slides import sparse_tiff, tiny_tile_tiff
 from helpers import smooth_rgb, write_sparse_dicom_level
 
 from wsi_pipeline.errors import ConfigError, SlideOpenError
@@ -24,6 +24,7 @@ from wsi_pipeline.slide.base import Slide, level_shape_agrees
 from wsi_pipeline.slide.dicom_backend import DicomSlide
 from wsi_pipeline.slide.image import ImageSlide
 from wsi_pipeline.slide.stored_tiles import _TileCache
+from wsi_pipeline.slide.tiff_backend import TiffSlide
 from wsi_pipeline.tiling.grid import (
     TileGrid,
     fill_past_edge,
@@ -243,6 +244,35 @@ def test_a_sparse_dicom_claiming_400000_px_costs_its_frames_not_its_matrix(tmp_p
         for tile in tiles:
             read_tile(slide, tile)
         assert 0 < len(decoded) <= 64 * len(tiles) and regions == []  # stored frames, no band
+
+
+def test_a_tiff_of_empty_tiles_claiming_400000_px_costs_its_stored_tiles(tmp_path, monkeypatch):
+    """TileByteCounts 0 (tiles OpenSlide reads as background): the tifffile reader's level answers
+    which tiles it stores, and the thumbnail, tissue mask and coarse reads decode those alone."""
+    path = tmp_path / "giant.tiff"
+    stored = {(300 + i, 400 + j): smooth_rgb(512, 512, seed=3 * i + j) for i in range(3) for j in range(3)}
+    sparse_tiff(path, 400_000, 400_000, stored)
+    decoded, regions = [], []
+    decode, read_level = TiffSlide._decode_tile, TiffSlide._read_level
+    monkeypatch.setattr(TiffSlide, "_decode_tile", lambda s, *a, **k: decoded.append(a[:3]) or decode(s, *a, **k))
+    monkeypatch.setattr(TiffSlide, "_read_level", lambda s, *a: regions.append(a) or read_level(s, *a))
+    with open_slide(path) as slide:
+        assert slide.backend == "tifffile" and slide.dimensions == (400_000, 400_000)
+        assert slide.stored_tiles_present(0).sum() == 9
+        mask = tissue_mask(slide, "otsu")
+        assert len(decoded) == 9 and regions == []  # each stored tile once, no band of the level
+        assert 0 < mask.mask.sum() < 400
+        decoded.clear()
+        coarse = TileGrid(slide, 512, 64, mpp=16.0)  # each tile covers 32,768 px of the level
+        tiles = coarse.select(mask.tile_fractions(coarse), 0.0)
+        for tile in tiles:
+            read_tile(slide, tile)
+        assert 0 < len(decoded) <= 9 * len(tiles) and regions == []  # stored tiles, no band
+    with open_slide(path) as slide:  # and the same pixels as a whole read of a small region
+        region = slide.read_region((299 * 512, 399 * 512), 0, (5 * 512, 5 * 512))
+        thumb = slide.get_thumbnail(400_000 // 512)  # 1 px per stored tile
+        want = cv2.resize(region, (5, 5), interpolation=cv2.INTER_AREA)
+        assert np.abs(thumb[399:404, 299:304].astype(int) - want).max() <= 1
 
 
 def test_a_sparse_levels_thumbnail_is_opencvs_shrink_of_the_level(tmp_path):
