@@ -268,11 +268,11 @@ def test_a_tiff_of_empty_tiles_claiming_400000_px_costs_its_stored_tiles(tmp_pat
         for tile in tiles:
             read_tile(slide, tile)
         assert 0 < len(decoded) <= 9 * len(tiles) and regions == []  # stored tiles, no band
-    with open_slide(path) as slide:  # and the same pixels as a whole read of a small region
-        region = slide.read_region((299 * 512, 399 * 512), 0, (5 * 512, 5 * 512))
-        thumb = slide.get_thumbnail(400_000 // 512)  # 1 px per stored tile
-        want = cv2.resize(region, (5, 5), interpolation=cv2.INTER_AREA)
-        assert np.abs(thumb[399:404, 299:304].astype(int) - want).max() <= 1
+    with open_slide(path) as slide:  # the stored tiles where they lie, background elsewhere
+        thumb = slide.get_thumbnail(400_000 // 512)  # about 1 px per stored tile
+        tissue_rows, tissue_cols = np.nonzero((thumb != slide.background_rgb).any(axis=2))
+        assert set(range(400, 403)) <= set(tissue_rows) <= set(range(399, 405))
+        assert set(range(300, 303)) <= set(tissue_cols) <= set(range(299, 305))
 
 
 def test_a_sparse_levels_thumbnail_is_opencvs_shrink_of_the_level(tmp_path):
