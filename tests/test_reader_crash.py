@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from wsi_pipeline.errors import SlideOpenError
+from wsi_pipeline.slide import open_slide
+from wsi_pipeline.slide.isolated import call_isolated
 from wsi_pipeline.slide.readers import OpenSlideReader, SlideReader
 from wsi_pipeline.synthetic import write_synthetic_slide
 
@@ -75,6 +79,16 @@ def _slides(tmp_path: Path) -> Path:
     write_synthetic_slide(slides / "b_good.tiff", 400, 400, seed=5, kind="pathology")
     shutil.copy(slides / "b_good.tiff", slides / "crash_a.tiff")
     return slides
+
+
+def test_a_crash_in_the_helper_process_is_an_error_naming_the_file_and_the_next_call_starts_another():
+    pid = call_isolated("a.svs", "reading it", os.getpid)
+    assert pid != os.getpid() and call_isolated("a.svs", "reading it", os.getpid) == pid  # kept
+    with pytest.raises(SlideOpenError, match=r"a\.svs: OpenSlide crashed reading it \(signal 11, SIGSEGV\)"):
+        call_isolated("a.svs", "reading it", signal.raise_signal, signal.SIGSEGV)
+    assert call_isolated("b.svs", "reading it", os.getpid) not in (pid, os.getpid())
+    with pytest.raises(SlideOpenError, match="no such file"):  # its errors raised here
+        call_isolated("b.svs", "reading it", open_slide, "/nonexistent/b.svs")
 
 
 def test_openslide_is_the_reader_that_may_crash():

@@ -94,6 +94,9 @@ class _Helper:
                 reply = self.recv.recv() if answered else None
             except (EOFError, OSError):
                 raise SlideOpenError(path, f"OpenSlide crashed {what} ({_died(self.stop())})") from None
+            except BaseException:  # Ctrl-C while it works: its answer would be taken for the next call's
+                self.stop()
+                raise
             if reply is None:
                 self.stop()
                 raise SlideOpenError(path, f"OpenSlide did not finish {what} within {limit_s:g} s")
