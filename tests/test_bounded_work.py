@@ -280,6 +280,7 @@ def test_a_tiff_of_empty_tiles_claiming_400000_px_costs_its_stored_tiles(tmp_pat
         assert set(range(300, 303)) <= set(tissue_cols) <= set(range(299, 305))
 
 
+@pytest.mark.filterwarnings("ignore:.*resolution unknown")
 def test_a_heatmap_over_its_pixel_limit_is_refused_when_the_slide_is_planned(monkeypatch):
     image = np.full((768, 1024, 3), 230, np.uint8)  # read at level 0: a 128 x 96 px heatmap at stride 8
     with Pipeline(backend="ort", tissue="all") as pipeline:
