@@ -142,9 +142,9 @@ def plan_geometry(slide: Slide, card: ModelCard, cfg: RunConfig) -> TilingGeomet
             raise SlideError(
                 slide.path,
                 f"level {geometry.level} claims {w} x {h} px: its heatmap at stride {card.heatmap.stride} would be "
-                f"{hw} x {hh} px ({hw * hh / 2**30:.1f} G px a class, at most {blend.MAX_HEATMAP_PIXELS / 2**30:g} "
-                "G px), larger than any glass slide gives (a sparse or forged matrix); read it at a coarser "
-                "--mpp or --level, or with a model without a heatmap",
+                f"{hw} x {hh} px ({hw * hh / 2**30:.1f} G px a class; at most {blend.MAX_HEATMAP_PIXELS / 2**30:g} "
+                "G px, made and written whether tiles run there or not: a sparse or forged matrix?); read it at a "
+                "coarser --mpp or --level, or with a model without a heatmap",
             )
     return geometry
 
