@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -162,13 +163,13 @@ def _serve(recv: Connection, send: Connection) -> None:
     isolate_in_this_process(False)
     while True:
         try:
-            fn, args = recv.recv()
+            message = recv.recv_bytes()
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", fn(*args))
-            send.send(reply)
-        except Exception as exc:  # sent back and raised in the caller
+            fn, args = pickle.loads(message)
+            send.send(("ok", fn(*args)))
+        except Exception as exc:  # sent back and raised in the caller (a function it cannot import too)
             send.send(("error", exception_payload(exc)))
 
 
