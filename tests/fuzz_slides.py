@@ -463,7 +463,8 @@ def make_cases(folder: Path, n: int, seed: int = 0, bombs: bool = True) -> list[
     cases += dicom_series_slides(folder / "dicom") + aperio_mpp_slides(folder / "aperio")
     cases += jpeg_stream_slides(folder / "jpeg")
     cases += coarse_read_slides(folder / "coarse") + skewed_level_slides(folder / "skewed")
-    cases += sparse_dicom_slides(folder / "sparse") + tiny_tile_slides(folder / "tiny")
+    cases += sparse_dicom_slides(folder / "sparse") + sparse_tiff_slides(folder / "sparse_tiff")
+    cases += tiny_tile_slides(folder / "tiny")
     if bombs:
         specs = [
             ("bomb_1bit_30000.png", 30000, 30000, 1, 0),
@@ -519,6 +520,40 @@ def sparse_dicom_slides(folder: Path) -> list[tuple[Path, str]]:
     path = folder / "sparse_400000.dcm"
     write_sparse_dicom_level(path, 400_000, 400_000, tiles)
     return [(path, "TILED_SPARSE, 400,000 px square claimed, 64 frames")]
+
+
+def sparse_tiff(path: Path, width: int, height: int, tiles: dict, tile: int = 512) -> None:
+    """A tiled JPEG (YCbCr 4:2:0) TIFF of ``width x height`` px that stores only ``tiles`` (``{(tx,
+    ty): tile_px RGB array}``): every other tile empty (TileByteCounts 0, background as OpenSlide
+    reads it)."""
+    import cv2
+    import numpy as np
+    import tifffile
+
+    across, down = -(-width // tile), -(-height // tile)
+    quality = [cv2.IMWRITE_JPEG_QUALITY, 85]
+    streams = {at: cv2.imencode(".jpg", px[:, :, ::-1], quality)[1].tobytes() for at, px in tiles.items()}
+    chunks = (streams.get((tx, ty), b"") for ty in range(down) for tx in range(across))
+    with tifffile.TiffWriter(path) as tw:
+        tw.write(
+            chunks, shape=(height, width, 3), dtype=np.uint8, tile=(tile, tile), compression="jpeg",
+            photometric="ycbcr", subsampling=(2, 2), resolution=(4e4, 4e4), resolutionunit="CENTIMETER",
+            metadata=None,
+        )  # fmt: skip
+
+
+def sparse_tiff_slides(folder: Path) -> list[tuple[Path, str]]:
+    """A 5 MB tiled TIFF (its tile tables) claiming 400,000 x 400,000 px that stores 9 of its 611,524 tiles: its
+    thumbnail, tissue mask and coarse reads must cost the tiles it stores, not the bands of the
+    size it claims."""
+    folder.mkdir(parents=True, exist_ok=True)
+    image = _smooth_rgb(1536, 1536, seed=9)
+    tiles = {
+        (300 + i, 400 + j): image[j * 512 : (j + 1) * 512, i * 512 : (i + 1) * 512] for i in range(3) for j in range(3)
+    }
+    path = folder / "sparse_400000.tiff"
+    sparse_tiff(path, 400_000, 400_000, tiles)
+    return [(path, "tiled TIFF, 400,000 px square claimed, 9 tiles stored")]
 
 
 def tiny_tile_tiff(path: Path, width: int, height: int, tile: int = 1) -> None:

@@ -7,16 +7,20 @@ bounds are checked with counters and traced allocations, never with a clock.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tracemalloc
 
 import cv2
 import numpy as np
 import pytest
 import tifffile
-from fuzz_slides import tiny_tile_tiff
+from fuzz_slides import sparse_tiff, tiny_tile_tiff
 from helpers import smooth_rgb, write_sparse_dicom_level
 
-from wsi_pipeline.errors import ConfigError, SlideOpenError
+from wsi_pipeline import Pipeline
+from wsi_pipeline.errors import ConfigError, SlideError, SlideOpenError
 from wsi_pipeline.geometry import MAX_SHRINK
 from wsi_pipeline.slide import open_slide
 from wsi_pipeline.slide.area import BAND_BYTES, shrink_banded, shrink_sparse
@@ -24,6 +28,8 @@ from wsi_pipeline.slide.base import Slide, level_shape_agrees
 from wsi_pipeline.slide.dicom_backend import DicomSlide
 from wsi_pipeline.slide.image import ImageSlide
 from wsi_pipeline.slide.stored_tiles import TileCache
+from wsi_pipeline.slide.tiff_backend import TiffSlide
+from wsi_pipeline.stitch import blend
 from wsi_pipeline.tiling.grid import (
     TileGrid,
     fill_past_edge,
@@ -243,6 +249,69 @@ def test_a_sparse_dicom_claiming_400000_px_costs_its_frames_not_its_matrix(tmp_p
         for tile in tiles:
             read_tile(slide, tile)
         assert 0 < len(decoded) <= 64 * len(tiles) and regions == []  # stored frames, no band
+
+
+def test_a_tiff_of_empty_tiles_claiming_400000_px_costs_its_stored_tiles(tmp_path, monkeypatch):
+    """TileByteCounts 0 (tiles OpenSlide reads as background): the tifffile reader's level answers
+    which tiles it stores, and the thumbnail, tissue mask and coarse reads decode those alone."""
+    path = tmp_path / "giant.tiff"
+    stored = {(300 + i, 400 + j): smooth_rgb(512, 512, seed=3 * i + j) for i in range(3) for j in range(3)}
+    sparse_tiff(path, 400_000, 400_000, stored)
+    decoded, regions = [], []
+    decode, read_level = TiffSlide._decode_tile, TiffSlide._read_level
+    monkeypatch.setattr(TiffSlide, "_decode_tile", lambda s, *a, **k: decoded.append(a[:3]) or decode(s, *a, **k))
+    monkeypatch.setattr(TiffSlide, "_read_level", lambda s, *a: regions.append(a) or read_level(s, *a))
+    with open_slide(path) as slide:
+        assert slide.backend == "tifffile" and slide.dimensions == (400_000, 400_000)
+        assert slide.stored_tiles_present(0).sum() == 9
+        mask = tissue_mask(slide, "otsu")
+        assert len(decoded) == 9 and regions == []  # each stored tile once, no band of the level
+        assert 0 < mask.mask.sum() < 400
+        decoded.clear()
+        coarse = TileGrid(slide, 512, 64, mpp=16.0)  # each tile covers 32,768 px of the level
+        tiles = coarse.select(mask.tile_fractions(coarse), 0.0)
+        for tile in tiles:
+            read_tile(slide, tile)
+        assert 0 < len(decoded) <= 9 * len(tiles) and regions == []  # stored tiles, no band
+    with open_slide(path) as slide:  # the stored tiles where they lie, background elsewhere
+        thumb = slide.get_thumbnail(400_000 // 512)  # about 1 px per stored tile
+        tissue_rows, tissue_cols = np.nonzero((thumb != slide.background_rgb).any(axis=2))
+        assert set(range(400, 403)) <= set(tissue_rows) <= set(range(399, 405))
+        assert set(range(300, 303)) <= set(tissue_cols) <= set(range(299, 305))
+
+
+@pytest.mark.filterwarnings("ignore:.*resolution unknown")
+def test_a_heatmap_over_its_pixel_limit_is_refused_when_the_slide_is_planned(monkeypatch):
+    image = np.full((768, 1024, 3), 230, np.uint8)  # read at level 0: a 128 x 96 px heatmap at stride 8
+    with Pipeline(backend="ort", tissue="all") as pipeline:
+        monkeypatch.setattr(blend, "MAX_HEATMAP_PIXELS", 128 * 96)
+        plan = pipeline.plan(image)
+        assert (plan.geometry.heatmap_width, plan.geometry.heatmap_height) == (128, 96)
+        plan.close()
+        monkeypatch.setattr(blend, "MAX_HEATMAP_PIXELS", 128 * 96 - 1)
+        with pytest.raises(SlideError, match=r"1024 x 768 px: its heatmap at stride 8 would be 128 x 96 px"):
+            pipeline.plan(image)
+
+
+def test_a_run_over_a_sparse_400000_px_slide_is_refused_before_its_tiles_run(tmp_path):
+    """Its heatmap would be 50,000 px square: the run refuses each such slide, naming it, and ends."""
+    slides = tmp_path / "in"
+    slides.mkdir()
+    write_sparse_dicom_level(slides / "giant.dcm", 400_000, 400_000, _sparse_tiles(2, (700, 900)))
+    sparse_tiff(slides / "giant.tiff", 400_000, 400_000, {(300, 400): smooth_rgb(512, 512, seed=2)})
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "wsi_pipeline", "run", str(slides), "--out", str(out), "--backend", "ort"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    manifest = json.loads((out / "manifest.json").read_text())["slides"]
+    assert {rec["status"] for rec in manifest.values()} == {"failed"} and len(manifest) == 2, manifest
+    errors = sorted(rec["error"] for rec in manifest.values())
+    for error, name in zip(errors, ("giant.dcm", "giant.tiff"), strict=True):
+        assert error.startswith(str(slides / name)), errors
+        assert "level 0 claims 400000 x 400000 px: its heatmap at stride 8 would be 50000 x 50000 px" in error
+    assert not any((out / "slides").iterdir())  # nothing written for either
 
 
 def test_a_sparse_levels_thumbnail_is_opencvs_shrink_of_the_level(tmp_path):

@@ -23,6 +23,7 @@ from fuzz_slides import (
     run_cases,
     skewed_level_slides,
     sparse_dicom_slides,
+    sparse_tiff_slides,
     special_files,
     summarize,
     tiny_tile_slides,
@@ -87,10 +88,10 @@ def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
 
 def test_coarse_reads_skewed_pages_and_sparse_matrices_are_read_within_the_limits(tmp_path):
     """A tile 64 x coarser than a one-level slide (3.2 GB read whole), a page of another shape
-    than level 0 (never read for a resolution), a sparse DICOM claiming 400,000 px square (its
-    thumbnail from its 64 frames): read, under the harness's 2 GiB and 30 s."""
+    than level 0 (never read for a resolution), a sparse DICOM and a sparse TIFF claiming 400,000 px
+    square (their thumbnails from their few stored tiles): read, under the harness's 2 GiB and 30 s."""
     cases = coarse_read_slides(tmp_path / "coarse") + skewed_level_slides(tmp_path / "skewed")
-    cases += sparse_dicom_slides(tmp_path / "sparse")
+    cases += sparse_dicom_slides(tmp_path / "sparse") + sparse_tiff_slides(tmp_path / "sparse_tiff")
     results = run_cases(cases, workers=1, timeout_s=30.0, mem_bytes=2 << 30)
     assert [r["outcome"] for r in results] == ["success"] * len(results), results
 

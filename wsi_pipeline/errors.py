@@ -26,6 +26,16 @@ class SlideError(WSIPipelineError):
         self.reason = reason
         super().__init__(f"{self.path}: {reason}" if self.path else reason)
 
+    def __reduce__(self):  # pickled whole (its type, message and fields) to cross to another process
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class SlideOpenError(SlideError):
     """A slide file cannot be opened: unknown format, damaged header, impossible geometry,

@@ -113,7 +113,8 @@ def plan_geometry(slide: Slide, card: ModelCard, cfg: RunConfig) -> TilingGeomet
     """The slide's tiling: the card's tile and heatmap stride, the config's level or mpp, else the card's mpp.
 
     Raises:
-        SlideError: the slide is so wide for its height that a heatmap band would not fit in memory.
+        SlideError: the slide is so wide for its height that a heatmap band would not fit in memory,
+            or its heatmap would hold more than ``blend.MAX_HEATMAP_PIXELS`` a class.
     """
     geometry = TilingGeometry.for_slide(
         slide,
@@ -134,6 +135,16 @@ def plan_geometry(slide: Slide, card: ModelCard, cfg: RunConfig) -> TilingGeomet
                 f"{w} x {h} px: the heatmap is blended in bands as wide as the slide, and this slide's "
                 f"band would need {need / 2**30:.1f} GiB (at most {blend.MAX_BAND_BYTES / 2**30:.1f} GiB): "
                 "a slide this wide for its height is refused",
+            )
+        hw, hh = geometry.heatmap_width, geometry.heatmap_height
+        if hw * hh > blend.MAX_HEATMAP_PIXELS:
+            w, h = slide.level_dimensions[geometry.level]
+            raise SlideError(
+                slide.path,
+                f"level {geometry.level} claims {w} x {h} px: its heatmap at stride {card.heatmap.stride} would be "
+                f"{hw} x {hh} px ({hw * hh / 2**30:.1f} G px a class; at most {blend.MAX_HEATMAP_PIXELS / 2**30:g} "
+                "G px, made and written whether tiles run there or not: a sparse or forged matrix?); read it at a "
+                "coarser --mpp or --level, or with a model without a heatmap",
             )
     return geometry
 

@@ -463,7 +463,10 @@ def map_large_blocks_alone(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def main(argv: list[str]) -> None:
+    from ..slide.isolated import isolate_in_this_process
+
     map_large_blocks_alone()
+    isolate_in_this_process(False)  # a crash here fails its slide alone: OpenSlide is asked directly
     _serve(*child_connections(argv))
     # Every slide is written and the pipeline closed; the parent waits for this process to end.
     # The interpreter's own teardown (torch's and its CUDA context's) adds nothing but that wait.

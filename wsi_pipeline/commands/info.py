@@ -11,13 +11,24 @@ from ..errors import PluginError, UsageError
 from ..inference.backend import cuda_may_be_present
 from ..inference.shipped import DEFAULT_MODEL_NAME, engines_dir, shipped_names
 from ..plugins import load_plugins
-from ..slide import BACKENDS, Slide, open_slide
-from ..slide.readers import reader_names
+from ..slide import BACKENDS, Slide, open_slide, reader_may_crash
+from ..slide.isolated import call_isolated
+from ..slide.readers import reader_named, reader_names
 from ..tiling.gpu_choice import storage_gpu_decoder
 
 
 def describe(path: str, backend: str = "auto") -> dict:
-    """A JSON-ready description of the slide at ``path`` (``backend``: the slide reader)."""
+    """A JSON-ready description of the slide at ``path`` (``backend``: the slide reader). A slide
+    whose reader may crash the process on a damaged file (OpenSlide) is read in a helper process:
+    a crash is a :class:`~wsi_pipeline.errors.SlideOpenError` naming the file and the signal."""
+    reader = reader_named(backend)
+    may_crash = reader.may_crash if reader is not None else backend == "auto" and reader_may_crash(path)
+    if may_crash:
+        return call_isolated(path, "reading it", _describe, path, backend)
+    return _describe(path, backend)
+
+
+def _describe(path: str, backend: str) -> dict:
     with open_slide(path, backend) as slide:
         return {
             "path": os.path.abspath(path),

@@ -98,7 +98,8 @@ def reader_may_crash(path: str | os.PathLike[str]) -> bool:
     """Whether the reader that would open ``path`` (backend "auto") may crash the process on a
     damaged file (:attr:`SlideReader.may_crash`: OpenSlide); False where no reader takes it (it
     then fails as a slide without opening it). The choice itself asks OpenSlide only for the
-    file's vendor (``detect_format``), not to open it."""
+    file's vendor (``detect_format``), not to open it, and that in a helper process
+    (:mod:`.isolated`): a crash there makes the file one no reader takes."""
     path = os.fspath(path)
     try:
         _check_file(path)

@@ -41,13 +41,11 @@ class FormatProbe:
 
     @functools.cached_property
     def vendor(self) -> str | None:
-        """OpenSlide's ``detect_format`` of the file (None: OpenSlide does not read it, or is missing)."""
-        try:
-            import openslide
+        """OpenSlide's ``detect_format`` of the file (None: OpenSlide does not read it, or is missing),
+        asked in a helper process (:mod:`.isolated`): :class:`SlideOpenError` where OpenSlide crashes."""
+        from .isolated import openslide_vendor
 
-            return openslide.OpenSlide.detect_format(self.path)
-        except Exception:
-            return None
+        return openslide_vendor(self.path)
 
     @functools.cached_property
     def tiff_layout(self) -> str | None:

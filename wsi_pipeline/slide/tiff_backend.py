@@ -165,6 +165,13 @@ class TiffSlide(StoredTileSlide):
         offsets = np.array([o if c else 0 for o, c in zip(offsets, counts, strict=False)], np.int64)
         return _Level(page, width, height, tw, th, across, down, offsets, np.asarray(counts, np.int64), page.jpegtables)
 
+    def stored_tiles_present(self, level: int) -> np.ndarray | None:
+        """Which tiles of ``level`` hold data (``tiles_down x tiles_across``), where some are empty
+        (TileByteCounts 0: background, as OpenSlide reads them); None where every tile holds data."""
+        lv = self._levels[level]
+        has = lv.bytecounts[: lv.tiles_down * lv.tiles_across] > 0
+        return None if has.all() else has.reshape(lv.tiles_down, lv.tiles_across)
+
     def _find_mpp(self, page: tifffile.TiffPage) -> tuple[float, float] | None:
         if self._tif.is_ome:
             try:

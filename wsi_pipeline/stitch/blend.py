@@ -229,6 +229,15 @@ class _TorchArrays:
 MAX_BAND_BYTES = 512 << 20
 
 
+# The heatmap's pixels a class may hold: its rows are blended, handed to every sink and spooled for
+# its files whether tiles ran there or not, so its cost follows the size a slide claims. A 75 x 50 mm
+# whole-mount slide at 0.25 um/px and stride 8 gives 0.94 G px; a level claiming more than 2 G px of
+# heatmap (400,000 px square at stride 8: 2.5 G px, minutes and 5 GB of spool a class) is larger than
+# any glass slide holds at stride 8: a sparse or forged matrix, refused before its tiles run
+# (slide_plan.py). A model of a finer stride meets the limit on a smaller level (--mpp reads it coarser).
+MAX_HEATMAP_PIXELS = 2 << 30
+
+
 def band_bytes(geometry: BlendGeometry, channels: int, window_rows: int = 3) -> int:
     """Bytes of a :class:`HeatmapBlender`'s accumulator and one tile row's weight sum for ``geometry``.
 
