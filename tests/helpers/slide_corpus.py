@@ -9,7 +9,8 @@ JPEG stream flavours (:data:`FLAVOURS`), as encoders and converters leave them:
 (APP14 transform 0, ids 'R', 'G', 'B'), ``rgb-ids`` (ids 'R', 'G', 'B', no APP14), ``rgb-012`` (ids
 0, 1, 2, no APP14: libjpeg would take it for YCbCr), ``rgb-123`` (ids 1, 2, 3, no APP14),
 ``rgb-jfif`` (an RGB stream with a stray JFIF marker), ``ycbcr-adobe0`` (a YCbCr stream whose APP14
-claims no transform); each ``+tables`` variant is abbreviated, its tables in JPEGTables.
+claims no transform); each ``+tables`` variant is abbreviated, its tables in JPEGTables. Aperio's
+JPEG 2000 levels: ``j2k-rgb`` (compression 33005) and ``j2k-ycbcr`` (33003).
 """
 
 from __future__ import annotations
@@ -68,9 +69,20 @@ def abbreviate(stream: bytes) -> tuple[bytes, bytes]:
     return tables, drop_segments(stream, {0xDB, 0xC4})
 
 
+# Aperio's JPEG 2000 compressions: 33003 holds Y, Cb, Cr planes without the codestream's colour
+# transform, 33005 RGB (with it).
+J2K_COMPRESSION = {"j2k-ycbcr": 33003, "j2k-rgb": 33005}
+
+
 def encode_tile(tile: np.ndarray, flavour: str, quality: int = 90) -> bytes:
-    """``tile`` (RGB uint8) as one JPEG stream of ``flavour`` (module docstring; no ``+tables``)."""
+    """``tile`` (RGB uint8) as one JPEG stream of ``flavour`` (module docstring; no ``+tables``),
+    or a JPEG 2000 codestream for the ``j2k-`` flavours."""
     tile = np.ascontiguousarray(tile)
+    if flavour == "j2k-rgb":
+        return imagecodecs.jpeg2k_encode(tile, level=80, codecformat="J2K")
+    if flavour == "j2k-ycbcr":
+        ycc = cv2.cvtColor(tile, cv2.COLOR_RGB2YCrCb)[..., [0, 2, 1]]  # JFIF's full-range Y, Cb, Cr
+        return imagecodecs.jpeg2k_encode(np.ascontiguousarray(ycc), level=80, codecformat="J2K", mct=False)
     if flavour.startswith("ycbcr"):
         s = simplejpeg.encode_jpeg(tile, quality=quality, colorspace="RGB", colorsubsampling="420")
         if flavour == "ycbcr-bare":
@@ -166,6 +178,8 @@ def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: i
         Layout("aperio-uneven", (lvl(1), thumb, lvl(3), lvl(9)), width=1001, height=757),
         Layout("aperio-bigtiff", (lvl(1), thumb, lvl(4), lvl(16), label, macro), bigtiff=True),
         Layout("aperio-mixed-compression", (lvl(1), thumb, replace(lvl(4), flavour=None, compression="zlib"))),
+        Layout("aperio-j2k-rgb", (lvl(1, fl="j2k-rgb"), thumb, lvl(4, fl="j2k-rgb"))),
+        Layout("aperio-j2k-ycbcr", (lvl(1, fl="j2k-ycbcr"), thumb, lvl(4, fl="j2k-ycbcr"))),
         Layout("aperio-mixed-streams", (lvl(1, mixed="ycbcr-jfif"), thumb, lvl(4))),
         Layout(
             "aperio-tiled-label",
@@ -207,7 +221,7 @@ def _tiled_streams(img: np.ndarray, tile: int, flavour: str, mixed: str | None) 
     for k, (y, x) in enumerate((y, x) for y in range(0, h, tile) for x in range(0, w, tile)):
         fl = mixed.split("+")[0] if mixed and k % 2 else base
         s = encode_tile(padded[y : y + tile, x : x + tile], fl)
-        if abbreviated:
+        if abbreviated and not fl.startswith("j2k"):
             tables, s = abbreviate(s)
         streams.append(s)
     return streams, tables
@@ -229,6 +243,17 @@ def write_layout(path, layout: Layout, image: np.ndarray | None = None) -> np.nd
                 tw.write(pixels, compression=page.compression, photometric="rgb", rowsperstrip=16, **kw)
             elif page.flavour is None:
                 tw.write(pixels, tile=(layout.tile, layout.tile), compression=page.compression, photometric="rgb", **kw)
+            elif page.flavour in J2K_COMPRESSION:
+                streams, _ = _tiled_streams(pixels, layout.tile, page.flavour, None)
+                tw.write(
+                    iter(streams),
+                    shape=(h, w, 3),
+                    dtype="uint8",
+                    tile=(layout.tile, layout.tile),
+                    compression=J2K_COMPRESSION[page.flavour],
+                    photometric="rgb",
+                    **kw,
+                )
             else:
                 streams, tables = _tiled_streams(pixels, layout.tile, page.flavour, page.mixed)
                 photometric = photometric_of(page.flavour)
