@@ -103,7 +103,7 @@ def gpu_decode_plan(slide: Any, tiles: Sequence[Tile]) -> tuple[str | None, str]
     if decoder == "nvjpeg" and not image_ops_loaded():
         return None, "this torchvision has no JPEG decoding ops with the expected arguments"
     if decoder == "nvimgcodec" and nvimgcodec_module() is None:
-        return None, f"{why}, which is not installed (pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)"
+        return None, f"{why}, which is not installed (pip install 'wsi-pipeline[gpu]')"
     if decoder is not None and tiles[0].read_size != tiles[0].size:
         why += f", {tiles[0].read_size} px of level {level} resampled to {tiles[0].size} px on the device"
     return decoder, why
