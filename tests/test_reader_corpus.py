@@ -215,8 +215,8 @@ def test_the_gpu_loader_gives_the_cpu_readers_pixels_in_every_flavour(tmp_path, 
         decoder = gpu_decode_plan(s, tiles)[0] if device == "cuda" else "nvjpeg"
         if decoder is None:
             pytest.skip(f"no GPU decoder for {flavour} here: {gpu_decode_plan(s, tiles)[1]}")
-        loader = GpuTileLoader(s, tiles, batch_size=4, device=device, jpeg_decoder=decoder)
-        got = {t.index: img for b in loader for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True)}
+        with GpuTileLoader(s, tiles, batch_size=4, device=device, jpeg_decoder=decoder) as loader:
+            got = {t.index: img for b in loader for t, img in zip(b.tiles, b.images.cpu().numpy(), strict=True)}
         for t in tiles:  # another libjpeg build's upsampling and IDCT: close, not equal
             assert np.abs(got[t.index].astype(int) - read_tile(s, t)).mean() < 2, (flavour, t.index)
         subsampled_rgb = layout == "aperio-mixed-streams" and decoder == "nvimgcodec"
@@ -234,9 +234,8 @@ def test_a_truncated_tile_fails_the_gpu_loader_under_the_fail_policy(tmp_path, d
     _damage(path, "truncated")
     with open_slide(path, "tifffile") as s:
         s.on_damaged_tile = "fail"
-        loader = GpuTileLoader(
-            s, list(TileGrid(s, 512, 64, level=0)), batch_size=4, device=device, jpeg_decoder="nvjpeg"
-        )
-        with pytest.raises(TileReadError, match=r"\(0, 1\)"):
-            for _ in loader:
-                pass
+        tiles = list(TileGrid(s, 512, 64, level=0))
+        with GpuTileLoader(s, tiles, batch_size=4, device=device, jpeg_decoder="nvjpeg") as loader:
+            with pytest.raises(TileReadError, match=r"\(0, 1\)"):
+                for _ in loader:
+                    pass

@@ -127,8 +127,8 @@ class StoredJpegTiles(Slide):
         needs no telling (:meth:`_told_jpeg` leaves it as it is); None otherwise. Tiles with the same
         header bytes are used as they are. Cached per level."""
         refs = self.__dict__.setdefault("_jpeg_references", {})
-        if level not in refs:
-            refs[level] = None
+        if level not in refs:  # threads arriving together each work it out; the result is the same
+            found = None
             lv = self._levels[level]
             nonempty = np.flatnonzero(lv.bytecounts)
             if len(nonempty):
@@ -139,7 +139,8 @@ class StoredJpegTiles(Slide):
                     whole = with_tables(lv.jpegtables, data)
                     colour = self._stored_colour(level)
                     if colour is None or told_stream(whole, colour) is whole:
-                        refs[level] = np.frombuffer(data[: header.scan_at], np.uint8).copy()
+                        found = np.frombuffer(data[: header.scan_at], np.uint8).copy()
+            refs[level] = found
         return refs[level]
 
     def _stored_jpeg_kind(self, level: int, photometric: str) -> JpegKind | None:
@@ -196,8 +197,17 @@ class StoredJpegTiles(Slide):
         Raises TileReadError where the stream is not an 8-bit JPEG of the tile's size or does not
         decode at all.
         """
-        jpeg = self._told_jpeg(level, tx, ty, with_tables(self._levels[level].jpegtables, data))
         lv = self._levels[level]
+        refs = self.__dict__.setdefault("_jpeg_reference_bytes", {})
+        ref = refs.get(level)
+        if ref is None:
+            array = self._jpeg_reference(level)
+            ref = refs[level] = b"" if array is None else array.tobytes()
+        if ref and data[: len(ref)] == ref:
+            # The headers of the level's first tile, already checked and in the container's colour space.
+            jpeg = with_tables(lv.jpegtables, data)
+        else:
+            jpeg = self._told_jpeg(level, tx, ty, with_tables(lv.jpegtables, data))
         # An ``out`` smaller than the tile asks for a reduced decode (DCT scaling to its size).
         reduce = (
             {} if out.shape[:2] == (lv.tile_h, lv.tile_w) else {"min_height": out.shape[0], "min_width": out.shape[1]}
