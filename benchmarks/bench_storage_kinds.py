@@ -253,7 +253,7 @@ def main() -> int:
             log(f"{kind} mpp={mpp}: failed: {type(exc).__name__}: {exc}")
             rows.append({"kind": kind, "mpp": mpp, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        row.update(kind=kind_label, mpp=mpp, resample=resample)
+        row.update(kind=kind_label, slide=kind, mpp=mpp, resample=resample)
         rows.append(row)
         log(
             f"{kind_label:14} mpp={mpp or 'card'}: {row['median']:8.1f} tiles/s (best {row['best']:.1f}, "
@@ -269,7 +269,7 @@ def main() -> int:
             continue
         alone = res[f"model_alone_tiles_per_s_mpp_{r['mpp'] or 'card'}"]
         r["over_model_alone"] = round(r["median"] / alone, 3)
-        if r["mpp"] not in ref or r["kind"].split(" (")[0] in extra:  # only rows of synth's pixels are compared
+        if r["mpp"] not in ref or r["slide"] in extra:  # only rows of synth's pixels are compared
             continue
         a, b = r["_boxes"], ref[r["mpp"]]["_boxes"]  # synth's own row is compared too: its boxes stay
         r["count_vs_synth"] = round(len(a) / max(len(b), 1), 4)

@@ -107,7 +107,7 @@ def choose_tile_decode(
     """
     if decode == "cpu":
         return TileDecodeChoice("cpu", "decode = cpu", "reader")
-    if tiles and any(reduced_factor(slide, t) for t in tiles[:1]):
+    if tiles and reduced_factor(slide, tiles[0]):
         reason = "resample = reduced decodes the JPEG tiles reduced on the CPU reader"
     elif on_damaged_tile == "fail":
         # The GPU decoders report no corrupt-data warnings: only the CPU decoder can fail a damaged tile.
