@@ -5,7 +5,7 @@ import time
 import cv2
 import numpy as np
 import pytest
-from helpers import smooth_rgb
+from helpers import smooth_rgb, write_pyramid_tiff
 
 from wsi_pipeline import open_slide
 from wsi_pipeline.errors import ConfigError, TileReadError
@@ -242,3 +242,46 @@ def test_whole_grid_tiles_equal_the_tiles_made_one_by_one(mpp):
     assert grid.select(frac, 0.0) == [t for t in one_by_one if frac[t.row, t.col] > 0]
     with pytest.raises(IndexError):
         grid.tiles_at(np.array([0]), np.array([grid.n_cols]))
+
+
+@pytest.mark.parametrize(
+    ("levels_4x", "largest", "side"),
+    [
+        (True, 600, 512),
+        (False, 600, 512),
+        (False, 1024, 1024),
+        (False, 2048, 2048),
+        (True, 400, 400),
+        (False, 400, 256),
+    ],
+)
+def test_the_mask_thumbnail_is_a_stored_level_within_half_its_largest_size(
+    tmp_path, levels_4x, largest, side, monkeypatch
+):
+    from helpers.slide_corpus import aperio_layouts, write_layout
+
+    from wsi_pipeline.tiling.tissue import thumbnail_side
+
+    image = np.full((2048, 2048, 3), 242, np.uint8)
+    image[500:1500, 300:1200] = (200, 110, 170)
+    path = tmp_path / ("s.svs" if levels_4x else "s.tif")
+    if levels_4x:  # levels 2048, 512, 128
+        write_layout(
+            path, next(lay for lay in aperio_layouts(width=2048, height=2048) if lay.name == "aperio-classic"), image
+        )
+    else:  # levels 2048, 1024, 512, 256
+        write_pyramid_tiff(path, image, levels=4)
+    with open_slide(path, "tifffile") as s:
+        assert thumbnail_side(s, largest) == side
+        levels_read = []
+        read_region = s.read_region
+        monkeypatch.setattr(
+            s, "read_region", lambda loc, level, size: levels_read.append(level) or read_region(loc, level, size)
+        )
+        tm = tissue_mask(s, thumbnail_size=largest)
+        assert max(tm.mask.shape) == side
+        stored = [max(d) for d in s.level_dimensions]
+        assert (
+            stored[levels_read[0]] == side or side not in stored
+        )  # the stored level read as it is, where there is one
+    assert tm.fraction == pytest.approx(1000 * 900 / 2048**2, abs=0.01)

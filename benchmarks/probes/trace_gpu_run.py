@@ -5,7 +5,7 @@ Where one GPU ``Pipeline.run`` spends its time: seconds inside its main calls, p
 
 Run on a CUDA machine::
 
-    python benchmarks/probes/trace_gpu_run.py SLIDE [--runs 2]
+    python benchmarks/probes/trace_gpu_run.py SLIDE [--runs 2] [--mpp 0.5]
     python benchmarks/probes/trace_gpu_run.py SLIDE --batch 6 --out DIR
 
 
@@ -156,6 +156,7 @@ RUN_SITES = [
     (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
     (stitcher.Stitcher, "finish", "stitcher finish"),
     # before the first batch and after the last
+    (pipeline, "tissue_mask", "tissue mask"),
     (pipeline.Pipeline, "plan", "plan the slide"),
     (slide_run, "SlideOutputs", "outputs: set up"),
     (slide_run, "Stitcher", "stitcher: set up"),
@@ -174,7 +175,6 @@ RUN_SITES = [
     (stitcher, "reading_order", "stitcher finish: reading order"),
 ]
 OUTPUT_SITES = [
-    (pipeline, "tissue_mask", "tissue mask"),
     (slide_run, "build_summary", "summary"),
     (outputs.SlideOutputs, "write", "outputs: start the files"),
     (outputs.SlideOutputs, "overlay_inputs", "outputs: overlay inputs"),
@@ -251,6 +251,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=0, help="trace a batch of this many runs with outputs")
     ap.add_argument("--out", type=Path, help="the batch's output folder")
     ap.add_argument("--backend", default="torch", help="the backend (ort tries the script without a GPU)")
+    ap.add_argument("--mpp", type=float, default=0.0, help="run at this resolution (0: the card's)")
     ap.add_argument("--events", type=Path, help="write the last run's timed calls here (JSON), with a summary")
     ap.add_argument(
         "--gc-freeze",
@@ -264,7 +265,7 @@ def main() -> int:
     install(RUN_SITES)
     gc.callbacks.append(_gc_callback)
     t_build = time.perf_counter()
-    with Pipeline.from_card(backend=args.backend) as pipe:
+    with Pipeline.from_card(backend=args.backend, **({"mpp": args.mpp} if args.mpp else {})) as pipe:
         print(f"pipeline built in {time.perf_counter() - t_build:.2f} s; {len(gc.get_objects()):,} objects tracked")
         if args.gc_freeze:
             gc.freeze()

@@ -39,14 +39,17 @@ def write_pyramid_tiff(
     subifds: bool = False,
     compression: str = "jpeg",
 ) -> None:
-    """A pyramidal tiled TIFF: levels as successive pages, or as SubIFDs (OME)."""
+    """A pyramidal tiled TIFF: levels as successive pages, or as SubIFDs (OME). ``image`` is RGB;
+    with JPEG, ``photometric`` says how the tiles store it: "ycbcr" (4:2:0) or "rgb"."""
     pyramid = [image]
     for _ in range(levels - 1):
         p = pyramid[-1]
         pyramid.append(cv2.resize(p, (p.shape[1] // 2, p.shape[0] // 2), interpolation=cv2.INTER_AREA))
     kw = dict(tile=(tile, tile), compression=compression, photometric=photometric)
     if compression == "jpeg":
-        kw["compressionargs"] = {"level": 90}
+        # tifffile takes ``photometric`` as the colour space of the data given and the stored one
+        # from ``outcolorspace``: the data is RGB either way.
+        kw.update(photometric="rgb", compressionargs={"level": 90, "outcolorspace": photometric})
     res = dict(resolution=(1e4 / mpp, 1e4 / mpp), resolutionunit="CENTIMETER") if mpp else {}
     with tifffile.TiffWriter(path, bigtiff=subifds, ome=subifds) as tw:
         if subifds:

@@ -10,6 +10,7 @@ industrial images).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -206,10 +207,32 @@ def tissue_mask(
         return mask_from_file(slide, mask_path, thumbnail_size)
     if method != "otsu":
         raise ConfigError(f"unknown tissue method {method!r}; expected otsu, all or file")
-    thumb = slide.get_thumbnail((thumbnail_size, thumbnail_size))
+    side = thumbnail_side(slide, thumbnail_size)
+    thumb = slide.get_thumbnail((side, side))
     th, tw = thumb.shape[:2]
     sat = _saturation(thumb)  # once, for both the mask and the content fraction
     return TissueMask(_tissue_from_saturation(sat), (w0 / tw, h0 / th), _content_from_saturation(sat))
+
+
+def thumbnail_side(slide: Slide, largest_px: int = DEFAULT_THUMBNAIL_SIZE) -> int:
+    """The long side of the thumbnail an Otsu mask is computed on: that of the finest stored
+    level no larger than ``largest_px``, read as stored, where it is at least half of it; else
+    ``largest_px`` (a finer level read and shrunk).
+
+    A 6k SVS (levels 1x, 4x, 16x) gives its 4x level's 1,536 px, a sixteenth of the pixels that
+    a 2,048 px thumbnail shrunk from level 0 would decode; the mask is then a quarter coarser.
+    """
+    w0, h0 = slide.dimensions
+    for level in range(slide.level_count):
+        # The floor keeps the thumbnail's downsample at or above the level's, whatever the
+        # rounding of its sizes, so that the thumbnail reads this level.
+        side = math.floor(max(w0, h0) / slide.level_downsamples[level])
+        if side > largest_px:
+            continue
+        if side >= largest_px / 2 and slide.best_level_for_downsample(max(w0 / side, h0 / side, 1.0)) == level:
+            return side
+        break
+    return largest_px
 
 
 def mask_from_file(slide: Slide, path: str | os.PathLike[str], size: int = DEFAULT_THUMBNAIL_SIZE) -> TissueMask:
