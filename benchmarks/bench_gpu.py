@@ -56,7 +56,7 @@ class HostBatch:
     """A loader-like batch over host memory (release is a no-op: the data is reused)."""
 
     def __init__(self, images, tiles, sequence):
-        self.images, self.tiles, self.sequence = images, tiles, sequence
+        self.images, self.tiles, self.sequence, self.ready = images, tiles, sequence, None
 
     def release(self):
         pass

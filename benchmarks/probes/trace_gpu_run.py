@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from wsi_pipeline import Pipeline, outputs, pipeline, slide_run
+from wsi_pipeline import Pipeline, outputs, pipeline, slide_plan, slide_run
 from wsi_pipeline.batch import run_key
 from wsi_pipeline.batch.jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import cuda_worker, device_decode, torch_backend
@@ -156,7 +156,7 @@ RUN_SITES = [
     (stitcher.Stitcher, "add_batch", "stitcher add_batch"),
     (stitcher.Stitcher, "finish", "stitcher finish"),
     # before the first batch and after the last
-    (pipeline, "tissue_mask", "tissue mask"),
+    (slide_plan, "tissue_mask", "tissue mask"),
     (pipeline.Pipeline, "plan", "plan the slide"),
     (slide_run, "SlideOutputs", "outputs: set up"),
     (slide_run, "Stitcher", "stitcher: set up"),
