@@ -49,7 +49,7 @@ from wsi_pipeline.batch import run_key
 from wsi_pipeline.batch.jobs import StartedSlide, start_slide
 from wsi_pipeline.inference import cuda_worker, device_decode, torch_backend
 from wsi_pipeline.io import ome_tiff, writer_pool
-from wsi_pipeline.slide import base, tiff_backend
+from wsi_pipeline.slide import base, stored_jpeg, tiff_backend
 from wsi_pipeline.stitch import blend, merge_runner, stitcher
 from wsi_pipeline.tiling import gpu_decode, gpu_loader, jpeg_processes, stored_tile_decoding
 
@@ -145,8 +145,11 @@ RUN_SITES = [
     (stored_tile_decoding, "nvjpeg_decode", "nvJPEG decode_jpeg"),
     (gpu_decode.GpuTileDecoder, "decode_after", "loader batch (all of it)"),
     (gpu_loader.HandOff, "take", "loader hand-off wait"),
-    (tiff_backend.TiffSlide, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
-    (tiff_backend.TiffSlide, "raw_tile_jpeg", "read stored tile bytes"),
+    (stored_jpeg.StoredJpegTiles, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
+    (stored_jpeg.StoredJpegTiles, "raw_tile_jpeg", "read stored tile bytes"),
+    (stored_jpeg.os, "pread", "os.pread (any caller)"),
+    (stored_jpeg, "same_headers", "stored bytes: headers compared"),
+    (stored_jpeg, "ends_with_eoi", "stored bytes: EOI checked"),
     (cuda_worker.CudaWorker, "process", "worker batch (all of it)"),
     (device_decode.DeviceDecoder, "reduce", "device output reduction"),
     (device_decode.DeviceDecoder, "finish", "host decoder"),
