@@ -128,6 +128,7 @@ class Page:
     description: str | None = None
     size: tuple[int, int] | None = None  # (w, h) where not level 0's / downsample
     mixed: str | None = None  # a second flavour for every other tile
+    tile: int | None = None  # the page's tile size where not the layout's
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,9 @@ def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: i
         Layout("aperio-no-label-macro", (lvl(1), thumb, lvl(4))),
         Layout("aperio-assoc-undescribed", (lvl(1), thumb, lvl(4), assoc("label", 1, False), assoc("macro", 9, False))),
         Layout("aperio-uneven", (lvl(1), thumb, lvl(3), lvl(9)), width=1001, height=757),
+        # Converters that re-tile the reduced levels, or write them without descriptions.
+        Layout("aperio-tile-sizes", (lvl(1), thumb, replace(lvl(4), tile=128), replace(lvl(16), tile=512), label)),
+        Layout("aperio-levels-undescribed", (lvl(1), thumb, replace(lvl(4), description=None), label, macro)),
         Layout("aperio-bigtiff", (lvl(1), thumb, lvl(4), lvl(16), label, macro), bigtiff=True),
         Layout("aperio-mixed-compression", (lvl(1), thumb, replace(lvl(4), flavour=None, compression="zlib"))),
         Layout("aperio-j2k-rgb", (lvl(1, fl="j2k-rgb"), thumb, lvl(4, fl="j2k-rgb"))),
@@ -201,6 +205,8 @@ def generic_layouts(flavour: str = "ycbcr-jfif") -> list[Layout]:
         Layout("generic-unflagged", (lvl(1), lvl(2, 0), lvl(4, 0)), mpp_tags=True),
         Layout("generic-out-of-order", (lvl(1), lvl(4), lvl(2)), mpp_tags=True),
         Layout("generic-one-level", (lvl(1),)),
+        Layout("generic-tile-sizes", (lvl(1), replace(lvl(2), tile=512), replace(lvl(4), tile=128)), mpp_tags=True),
+        Layout("generic-large-tiles", (lvl(1), lvl(2)), tile=512),
         Layout("generic-bigtiff", (lvl(1), lvl(2), lvl(4)), bigtiff=True, mpp_tags=True),
         Layout("generic-stripped-extra", (lvl(1), lvl(4), Page(8, False, None, "jpeg", 1)), mpp_tags=True),
         Layout("generic-deflate", (Page(1, True, None, "zlib"), Page(2, True, None, "zlib", 1))),
@@ -239,23 +245,24 @@ def write_layout(path, layout: Layout, image: np.ndarray | None = None) -> np.nd
             kw: dict = dict(subfiletype=page.subfiletype, description=page.description, metadata=None)
             if i == 0 and layout.mpp_tags:
                 kw.update(resolution=(1e4 / 0.25, 1e4 / 0.25), resolutionunit="CENTIMETER")
+            tile = page.tile or layout.tile
             if not page.tiled:
                 tw.write(pixels, compression=page.compression, photometric="rgb", rowsperstrip=16, **kw)
             elif page.flavour is None:
-                tw.write(pixels, tile=(layout.tile, layout.tile), compression=page.compression, photometric="rgb", **kw)
+                tw.write(pixels, tile=(tile, tile), compression=page.compression, photometric="rgb", **kw)
             elif page.flavour in J2K_COMPRESSION:
-                streams, _ = _tiled_streams(pixels, layout.tile, page.flavour, None)
+                streams, _ = _tiled_streams(pixels, tile, page.flavour, None)
                 tw.write(
                     iter(streams),
                     shape=(h, w, 3),
                     dtype="uint8",
-                    tile=(layout.tile, layout.tile),
+                    tile=(tile, tile),
                     compression=J2K_COMPRESSION[page.flavour],
                     photometric="rgb",
                     **kw,
                 )
             else:
-                streams, tables = _tiled_streams(pixels, layout.tile, page.flavour, page.mixed)
+                streams, tables = _tiled_streams(pixels, tile, page.flavour, page.mixed)
                 photometric = photometric_of(page.flavour)
                 extra = [(347, 7, len(tables), tables, True)] if tables else []
                 if photometric == "ycbcr":
@@ -266,7 +273,7 @@ def write_layout(path, layout: Layout, image: np.ndarray | None = None) -> np.nd
                     iter(streams),
                     shape=(h, w, 3),
                     dtype="uint8",
-                    tile=(layout.tile, layout.tile),
+                    tile=(tile, tile),
                     compression="jpeg",
                     photometric=photometric,
                     extratags=extra,
