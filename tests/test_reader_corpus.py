@@ -57,6 +57,29 @@ def test_layouts_read_as_openslide_reads_them(tmp_path, name):
     _assert_same_as_openslide(path)
 
 
+def test_an_ome_pyramid_has_openslides_level_0_and_its_subifds_as_levels(tmp_path):
+    """OpenSlide reads an OME-TIFF as a generic TIFF: its level 0 alone (the reduced levels are
+    SubIFDs). The project reads the same level 0 and the SubIFDs as its levels (a decision:
+    docs/ARCHITECTURE.md), each the level above shrunk."""
+    import cv2
+    from helpers import smooth_rgb, write_pyramid_tiff
+
+    path = str(tmp_path / "s.ome.tiff")
+    image = smooth_rgb(760, 1000, seed=4)
+    write_pyramid_tiff(path, image, levels=3, tile=128, subifds=True, mpp=0.5)
+    with open_slide(path, "tifffile") as ours, openslide.OpenSlide(path) as ref:
+        assert ref.level_count == 1 and ours.level_dimensions[0] == ref.level_dimensions[0]
+        assert ours.level_dimensions == ((1000, 760), (500, 380), (250, 190))
+        want = np.asarray(ref.read_region((0, 0), 0, (1000, 760)))[..., :3]
+        assert _close_enough(ours.read_region((0, 0), 0, (1000, 760)), want) <= 0.001
+        shrunk = image
+        for level in (1, 2):  # each SubIFD the one above halved, as the file's writer made it
+            w, h = ours.level_dimensions[level]
+            shrunk = cv2.resize(shrunk, (w, h), interpolation=cv2.INTER_AREA)
+            # JPEG 4:2:0 at quality 90 on this busy image: level 0 itself is 3.1 levels off its source.
+            assert np.abs(ours.read_region((0, 0), level, (w, h)).astype(int) - shrunk).mean() < 4
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("kind", ["aperio-reduced-flagged", "generic-pyramid"])
 def test_stream_flavours_read_as_openslide_reads_them(tmp_path, flavour, kind):
