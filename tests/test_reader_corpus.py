@@ -212,6 +212,21 @@ def test_dicom_frames_of_every_flavour_read_as_openslide_reads_them(tmp_path, mo
         assert np.abs(ours.read_region((0, 0), 0, (900, 700)).astype(int) - image).mean() < 6
 
 
+@pytest.mark.parametrize("tile", [128, 512])
+@pytest.mark.parametrize("photometric", ["YBR_FULL_422", "RGB"])
+def test_dicom_series_of_other_frame_sizes_read_as_openslide_reads_them(tmp_path, photometric, tile):
+    import helpers
+
+    image = helpers.smooth_rgb(700, 900, seed=5)
+    paths = write_dicom_wsi(tmp_path, "s", image, levels=3, jpeg=photometric, tile=tile, associated=("THUMBNAIL",))
+    with open_slide(str(paths[0]), "dicom") as ours, openslide.OpenSlide(str(paths[0])) as ref:
+        assert ours.level_dimensions == tuple(ref.level_dimensions)
+        assert sorted(ours.associated_image_names) == sorted(ref.associated_images)
+        for level, (w, h) in enumerate(ours.level_dimensions):
+            want = np.asarray(ref.read_region((0, 0), level, (w, h)))[..., :3]
+            assert _close_enough(ours.read_region((0, 0), level, (w, h)), want) <= 0.001, f"level {level}"
+
+
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif("not __import__('torch').cuda.is_available()")]),
