@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers.toy_extensions import TOP_ONE, decode_top_one, decode_top_one_batch
 from helpers.toy_models import TOY_BOXES, TOY_LABELS, TOY_SCORES, build_toy_model
 
 from wsi_pipeline import Pipeline
@@ -26,29 +27,8 @@ from wsi_pipeline.inference.decoder_registry import (
 from wsi_pipeline.inference.decoders import BATCH_DECODERS, card_heatmaps, decode_batch
 from wsi_pipeline.inference.device_decode import DeviceDecoder
 from wsi_pipeline.inference.executor import Executor
-from wsi_pipeline.inference.tile_detections import BatchDetections, TileDetections
 
 pytest.importorskip("onnx")
-
-TOP_ONE = "top_one"
-
-
-def _decode_top_one_batch(outputs, card) -> BatchDetections:
-    """The highest-scoring row of each tile, whatever its score."""
-    p = {"boxes": "boxes", "scores": "scores", "labels": "labels", **card.decoder.params}
-    boxes, scores, labels = (np.asarray(outputs[p[k]]) for k in ("boxes", "scores", "labels"))
-    best = scores.argmax(axis=1)
-    rows = np.arange(len(best))
-    return BatchDetections(
-        boxes[rows, best].astype(np.float32),
-        scores[rows, best].astype(np.float32),
-        labels[rows, best].astype(np.int64),
-        np.ones(len(best), np.int64),
-    )
-
-
-def _decode_top_one(outputs, card) -> list[TileDetections]:
-    return _decode_top_one_batch(outputs, card).tiles()
 
 
 @pytest.fixture(params=[False, True], ids=["copied-whole", "compacted"])
@@ -57,8 +37,8 @@ def top_one(request):
         DecoderEntry(
             TOP_ONE,
             {"boxes": (str, "boxes"), "scores": (str, "scores"), "labels": (str, "labels")},
-            _decode_top_one,
-            _decode_top_one_batch,
+            decode_top_one,
+            decode_top_one_batch,
             compacts_on_device=request.param,
             output_params=("boxes", "scores", "labels"),
         )
@@ -81,7 +61,7 @@ def _white_tiles(card, n: int) -> np.ndarray:
 
 def test_the_entry_is_every_list_of_decoders(top_one):
     assert TOP_ONE in decoder_types() and DECODER_REGISTRY[TOP_ONE] is top_one
-    assert DECODERS[TOP_ONE] is _decode_top_one and BATCH_DECODERS[TOP_ONE] is _decode_top_one_batch
+    assert DECODERS[TOP_ONE] is decode_top_one and BATCH_DECODERS[TOP_ONE] is decode_top_one_batch
 
 
 def test_a_card_naming_the_decoder_loads_and_decodes_with_it(top_one_card):
@@ -145,7 +125,7 @@ def test_the_cards_heatmap_is_attached_to_a_decoder_that_gives_none(tmp_path, to
         backend.close()
     expected = card_heatmaps(outputs, card, 2)
     assert expected.shape == (2, 1, 4, 4) and (expected == 1.0).all()  # a white tile's brightness
-    assert _decode_top_one_batch(outputs, card).heatmaps is None
+    assert decode_top_one_batch(outputs, card).heatmaps is None
     np.testing.assert_array_equal(decode_batch(outputs, card).heatmaps, expected)
     assert [t.heatmap.tolist() for t in decode(outputs, card)] == expected.tolist()
     image = _white_tiles(card, 1)[0]

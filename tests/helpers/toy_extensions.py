@@ -28,8 +28,10 @@ RAW_SUFFIX = ".rawrgb"
 
 
 def decode_top_one_batch(outputs: dict[str, Any], card: Any) -> BatchDetections:
-    """The highest-scoring row of each tile, whatever its score."""
-    boxes, scores, labels = (np.asarray(outputs[k]) for k in ("boxes", "scores", "labels"))
+    """The highest-scoring row of each tile, whatever its score (the outputs named by the card's
+    decoder parameters)."""
+    p = {"boxes": "boxes", "scores": "scores", "labels": "labels", **card.decoder.params}
+    boxes, scores, labels = (np.asarray(outputs[p[k]]) for k in ("boxes", "scores", "labels"))
     best = scores.argmax(axis=1)
     rows = np.arange(len(best))
     return BatchDetections(

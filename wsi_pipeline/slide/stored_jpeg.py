@@ -117,6 +117,11 @@ class StoredJpegTiles(Slide):
             self._report_truncated(level, tx, ty)
         return self._told_jpeg(level, tx, ty, with_tables(self._jpeg_level(level).jpegtables, data))
 
+    def _tile_error(self, level: int, tx: int, ty: int, message: str) -> TileReadError:
+        """A :class:`TileReadError` naming this slide, ``message`` and where stored tile (tx, ty) of
+        ``level`` lies."""
+        return TileReadError(self.path, message, self._tile_origin_level0(level, tx, ty), level)
+
     def _report_truncated(self, level: int, tx: int, ty: int) -> None:
         origin = self._tile_origin_level0(level, tx, ty)
         self._damage.report(level, tx, ty, origin, "the JPEG stream ends without its end-of-image marker (truncated)")
@@ -176,15 +181,13 @@ class StoredJpegTiles(Slide):
         try:
             header = read_header(jpeg)
         except ValueError as exc:
-            raise TileReadError(
-                self.path, f"{where}: unreadable JPEG headers ({exc})", self._tile_origin_level0(level, tx, ty), level
-            ) from exc
+            raise self._tile_error(level, tx, ty, f"{where}: unreadable JPEG headers ({exc})") from exc
         if header.precision != 8:
-            raise TileReadError(
-                self.path,
-                f"{where}: a {header.precision}-bit JPEG stream; expected 8-bit samples as the container says",
-                self._tile_origin_level0(level, tx, ty),
+            raise self._tile_error(
                 level,
+                tx,
+                ty,
+                f"{where}: a {header.precision}-bit JPEG stream; expected 8-bit samples as the container says",
             )
         colour = self._stored_colour(level)
         return jpeg if colour is None else told_stream(jpeg, colour, header)
@@ -219,19 +222,16 @@ class StoredJpegTiles(Slide):
             try:
                 img = simplejpeg.decode_jpeg(jpeg, buffer=out, strict=False, **reduce)
             except ValueError as exc2:
-                raise TileReadError(
-                    self.path,
-                    f"cannot decode {self._tile_name(level, tx, ty)}: {exc2}",
-                    self._tile_origin_level0(level, tx, ty),
-                    level,
+                raise self._tile_error(
+                    level, tx, ty, f"cannot decode {self._tile_name(level, tx, ty)}: {exc2}"
                 ) from exc2
         if img.shape != out.shape:
-            raise TileReadError(
-                self.path,
+            raise self._tile_error(
+                level,
+                tx,
+                ty,
                 f"{self._tile_name(level, tx, ty)} is a {img.shape[1]}x{img.shape[0]} JPEG; "
                 f"expected {out.shape[1]}x{out.shape[0]} ({lv.tile_w}x{lv.tile_h} as the level's tiles)",
-                self._tile_origin_level0(level, tx, ty),
-                level,
             )
         if damage is not None:
             self._damage.report(level, tx, ty, self._tile_origin_level0(level, tx, ty), damage)

@@ -259,26 +259,16 @@ class TiffSlide(StoredTileSlide):
         except TileReadError:
             raise
         except Exception as exc:  # codecs raise their own error types
-            raise TileReadError(
-                self.path,
-                f"cannot decode stored tile ({tx}, {ty}): {exc}",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            ) from exc
+            raise self._tile_error(level, tx, ty, f"cannot decode stored tile ({tx}, {ty}): {exc}") from exc
         if seg is None:
-            raise TileReadError(
-                self.path,
-                f"stored tile ({tx}, {ty}) decoded to nothing",
-                self._tile_origin_level0(level, tx, ty),
-                level,
-            )
+            raise self._tile_error(level, tx, ty, f"stored tile ({tx}, {ty}) decoded to nothing")
         spp = lv.page.samplesperpixel
         if seg.size != lv.tile_h * lv.tile_w * spp:
-            raise TileReadError(
-                self.path,
-                f"stored tile ({tx}, {ty}) decoded to shape {seg.shape}, expected {lv.tile_h}x{lv.tile_w}x{spp}",
-                self._tile_origin_level0(level, tx, ty),
+            raise self._tile_error(
                 level,
+                tx,
+                ty,
+                f"stored tile ({tx}, {ty}) decoded to shape {seg.shape}, expected {lv.tile_h}x{lv.tile_w}x{spp}",
             )
         seg = seg.reshape(lv.tile_h, lv.tile_w, spp)
         if spp == 1:
