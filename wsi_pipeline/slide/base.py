@@ -351,13 +351,14 @@ def _thumbnail_of_stored_tiles(slide: Slide, level: int, tw: int, th: int, prese
     return shrink_sparse(np.arange(lw), np.arange(lh), tw, th, parts, slide.background_rgb)
 
 
-def level_shape_agrees(w0: int, h0: int, w: int, h: int) -> bool:
+def level_shape_agrees(w0: int, h0: int, w: int, h: int, slack_px: float = 1.0) -> bool:
     """Whether a ``w x h`` level can be level 0 (``w0 x h0``) shrunk by one factor on both axes.
 
     A pyramid level's sides are level 0's divided by its downsample and rounded
     (up or down: writers differ), so a level of downsample ``d`` has
-    ``w0 / d - 1 < w < w0 / d + 1``, and the same for ``h``: the level agrees
-    where some ``d`` meets both (OpenSlide's tolerance of a level's rounding).
+    ``w0 / d - slack_px < w < w0 / d + slack_px``, and the same for ``h``: the level agrees
+    where some ``d`` meets both (OpenSlide's tolerance of a level's rounding; a file's pages are
+    taken as levels with 2 px, for writers that round each level from the one above, .tiff_levels).
     A 512 x 128 page of a 1024 x 1024 slide (2 x one way, 8 x the other) does not.
 
     >>> level_shape_agrees(1000, 1000, 500, 500), level_shape_agrees(1001, 999, 501, 499)
@@ -367,9 +368,10 @@ def level_shape_agrees(w0: int, h0: int, w: int, h: int) -> bool:
     """
     if min(w, h) < 1:
         return False
-    # The downsamples each axis allows: w0 / (w + 1) < d < w0 / (w - 1) (no upper bound at w = 1).
-    low = max(w0 / (w + 1), h0 / (h + 1))
-    high = min(w0 / (w - 1) if w > 1 else math.inf, h0 / (h - 1) if h > 1 else math.inf)
+    # The downsamples each axis allows: w0 / (w + s) < d < w0 / (w - s) (no upper bound for w <= s).
+    s = slack_px
+    low = max(w0 / (w + s), h0 / (h + s))
+    high = min(w0 / (w - s) if w > s else math.inf, h0 / (h - s) if h > s else math.inf)
     return low < high
 
 

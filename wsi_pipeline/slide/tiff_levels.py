@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import tifffile
 
+from .base import level_shape_agrees
+
 APERIO_PREFIX = "Aperio"
 # Pixels by which a level's width or height may differ from level 0's divided by its downsample
 # (writers round each level's size up or down, some from the level above).
@@ -52,15 +54,6 @@ def is_aperio(page0: tifffile.TiffPage) -> bool:
     return bool(page0.is_tiled) and (page0.description or "").startswith(APERIO_PREFIX)
 
 
-def consistent_with(width0: int, height0: int, width: int, height: int, slack_px: float = LEVEL_ROUNDING_PX) -> bool:
-    """Whether a ``width`` x ``height`` level can be level 0 (``width0`` x ``height0``) reduced by one
-    downsample for both axes, each side rounded by at most ``slack_px`` pixels."""
-    lo = max(width0 / (width + slack_px), height0 / (height + slack_px))
-    hi_w = width0 / (width - slack_px) if width > slack_px else float("inf")
-    hi_h = height0 / (height - slack_px) if height > slack_px else float("inf")
-    return lo <= min(hi_w, hi_h)
-
-
 def _main_chain(tif: tifffile.TiffFile) -> list[tifffile.TiffPage]:
     tif.pages.useframes = False
     return [p for p in tif.pages if isinstance(p, tifffile.TiffPage)]
@@ -77,7 +70,7 @@ def _keep_consistent(
     w0, h0 = pages[0].imagewidth, pages[0].imagelength
     kept = [pages[0]]
     for p in pages[1:]:
-        if consistent_with(w0, h0, p.imagewidth, p.imagelength):
+        if level_shape_agrees(w0, h0, p.imagewidth, p.imagelength, LEVEL_ROUNDING_PX):
             kept.append(p)
         else:
             notes.append(
@@ -128,4 +121,4 @@ def tiff_pyramid(tif: tifffile.TiffFile) -> TiffPyramid:
     return _generic(pages, "bigtiff" if tif.is_bigtiff else "tiff")
 
 
-__all__ = ["TiffPyramid", "consistent_with", "is_aperio", "tiff_pyramid"]
+__all__ = ["TiffPyramid", "is_aperio", "tiff_pyramid"]
