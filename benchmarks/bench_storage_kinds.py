@@ -151,7 +151,9 @@ def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
         for kind in kinds:
             if kind == "dicom":
                 # A VL Whole Slide Microscopy series of JPEG Baseline frames (YBR_FULL_422, 256 px),
-                # as the tests write them (level 0 held whole: a benchmark-sized slide fits).
+                # as the tests write them (level 0 held whole: a benchmark-sized slide fits), with
+                # synth's levels: with fewer (it had at most 4), the tissue mask of a 32k slide read
+                # a 4,096 px level where synth's read a 1,024 px one.
                 sys.path.insert(0, str(ROOT / "tests"))
                 from helpers import write_dicom_wsi
 
@@ -159,7 +161,7 @@ def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
                 folder = work / "dicom"
                 folder.mkdir(exist_ok=True)
                 image = src.read_region((0, 0), 0, src.dimensions)
-                levels = max(1, min(4, len(src.level_dimensions)))
+                levels = len(src.level_dimensions)
                 write_dicom_wsi(folder, "slide", image, levels=levels, mpp=src.mpp[0], jpeg="YBR_FULL_422")
                 del image
                 paths[kind] = str(folder)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,65 @@ from .jpeg_kind import (
     told_stream,
     with_tables,
 )
+
+# Stored tiles at most this many bytes apart in the file are read with one call, the bytes between
+# them with it: copying 128 KiB from the page cache costs about what a further read call costs in a
+# loader thread that shares the interpreter with the run's other threads.
+READ_GAP_BYTES = 1 << 17
+# A thread's read buffer is kept between batches up to this size (a larger batch's is made anew):
+# a fresh buffer of tens of MiB costs a page fault per 4 KiB on its first use.
+_SCRATCH_KEPT_BYTES = 1 << 26
+
+
+class _Scratch:
+    """A growing byte buffer that one thread reuses for its reads."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(0, np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of buffer (its contents undefined until written)."""
+        if nbytes > _SCRATCH_KEPT_BYTES:
+            return np.empty(nbytes, np.uint8)
+        if len(self.buf) < nbytes:
+            self.buf = np.empty(min(max(nbytes * 5 // 4, 1 << 20), _SCRATCH_KEPT_BYTES), np.uint8)
+        return self.buf[:nbytes]
+
+
+def read_spans(
+    fd: int, offsets: np.ndarray, counts: np.ndarray, scratch: _Scratch | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes ``[offsets[k], offsets[k] + counts[k])`` of file ``fd`` for each k with
+    ``counts[k] > 0``, read as a few spans: ``(buf, starts)``, where the bytes of k are
+    ``buf[starts[k] : starts[k] + counts[k]]`` (``starts[k]`` is 0 where ``counts[k]`` is 0).
+
+    Byte ranges that overlap or lie within :data:`READ_GAP_BYTES` of each other are read as one
+    span with one ``preadv``, so the buffer holds the union of the ranges and the short gaps
+    between them (never more than the file). ``buf`` is ``scratch``'s (valid until its next use)
+    where one is given. Raises EOFError where the file ends inside a range.
+    """
+    has = np.flatnonzero(counts > 0)
+    starts = np.zeros(len(offsets), np.int64)
+    if not len(has):
+        return np.zeros(0, np.uint8), starts
+    order = has[np.argsort(offsets[has], kind="stable")]
+    lo, hi = offsets[order], offsets[order] + counts[order]
+    reach = np.maximum.accumulate(hi)
+    first = np.ones(len(order), bool)
+    first[1:] = lo[1:] > reach[:-1] + READ_GAP_BYTES
+    span_of = np.cumsum(first) - 1
+    span_lo = lo[first]
+    last = np.append(np.flatnonzero(first)[1:], len(order)) - 1
+    span_len = reach[last] - span_lo
+    span_at = np.concatenate(([0], np.cumsum(span_len)[:-1]))
+    starts[order] = span_at[span_of] + lo - span_lo[span_of]
+    total = int(span_len.sum())
+    buf = scratch.take(total) if scratch is not None else np.empty(total, np.uint8)
+    view = memoryview(buf)
+    for at, n, where in zip(span_at.tolist(), span_len.tolist(), span_lo.tolist(), strict=True):
+        if os.preadv(fd, [view[at : at + n]], where) < n:
+            raise EOFError(f"the file ends before byte {where + n}")
+    return buf, starts
 
 
 class StoredJpegTiles(Slide):
@@ -52,19 +112,15 @@ class StoredJpegTiles(Slide):
     def raw_tiles_jpeg(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`raw_tile_jpeg` of many stored tiles, back to back (see :meth:`Slide.raw_tiles_jpeg`).
 
-        Stored tiles usually lie in the file in row order: the byte span of
-        the ones asked for is read with one ``pread`` when it is at most
-        four times their bytes or 16 MiB (and at most 256 MiB), else each
-        tile on its own; the streams are then assembled from slices of that
-        read in one concatenation. (Bytes read past what is asked cost a
-        copy from the page cache; a read per tile costs a call and Python
-        work per tile: 5,183 such reads took 0.12 s of a GPU run whose JPEG
-        helpers had every other few tiles of each row, benchmarks/HISTORY.md.)
-        A stream whose headers are those of the level's first stored tile
-        is used as it is; any other is checked and told the container's
-        colour space one by one (:meth:`_told_jpeg`); one without its
-        end-of-image marker is reported as damaged, as the CPU decoder
-        reports it.
+        The stored bytes are read in spans (:func:`read_spans`): tiles that lie within
+        :data:`READ_GAP_BYTES` of each other in the file are read with one call, the bytes between
+        them too, so that a batch whose tiles lie in runs along its rows (a GPU decoder's share
+        of them, the helpers taking the others) costs a read per run, not one per tile nor one over
+        every byte between its first and last tile; the streams are then assembled from slices of
+        those reads in one concatenation. A stream whose headers are those of the level's first
+        stored tile is used as it is; any other is checked and told the container's colour space
+        one by one (:meth:`_told_jpeg`); one without its end-of-image marker is reported as
+        damaged, as the CPU decoder reports it.
         """
         lv = self._jpeg_level(level)
         if not tiles:
@@ -75,14 +131,10 @@ class StoredJpegTiles(Slide):
         has = counts > 0
         if not has.any():
             return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
-        start = int(offsets[has].min())
-        span = int((offsets + counts)[has].max()) - start
-        if span > max(4 * int(counts.sum()), 1 << 24) or span > 1 << 28:
-            return super().raw_tiles_jpeg(level, tiles)
-        buf = np.frombuffer(os.pread(self._level_fd(level), span, start), np.uint8)
-        if len(buf) < span:
-            raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
-        rel = np.where(has, offsets - start, 0)
+        try:
+            buf, rel = read_spans(self._level_fd(level), offsets, counts, self._read_scratch())
+        except EOFError as exc:
+            raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles") from exc
         for k in np.flatnonzero(has & ~ends_with_eoi(buf, rel, counts)):
             self._report_truncated(level, *tiles[k])
         same = same_headers(buf, rel, counts, self._jpeg_reference(level))
@@ -101,6 +153,16 @@ class StoredJpegTiles(Slide):
             parts.extend(pieces)
             lengths[k] = sum(len(p) for p in pieces)
         return np.concatenate(parts), lengths
+
+    def _read_scratch(self) -> _Scratch:
+        """This thread's buffer for :func:`read_spans` on this slide (kept between batches)."""
+        local = self.__dict__.get("_read_local")
+        if local is None:  # threads arriving together may each make one; one is kept
+            local = self.__dict__.setdefault("_read_local", threading.local())
+        scratch = getattr(local, "scratch", None)
+        if scratch is None:
+            scratch = local.scratch = _Scratch()
+        return scratch
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
         """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in), told the

@@ -55,6 +55,13 @@ SHARE_PERIOD = 16
 _HELPER_TILES_PER_S = 2_830
 _NVJPEG_TILES_PER_S = 15_200
 _MAX_SHARE = 12
+# libjpeg-turbo's cost per stored tile by chroma subsampling, relative to 4:2:0 (what the rates above
+# were fitted on): it decodes and converts 1.5 samples a pixel at 4:2:0, 2 at 4:2:2 and 3 at 4:4:4
+# (RGB JPEG). The helpers' CPU seconds per tile of the same pixels were 1 : 1.31 : 1.74 on the GPU
+# machine (trace_gpu_run.py, benchmarks/HISTORY.md, 2026-12-06 06:4x), where with one share for all
+# they left nvJPEG waiting 6 % of a 4:2:0 run and 33 % of a 4:2:2 one. nvJPEG's own rate is taken as
+# the same for every kind.
+_HELPER_COST_BY_SUBSAMPLING = {"4:2:0": 1.0, "4:1:1": 1.0, "4:2:2": 1.31, "4:4:0": 1.31, "4:4:4": 1.74}
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
@@ -69,11 +76,14 @@ def default_helpers(cpu_count: int | None) -> int:
     return 0 if cores < 12 else min(8, cores // 2)
 
 
-def default_share(helpers: int) -> int:
-    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode."""
+def default_share(helpers: int, subsampling: str | None = "4:2:0") -> int:
+    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode, for
+    JPEG tiles of chroma ``subsampling`` (``"4:2:0"``, ``"4:2:2"``, ``"4:4:4"``; an unknown one
+    counts as 4:4:4, the costliest): the work split in the ratio of their rate to nvJPEG's."""
     if helpers <= 0:
         return 0
-    cpu = helpers * _HELPER_TILES_PER_S
+    cost = _HELPER_COST_BY_SUBSAMPLING.get(subsampling or "", _HELPER_COST_BY_SUBSAMPLING["4:4:4"])
+    cpu = helpers * _HELPER_TILES_PER_S / cost
     return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + _NVJPEG_TILES_PER_S))))
 
 
@@ -303,17 +313,18 @@ class JpegHelpers:
     answered in turn.
 
     ``tile_share``: the share of a GPU run's stored tiles they decode, out of
-    :data:`SHARE_PERIOD` (None: :func:`default_share` of ``count``).
+    :data:`SHARE_PERIOD`, whatever the tiles' JPEG kind; None: by kind (:meth:`share_for`). Either
+    way a level's share is fixed before its run, so the same stored tiles go to the same decoder
+    in every run (nvJPEG's pixels differ slightly from libjpeg-turbo's on chroma-subsampled JPEG).
     """
 
     def __init__(self, count: int, tile_share: int | None = None, timeout_s: float = DECODE_TIMEOUT_S):
         if count < 1:
             raise ValueError(f"count: expected >= 1, found {count}")
-        share = default_share(count) if tile_share is None else int(tile_share)
-        if not 0 <= share <= SHARE_PERIOD:
-            raise ValueError(f"tile_share: expected 0..{SHARE_PERIOD}, found {share}")
+        if tile_share is not None and not 0 <= int(tile_share) <= SHARE_PERIOD:
+            raise ValueError(f"tile_share: expected 0..{SHARE_PERIOD}, found {tile_share}")
         self.count = int(count)
-        self.tile_share = share
+        self.tile_share = None if tile_share is None else int(tile_share)
         self.timeout_s = float(timeout_s)
         self._gen: _Generation | None = None
         self._generations = itertools.count(1)
@@ -321,6 +332,16 @@ class JpegHelpers:
         self._pool_lock = threading.Lock()
         self._free: list[SharedStaging] = []
         self._closed = False
+
+    def share_for(self, subsampling: str | None) -> int:
+        """The share (out of :data:`SHARE_PERIOD`) of stored JPEG tiles of chroma ``subsampling``
+        they decode: ``tile_share`` where given, else :func:`default_share`."""
+        return self.tile_share if self.tile_share is not None else default_share(self.count, subsampling)
+
+    def level_share(self, slide: Any, level: int) -> int:
+        """:meth:`share_for` the chroma subsampling of ``slide``'s stored JPEG tiles at ``level``
+        (its ``stored_tile_format``)."""
+        return self.share_for((slide.stored_tile_format(level) or {}).get("jpeg_subsampling"))
 
     # -- helpers' life --------------------------------------------------------------------------
     def _ensure(self) -> _Generation:

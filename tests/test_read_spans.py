@@ -1,0 +1,66 @@
+"""read_spans: a batch's stored-tile byte ranges read as a few spans, against one read per range."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from wsi_pipeline.slide import stored_jpeg
+from wsi_pipeline.slide.stored_jpeg import READ_GAP_BYTES, _Scratch, read_spans
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    data = np.random.default_rng(3).integers(0, 256, 4 * READ_GAP_BYTES, dtype=np.uint8).tobytes()
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    yield fd, data
+    os.close(fd)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("scratch", [None, _Scratch()], ids=["fresh", "scratch"])
+def test_every_range_reads_as_a_read_of_its_own(data_file, seed, scratch):
+    fd, data = data_file
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    offsets = rng.integers(0, len(data) - 5000, n)
+    counts = rng.integers(0, 5000, n)
+    counts[rng.random(n) < 0.2] = 0  # tiles without data
+    if n > 2:
+        offsets[1] = offsets[0]  # the same range twice, and one inside another
+        offsets[2], counts[2] = offsets[0] + 1, max(0, counts[0] - 2)
+    buf, starts = read_spans(fd, offsets, counts, scratch)
+    for o, n_, s in zip(offsets.tolist(), counts.tolist(), starts.tolist(), strict=True):
+        assert buf[s : s + n_].tobytes() == data[o : o + n_]
+        if not n_:
+            assert s == 0
+    assert len(buf) <= len(data)  # the union of the ranges and the gaps between them, never more
+
+
+def test_ranges_far_apart_are_read_apart_and_near_ones_together(data_file, monkeypatch):
+    fd, _ = data_file
+    calls = []
+    real = os.preadv
+
+    def counted(fd_, buffers, offset):
+        calls.append(offset)
+        return real(fd_, buffers, offset)
+
+    monkeypatch.setattr(stored_jpeg.os, "preadv", counted)
+    near = READ_GAP_BYTES // 2
+    offsets = np.array([0, 1000 + near, 3 * READ_GAP_BYTES], np.int64)
+    counts = np.array([1000, 1000, 1000], np.int64)
+    buf, starts = read_spans(fd, offsets, counts)
+    assert calls == [0, 3 * READ_GAP_BYTES]
+    assert len(buf) == 2000 + near + 1000
+    assert starts.tolist() == [0, 1000 + near, 2000 + near]
+
+
+def test_a_range_past_the_end_of_the_file_is_refused(data_file):
+    fd, data = data_file
+    with pytest.raises(EOFError):
+        read_spans(fd, np.array([len(data) - 10], np.int64), np.array([20], np.int64))
