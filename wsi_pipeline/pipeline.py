@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from . import long_lived
 from .config import RunConfig
 from .errors import ClosedError, ConfigError
 from .geometry import TilingGeometry, check_tiling
@@ -95,10 +94,6 @@ class Pipeline:
     :meth:`run` is thread-safe: calls on arrays from several threads share
     batches through a :class:`TileService` (dynamic batching, waiting at most
     ``max_wait_s`` for a batch to fill).
-
-    While a pipeline is open, the objects alive when it was built are kept out of the garbage
-    collector's full passes (:mod:`.long_lived`, :func:`gc.freeze`), which would otherwise stall
-    its runs; :meth:`close` hands them back.
     """
 
     def __init__(
@@ -149,7 +144,6 @@ class Pipeline:
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="complete-run")
         self._runner = SlideRunner(self)
         self._closed = False
-        long_lived.hold()  # the objects alive now stay out of full collections while it is open
 
     @classmethod
     def from_card(
@@ -275,7 +269,6 @@ class Pipeline:
             self.merging.close()
             if self.jpeg_helpers is not None:
                 self.jpeg_helpers.close()
-            long_lived.release()
 
     def __enter__(self) -> Pipeline:
         return self

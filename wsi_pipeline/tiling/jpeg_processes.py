@@ -40,6 +40,7 @@ import numpy as np
 
 from ..child_process import child_connections, start_child
 from ..errors import TileReadError
+from .gpu_choice import storage_gpu_decoder
 
 # A stored tile (tx, ty) goes to the helpers when (tx + 3 * ty) % SHARE_PERIOD < the share's
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
@@ -53,15 +54,17 @@ SHARE_PERIOD = 16
 # the tiles (trace_gpu_run.py: stored tiles it decoded / its busy time). nvJPEG keeps at least
 # 4/16: the share also sizes the helpers' staging buffers.
 _HELPER_TILES_PER_S = 2_830
-_NVJPEG_TILES_PER_S = 15_200
 _MAX_SHARE = 12
-# libjpeg-turbo's cost per stored tile by chroma subsampling, relative to 4:2:0 (what the rates above
-# were fitted on): it decodes and converts 1.5 samples a pixel at 4:2:0, 2 at 4:2:2 and 3 at 4:4:4
-# (RGB JPEG). The helpers' CPU seconds per tile of the same pixels were 1 : 1.31 : 1.74 on the GPU
-# machine (trace_gpu_run.py, benchmarks/HISTORY.md, 2026-12-06 06:4x), where with one share for all
-# they left nvJPEG waiting 6 % of a 4:2:0 run and 33 % of a 4:2:2 one. nvJPEG's own rate is taken as
-# the same for every kind.
+# libjpeg-turbo's cost per stored tile by chroma subsampling, relative to 4:2:0 (what the helpers'
+# rate above was fitted on): it decodes and converts 1.5 samples a pixel at 4:2:0, 2 at 4:2:2 and 3
+# at 4:4:4 (RGB JPEG). The helpers' CPU seconds per tile of the same pixels were 1 : 1.31 : 1.74 on
+# the GPU machine (trace_gpu_run.py, benchmarks/HISTORY.md, 2026-12-06 06:4x).
 _HELPER_COST_BY_SUBSAMPLING = {"4:2:0": 1.0, "4:1:1": 1.0, "4:2:2": 1.31, "4:4:0": 1.31, "4:4:4": 1.74}
+# The GPU decoder's stored tiles a second during a run, by decoder (gpu_choice.GPU_DECODER_BY_COLOUR):
+# nvJPEG's as above; nvImageCodec's on RGB JPEG from two 32k runs on one H100 (benchmarks/HISTORY.md,
+# 2026-12-06 02:45 and 07:05), where it bounded the run: 3,459 stored tiles in 0.94 s at 6/16 and
+# 5,189 in 1.40 s at 9/16, about 3,700 a second either way.
+_GPU_TILES_PER_S = {"nvjpeg": 15_200, "nvimgcodec": 3_700}
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
@@ -76,15 +79,18 @@ def default_helpers(cpu_count: int | None) -> int:
     return 0 if cores < 12 else min(8, cores // 2)
 
 
-def default_share(helpers: int, subsampling: str | None = "4:2:0") -> int:
-    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode, for
-    JPEG tiles of chroma ``subsampling`` (``"4:2:0"``, ``"4:2:2"``, ``"4:4:4"``; an unknown one
-    counts as 4:4:4, the costliest): the work split in the ratio of their rate to nvJPEG's."""
+def default_share(helpers: int, subsampling: str | None = "4:2:0", gpu_decoder: str | None = "nvjpeg") -> int:
+    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode beside
+    ``gpu_decoder`` (``"nvjpeg"``, ``"nvimgcodec"``) for JPEG tiles of chroma ``subsampling``
+    (``"4:2:0"``, ``"4:2:2"``, ``"4:4:4"``; an unknown one counts as 4:4:4, the costliest): the work
+    split in the ratio of the helpers' rate to the GPU decoder's, nvJPEG keeping at least 4/16 (the
+    share also sizes the helpers' staging buffers)."""
     if helpers <= 0:
         return 0
     cost = _HELPER_COST_BY_SUBSAMPLING.get(subsampling or "", _HELPER_COST_BY_SUBSAMPLING["4:4:4"])
     cpu = helpers * _HELPER_TILES_PER_S / cost
-    return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + _NVJPEG_TILES_PER_S))))
+    gpu = _GPU_TILES_PER_S.get(gpu_decoder or "", _GPU_TILES_PER_S["nvjpeg"])
+    return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + gpu))))
 
 
 def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
@@ -333,15 +339,20 @@ class JpegHelpers:
         self._free: list[SharedStaging] = []
         self._closed = False
 
-    def share_for(self, subsampling: str | None) -> int:
+    def share_for(self, subsampling: str | None, gpu_decoder: str | None = "nvjpeg") -> int:
         """The share (out of :data:`SHARE_PERIOD`) of stored JPEG tiles of chroma ``subsampling``
-        they decode: ``tile_share`` where given, else :func:`default_share`."""
-        return self.tile_share if self.tile_share is not None else default_share(self.count, subsampling)
+        they decode beside ``gpu_decoder``: ``tile_share`` where given, else :func:`default_share`."""
+        if self.tile_share is not None:
+            return self.tile_share
+        return default_share(self.count, subsampling, gpu_decoder)
 
     def level_share(self, slide: Any, level: int) -> int:
-        """:meth:`share_for` the chroma subsampling of ``slide``'s stored JPEG tiles at ``level``
-        (its ``stored_tile_format``)."""
-        return self.share_for((slide.stored_tile_format(level) or {}).get("jpeg_subsampling"))
+        """:meth:`share_for` ``slide``'s stored JPEG tiles at ``level``: their chroma subsampling
+        and the GPU decoder that takes them (its ``stored_tile_format``,
+        :func:`~.gpu_choice.storage_gpu_decoder`)."""
+        storage = slide.stored_tile_format(level)
+        decoder, _ = storage_gpu_decoder(storage, slide.backend, level)
+        return self.share_for((storage or {}).get("jpeg_subsampling"), decoder)
 
     # -- helpers' life --------------------------------------------------------------------------
     def _ensure(self) -> _Generation:
