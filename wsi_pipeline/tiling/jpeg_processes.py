@@ -61,10 +61,10 @@ _MAX_SHARE = 12
 # the GPU machine (trace_gpu_run.py, benchmarks/HISTORY.md, 2026-12-06 06:4x).
 _HELPER_COST_BY_SUBSAMPLING = {"4:2:0": 1.0, "4:1:1": 1.0, "4:2:2": 1.31, "4:4:0": 1.31, "4:4:4": 1.74}
 # The GPU decoder's stored tiles a second during a run, by decoder (gpu_choice.GPU_DECODER_BY_COLOUR):
-# nvJPEG's as above; nvImageCodec's on RGB JPEG from two 32k runs on one H100 (benchmarks/HISTORY.md,
-# 2026-12-06 02:45 and 07:05), where it bounded the run: 3,459 stored tiles in 0.94 s at 6/16 and
-# 5,189 in 1.40 s at 9/16, about 3,700 a second either way.
-_GPU_TILES_PER_S = {"nvjpeg": 15_200, "nvimgcodec": 3_700}
+# nvJPEG's as above; nvImageCodec's on RGB JPEG from two 32k runs of an RGB JPEG TIFF on one H100
+# (benchmarks/HISTORY.md, 2026-12-06 02:45 and 07:05), where it bounded the run: about 3,960 stored
+# tiles in 0.77 s at a 10/16 helpers' share and 5,926 in 1.25 s at 7/16, 5,100 and 4,700 a second.
+_GPU_TILES_PER_S = {"nvjpeg": 15_200, "nvimgcodec": 4_900}
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
