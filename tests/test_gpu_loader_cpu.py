@@ -370,29 +370,8 @@ def test_share_of_the_stored_tiles_is_the_same_along_every_row():
         default_helpers(8) == 0 and default_helpers(12) == 6 and default_helpers(16) == 8 and default_helpers(128) == 8
     )
     assert default_share(0) == 0
-    for subsampling in ("4:2:0", "4:2:2", "4:4:4"):
-        shares = [default_share(h, subsampling) for h in range(1, 65)]
-        assert all(0 < s <= SHARE_PERIOD - 4 for s in shares) and shares == sorted(shares)  # nvJPEG keeps some
-    # Tiles that cost libjpeg-turbo more go to the helpers less, and more beside a slower GPU
-    # decoder; an unknown kind counts as the costliest.
-    by_kind = [default_share(8, k) for k in ("4:2:0", "4:2:2", "4:4:4")]
-    assert by_kind == sorted(by_kind, reverse=True) and by_kind[0] > by_kind[2]
-    assert default_share(8, None) == default_share(8, "4:4:4")
-    assert default_share(8, "4:4:4", "nvimgcodec") > default_share(8, "4:4:4", "nvjpeg")
-
-
-def test_a_levels_helper_share_follows_its_chroma_subsampling_unless_one_is_given(tmp_path):
-    from wsi_pipeline.tiling.jpeg_processes import JpegHelpers, default_share
-
-    image = np.full((512, 512, 3), 200, np.uint8)
-    by_kind, fixed = JpegHelpers(8), JpegHelpers(8, 5)  # no process starts before a decode
-    for subsampling, photometric, decoder in (("4:2:0", "ycbcr", "nvjpeg"), ("4:4:4", "rgb", "nvimgcodec")):
-        path = tmp_path / f"{photometric}.tif"
-        write_pyramid_tiff(path, image, photometric=photometric)
-        with TiffSlide(str(path)) as slide:
-            assert slide.stored_tile_format(0)["jpeg_subsampling"] == subsampling
-            assert by_kind.level_share(slide, 0) == default_share(8, subsampling, decoder)
-            assert fixed.level_share(slide, 0) == 5
+    shares = [default_share(h) for h in range(1, 65)]
+    assert all(0 < s <= SHARE_PERIOD - 4 for s in shares) and shares == sorted(shares)  # nvJPEG keeps some
 
 
 def test_a_damaged_tile_in_the_helpers_share_is_named(tmp_path, slide_path, jpeg_helpers):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from wsi_pipeline.slide import stored_jpeg
-from wsi_pipeline.slide.stored_jpeg import READ_GAP_BYTES, _Scratch, read_spans
+from wsi_pipeline.slide.stored_jpeg import READ_GAP_BYTES, ReadBuffer, read_spans
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def data_file(tmp_path):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("scratch", [None, _Scratch()], ids=["fresh", "scratch"])
+@pytest.mark.parametrize("scratch", [None, ReadBuffer()], ids=["fresh", "scratch"])
 def test_every_range_reads_as_a_read_of_its_own(data_file, seed, scratch):
     fd, data = data_file
     rng = np.random.default_rng(seed)

@@ -223,9 +223,8 @@ class SlideRunner:
             slide, tiles, cfg.decode, cfg.on_damaged_tile, self.parts.backend_name, cuda
         )
         helpers = self.parts.jpeg_helpers if where == "gpu" else None
-        share = 0 if helpers is None else helpers.level_share(slide, tiles[0].level)
-        if share:
-            why += f", {share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
+        if helpers is not None and helpers.tile_share:
+            why += f", {helpers.tile_share}/{SHARE_PERIOD} of them by {helpers.count} libjpeg-turbo processes meanwhile"
         log.info("%s: tiles decoded on the %s (%s)", slide.path, where.upper(), why)
         loader, read_seconds = make_slide_loader(
             slide,

@@ -190,8 +190,7 @@ class Slide(abc.ABC):
     # -- stored tiles (readers of tiled files override these; GPU decoding needs them) --
     def stored_tile_format(self, level: int) -> dict[str, Any] | None:
         """How ``level``'s tiles are stored (compression, photometric, samples per pixel, planar
-        config, extra samples; for JPEG its kind's name, whether baseline, its chroma subsampling),
-        or None where this reader gives no stored tiles."""
+        config, extra samples), or None where this reader gives no stored tiles."""
         return None
 
     def tile_grid_shape(self, level: int) -> tuple[int, int, int, int]:

@@ -140,7 +140,6 @@ class DicomSlide(StoredTileSlide):
             "extra_samples": 0,
             "jpeg_kind": None if kind is None else kind.name,
             "jpeg_baseline": None if kind is None else kind.baseline,
-            "jpeg_subsampling": None if kind is None else kind.subsampling,
         }
 
     @property

@@ -38,7 +38,7 @@ READ_GAP_BYTES = 1 << 17
 _SCRATCH_KEPT_BYTES = 1 << 26
 
 
-class _Scratch:
+class ReadBuffer:
     """A growing byte buffer that one thread reuses for its reads."""
 
     def __init__(self) -> None:
@@ -54,7 +54,7 @@ class _Scratch:
 
 
 def read_spans(
-    fd: int, offsets: np.ndarray, counts: np.ndarray, scratch: _Scratch | None = None
+    fd: int, offsets: np.ndarray, counts: np.ndarray, scratch: ReadBuffer | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The bytes ``[offsets[k], offsets[k] + counts[k])`` of file ``fd`` for each k with
     ``counts[k] > 0``, read as a few spans: ``(buf, starts)``, where the bytes of k are
@@ -154,14 +154,14 @@ class StoredJpegTiles(Slide):
             lengths[k] = sum(len(p) for p in pieces)
         return np.concatenate(parts), lengths
 
-    def _read_scratch(self) -> _Scratch:
+    def _read_scratch(self) -> ReadBuffer:
         """This thread's buffer for :func:`read_spans` on this slide (kept between batches)."""
         local = self.__dict__.get("_read_local")
         if local is None:  # threads arriving together may each make one; one is kept
             local = self.__dict__.setdefault("_read_local", threading.local())
         scratch = getattr(local, "scratch", None)
         if scratch is None:
-            scratch = local.scratch = _Scratch()
+            scratch = local.scratch = ReadBuffer()
         return scratch
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:

@@ -194,16 +194,15 @@ class TiffSlide(StoredTileSlide):
     # -- stored tiles -------------------------------------------------------
     def stored_tile_format(self, level: int) -> dict[str, Any]:
         """How ``level``'s tiles are stored: compression, photometric, samples per pixel, planar config."""
-        page, kind = self._levels[level].page, self._levels[level].jpeg_kind
+        page = self._levels[level].page
         return {
             "compression": _tag_name(page.compression),
             "photometric": _tag_name(page.photometric),
             "samples_per_pixel": int(page.samplesperpixel),
             "planar": int(page.planarconfig),
             "extra_samples": len(page.extrasamples or ()),
-            "jpeg_kind": None if kind is None else kind.name,
-            "jpeg_baseline": None if kind is None else kind.baseline,
-            "jpeg_subsampling": None if kind is None else kind.subsampling,
+            "jpeg_kind": None if self._levels[level].jpeg_kind is None else self._levels[level].jpeg_kind.name,
+            "jpeg_baseline": None if self._levels[level].jpeg_kind is None else self._levels[level].jpeg_kind.baseline,
         }
 
     def _level_fd(self, level: int) -> int:

@@ -30,8 +30,8 @@ Three stored-tile decoders (``jpeg_decoder``), chosen by the level's JPEG kind
     staging buffer, then one H2D copy: the CPU reader's pixels exactly.
 
 With a GPU decoder and :class:`~.jpeg_processes.JpegHelpers` (``helpers``), helper
-processes decode a share of each batch's stored tiles with libjpeg-turbo, fixed by the level's
-chroma subsampling (:meth:`~.jpeg_processes.JpegHelpers.level_share`), while nvJPEG decodes the rest
+processes decode a fixed share (``helpers.tile_share``) of each batch's
+stored tiles with libjpeg-turbo while nvJPEG decodes the rest
 (:mod:`.jpeg_processes`; a pipeline on CUDA starts them).
 
 Measured on one H200 with 16 cores (docs/gpu.md): nvJPEG about 4,300 and
@@ -164,8 +164,8 @@ class GpuTileDecoder:
             raise ConfigError("jpeg_decoder 'nvimgcodec': nvidia-nvimgcodec is not installed or does not load")
         self.jpeg_decoder = jpeg_decoder
         self.threads = int(threads or max(1, (os.cpu_count() or 2) - 2))
-        # With a GPU decoder: helper processes decode a share of the stored tiles (helpers.level_share).
-        self.helpers = helpers if helpers is not None and helpers.tile_share != 0 else None
+        # With a GPU decoder: helper processes decode helpers.tile_share / SHARE_PERIOD of the stored tiles.
+        self.helpers = helpers if helpers is not None and helpers.tile_share else None
         if slide.stored_tile_format(0) is None:
             raise ConfigError(
                 f"{slide.path}: GPU decoding needs a tiled TIFF opened with the tifffile "

@@ -40,7 +40,6 @@ import numpy as np
 
 from ..child_process import child_connections, start_child
 from ..errors import TileReadError
-from .gpu_choice import storage_gpu_decoder
 
 # A stored tile (tx, ty) goes to the helpers when (tx + 3 * ty) % SHARE_PERIOD < the share's
 # numerator: along any row of stored tiles, and so in every batch, the helpers get that fraction.
@@ -54,17 +53,8 @@ SHARE_PERIOD = 16
 # the tiles (trace_gpu_run.py: stored tiles it decoded / its busy time). nvJPEG keeps at least
 # 4/16: the share also sizes the helpers' staging buffers.
 _HELPER_TILES_PER_S = 2_830
+_NVJPEG_TILES_PER_S = 15_200
 _MAX_SHARE = 12
-# libjpeg-turbo's cost per stored tile by chroma subsampling, relative to 4:2:0 (what the helpers'
-# rate above was fitted on): it decodes and converts 1.5 samples a pixel at 4:2:0, 2 at 4:2:2 and 3
-# at 4:4:4 (RGB JPEG). The helpers' CPU seconds per tile of the same pixels were 1 : 1.31 : 1.74 on
-# the GPU machine (trace_gpu_run.py, benchmarks/HISTORY.md, 2026-12-06 06:4x).
-_HELPER_COST_BY_SUBSAMPLING = {"4:2:0": 1.0, "4:1:1": 1.0, "4:2:2": 1.31, "4:4:0": 1.31, "4:4:4": 1.74}
-# The GPU decoder's stored tiles a second during a run, by decoder (gpu_choice.GPU_DECODER_BY_COLOUR):
-# nvJPEG's as above; nvImageCodec's on RGB JPEG from two 32k runs of an RGB JPEG TIFF on one H100
-# (benchmarks/HISTORY.md, 2026-12-06 02:45 and 07:05), where it bounded the run: about 3,960 stored
-# tiles in 0.77 s at a 10/16 helpers' share and 5,926 in 1.25 s at 7/16, 5,100 and 4,700 a second.
-_GPU_TILES_PER_S = {"nvjpeg": 15_200, "nvimgcodec": 4_900}
 # Seconds a helper may take over one batch's share before it counts as hung.
 DECODE_TIMEOUT_S = 120.0
 # Staging buffers kept between batches (one per loader thread).
@@ -79,18 +69,12 @@ def default_helpers(cpu_count: int | None) -> int:
     return 0 if cores < 12 else min(8, cores // 2)
 
 
-def default_share(helpers: int, subsampling: str | None = "4:2:0", gpu_decoder: str | None = "nvjpeg") -> int:
-    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode beside
-    ``gpu_decoder`` (``"nvjpeg"``, ``"nvimgcodec"``) for JPEG tiles of chroma ``subsampling``
-    (``"4:2:0"``, ``"4:2:2"``, ``"4:4:4"``; an unknown one counts as 4:4:4, the costliest): the work
-    split in the ratio of the helpers' rate to the GPU decoder's, nvJPEG keeping at least 4/16 (the
-    share also sizes the helpers' staging buffers)."""
+def default_share(helpers: int) -> int:
+    """The share (out of :data:`SHARE_PERIOD`) of stored tiles ``helpers`` processes decode."""
     if helpers <= 0:
         return 0
-    cost = _HELPER_COST_BY_SUBSAMPLING.get(subsampling or "", _HELPER_COST_BY_SUBSAMPLING["4:4:4"])
-    cpu = helpers * _HELPER_TILES_PER_S / cost
-    gpu = _GPU_TILES_PER_S.get(gpu_decoder or "", _GPU_TILES_PER_S["nvjpeg"])
-    return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + gpu))))
+    cpu = helpers * _HELPER_TILES_PER_S
+    return max(1, min(_MAX_SHARE, round(SHARE_PERIOD * cpu / (cpu + _NVJPEG_TILES_PER_S))))
 
 
 def cpu_share_tile(tx: int, ty: int, share: int) -> bool:
@@ -319,18 +303,17 @@ class JpegHelpers:
     answered in turn.
 
     ``tile_share``: the share of a GPU run's stored tiles they decode, out of
-    :data:`SHARE_PERIOD`, whatever the tiles' JPEG kind; None: by kind (:meth:`share_for`). Either
-    way a level's share is fixed before its run, so the same stored tiles go to the same decoder
-    in every run (nvJPEG's pixels differ slightly from libjpeg-turbo's on chroma-subsampled JPEG).
+    :data:`SHARE_PERIOD` (None: :func:`default_share` of ``count``).
     """
 
     def __init__(self, count: int, tile_share: int | None = None, timeout_s: float = DECODE_TIMEOUT_S):
         if count < 1:
             raise ValueError(f"count: expected >= 1, found {count}")
-        if tile_share is not None and not 0 <= int(tile_share) <= SHARE_PERIOD:
-            raise ValueError(f"tile_share: expected 0..{SHARE_PERIOD}, found {tile_share}")
+        share = default_share(count) if tile_share is None else int(tile_share)
+        if not 0 <= share <= SHARE_PERIOD:
+            raise ValueError(f"tile_share: expected 0..{SHARE_PERIOD}, found {share}")
         self.count = int(count)
-        self.tile_share = None if tile_share is None else int(tile_share)
+        self.tile_share = share
         self.timeout_s = float(timeout_s)
         self._gen: _Generation | None = None
         self._generations = itertools.count(1)
@@ -338,21 +321,6 @@ class JpegHelpers:
         self._pool_lock = threading.Lock()
         self._free: list[SharedStaging] = []
         self._closed = False
-
-    def share_for(self, subsampling: str | None, gpu_decoder: str | None = "nvjpeg") -> int:
-        """The share (out of :data:`SHARE_PERIOD`) of stored JPEG tiles of chroma ``subsampling``
-        they decode beside ``gpu_decoder``: ``tile_share`` where given, else :func:`default_share`."""
-        if self.tile_share is not None:
-            return self.tile_share
-        return default_share(self.count, subsampling, gpu_decoder)
-
-    def level_share(self, slide: Any, level: int) -> int:
-        """:meth:`share_for` ``slide``'s stored JPEG tiles at ``level``: their chroma subsampling
-        and the GPU decoder that takes them (its ``stored_tile_format``,
-        :func:`~.gpu_choice.storage_gpu_decoder`)."""
-        storage = slide.stored_tile_format(level)
-        decoder, _ = storage_gpu_decoder(storage, slide.backend, level)
-        return self.share_for((storage or {}).get("jpeg_subsampling"), decoder)
 
     # -- helpers' life --------------------------------------------------------------------------
     def _ensure(self) -> _Generation:

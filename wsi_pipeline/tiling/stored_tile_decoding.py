@@ -221,15 +221,13 @@ class StoredTileDecoding:
         stored[torch.tensor([slot for slot, _, _ in slots], device=self.device)] = decoded
 
     def decode_shared(self, stored: torch.Tensor, level: int, slots: list, th: int, tw: int) -> None:
-        """Decode ``slots``: the helper processes their share (:meth:`~.jpeg_processes.JpegHelpers.level_share`,
-        :func:`cpu_share_tile`) into a shared
+        """Decode ``slots``: the helper processes their share (:func:`cpu_share_tile`) into a shared
         staging buffer, then one copy to the device; nvJPEG the rest, at the same time."""
         helpers = self.helpers
         assert helpers is not None
-        share = helpers.level_share(self.slide, level)
         mine, rest = [], []
         for s in slots:
-            (mine if cpu_share_tile(s[1], s[2], share) else rest).append(s)
+            (mine if cpu_share_tile(s[1], s[2], helpers.tile_share) else rest).append(s)
         if not mine:
             self.decode_gpu(stored, level, slots, th, tw)
             return
