@@ -26,18 +26,15 @@ import numpy as np
 from wsi_pipeline import Pipeline
 from wsi_pipeline.errors import SlideError
 from wsi_pipeline.slide.base import Slide
-from wsi_pipeline.slide.jpeg_kind import ends_with_eoi, same_headers, stream_parts, with_tables
 from wsi_pipeline.slide.stored_jpeg import StoredJpegTiles
 
 
 def one_span_reads(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``StoredJpegTiles.raw_tiles_jpeg`` as it was before ``read_spans`` (commit 94bcda3)."""
-    lv = self._jpeg_level(level)
+    """``StoredJpegTiles.raw_tiles_jpeg``'s reads as they were before ``read_spans`` (commit 94bcda3);
+    the streams are then assembled as now."""
     if not tiles:
         return np.zeros(0, np.uint8), np.zeros(0, np.int64)
-    idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
-    offsets = lv.offsets[idx].astype(np.int64)
-    counts = lv.bytecounts[idx].astype(np.int64)
+    offsets, counts = self._stored_ranges(level, tiles)
     has = counts > 0
     if not has.any():
         return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
@@ -49,24 +46,7 @@ def one_span_reads(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[
     if len(buf) < span:
         raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles")
     rel = np.where(has, offsets - start, 0)
-    for k in np.flatnonzero(has & ~ends_with_eoi(buf, rel, counts)):
-        self._report_truncated(level, *tiles[k])
-    same = same_headers(buf, rel, counts, self._jpeg_reference(level))
-    tables = None if lv.jpegtables is None else np.frombuffer(lv.jpegtables, np.uint8)
-    parts: list = []
-    lengths = np.zeros(len(tiles), np.int64)
-    for k, (o, n) in enumerate(zip(rel.tolist(), counts.tolist(), strict=True)):
-        if not n:
-            continue
-        if same[k]:
-            pieces = stream_parts(tables, buf[o : o + n])
-        else:
-            tx, ty = tiles[k]
-            whole = with_tables(lv.jpegtables, buf[o : o + n].tobytes())
-            pieces = (np.frombuffer(self._told_jpeg(level, tx, ty, whole), np.uint8),)
-        parts.extend(pieces)
-        lengths[k] = sum(len(p) for p in pieces)
-    return np.concatenate(parts), lengths
+    return self._streams_from(level, tiles, buf, rel, counts)
 
 
 def main() -> int:

@@ -122,19 +122,30 @@ class StoredJpegTiles(Slide):
         one by one (:meth:`_told_jpeg`); one without its end-of-image marker is reported as
         damaged, as the CPU decoder reports it.
         """
-        lv = self._jpeg_level(level)
         if not tiles:
             return np.zeros(0, np.uint8), np.zeros(0, np.int64)
-        idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
-        offsets = lv.offsets[idx].astype(np.int64)
-        counts = lv.bytecounts[idx].astype(np.int64)
-        has = counts > 0
-        if not has.any():
+        offsets, counts = self._stored_ranges(level, tiles)
+        if not counts.any():
             return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
         try:
             buf, rel = read_spans(self._level_fd(level), offsets, counts, self._read_scratch())
         except EOFError as exc:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles") from exc
+        return self._streams_from(level, tiles, buf, rel, counts)
+
+    def _stored_ranges(self, level: int, tiles: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The file offsets and byte counts (int64; 0: no data) of stored tiles ``tiles`` of ``level``."""
+        lv = self._jpeg_level(level)
+        idx = np.array([ty * lv.tiles_across + tx for tx, ty in tiles], np.int64)
+        return lv.offsets[idx].astype(np.int64), lv.bytecounts[idx].astype(np.int64)
+
+    def _streams_from(
+        self, level: int, tiles: Sequence[tuple[int, int]], buf: np.ndarray, rel: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The self-contained streams of ``tiles`` of ``level``, back to back, and their lengths,
+        from their stored bytes ``buf[rel[k] : rel[k] + counts[k]]`` (:meth:`raw_tiles_jpeg`)."""
+        lv = self._jpeg_level(level)
+        has = counts > 0
         for k in np.flatnonzero(has & ~ends_with_eoi(buf, rel, counts)):
             self._report_truncated(level, *tiles[k])
         same = same_headers(buf, rel, counts, self._jpeg_reference(level))
