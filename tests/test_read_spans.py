@@ -22,8 +22,8 @@ def data_file(tmp_path):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("scratch", [None, ReadBuffer()], ids=["fresh", "scratch"])
-def test_every_range_reads_as_a_read_of_its_own(data_file, seed, scratch):
+@pytest.mark.parametrize("reuse", [None, ReadBuffer()], ids=["fresh", "reused"])
+def test_every_range_reads_as_a_read_of_its_own(data_file, seed, reuse):
     fd, data = data_file
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 40))
@@ -33,7 +33,7 @@ def test_every_range_reads_as_a_read_of_its_own(data_file, seed, scratch):
     if n > 2:
         offsets[1] = offsets[0]  # the same range twice, and one inside another
         offsets[2], counts[2] = offsets[0] + 1, max(0, counts[0] - 2)
-    buf, starts = read_spans(fd, offsets, counts, scratch)
+    buf, starts = read_spans(fd, offsets, counts, reuse)
     for o, n_, s in zip(offsets.tolist(), counts.tolist(), starts.tolist(), strict=True):
         assert buf[s : s + n_].tobytes() == data[o : o + n_]
         if not n_:

@@ -30,12 +30,13 @@ from .jpeg_kind import (
 )
 
 # Stored tiles at most this many bytes apart in the file are read with one call, the bytes between
-# them with it: copying 128 KiB from the page cache costs about what a further read call costs in a
-# loader thread that shares the interpreter with the run's other threads.
+# them with it. Chosen, not tuned: 128 KiB copied from the page cache takes tens of microseconds, about
+# what a further read call costs a loader thread that shares the interpreter lock; the runs of tiles
+# a GPU decoder takes along a row lie some 10 stored tiles (150-400 KiB) apart, and are read apart.
 READ_GAP_BYTES = 1 << 17
 # A thread's read buffer is kept between batches up to this size (a larger batch's is made anew):
 # a fresh buffer of tens of MiB costs a page fault per 4 KiB on its first use.
-_SCRATCH_KEPT_BYTES = 1 << 26
+_READ_BUFFER_KEPT_BYTES = 1 << 26
 
 
 class ReadBuffer:
@@ -46,15 +47,15 @@ class ReadBuffer:
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of buffer (its contents undefined until written)."""
-        if nbytes > _SCRATCH_KEPT_BYTES:
+        if nbytes > _READ_BUFFER_KEPT_BYTES:
             return np.empty(nbytes, np.uint8)
         if len(self.buf) < nbytes:
-            self.buf = np.empty(min(max(nbytes * 5 // 4, 1 << 20), _SCRATCH_KEPT_BYTES), np.uint8)
+            self.buf = np.empty(min(max(nbytes * 5 // 4, 1 << 20), _READ_BUFFER_KEPT_BYTES), np.uint8)
         return self.buf[:nbytes]
 
 
 def read_spans(
-    fd: int, offsets: np.ndarray, counts: np.ndarray, scratch: ReadBuffer | None = None
+    fd: int, offsets: np.ndarray, counts: np.ndarray, reuse: ReadBuffer | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The bytes ``[offsets[k], offsets[k] + counts[k])`` of file ``fd`` for each k with
     ``counts[k] > 0``, read as a few spans: ``(buf, starts)``, where the bytes of k are
@@ -62,7 +63,7 @@ def read_spans(
 
     Byte ranges that overlap or lie within :data:`READ_GAP_BYTES` of each other are read as one
     span with one ``preadv``, so the buffer holds the union of the ranges and the short gaps
-    between them (never more than the file). ``buf`` is ``scratch``'s (valid until its next use)
+    between them (never more than the file). ``buf`` is ``reuse``'s (valid until its next use)
     where one is given. Raises EOFError where the file ends inside a range.
     """
     has = np.flatnonzero(counts > 0)
@@ -81,7 +82,7 @@ def read_spans(
     span_at = np.concatenate(([0], np.cumsum(span_len)[:-1]))
     starts[order] = span_at[span_of] + lo - span_lo[span_of]
     total = int(span_len.sum())
-    buf = scratch.take(total) if scratch is not None else np.empty(total, np.uint8)
+    buf = reuse.take(total) if reuse is not None else np.empty(total, np.uint8)
     view = memoryview(buf)
     for at, n, where in zip(span_at.tolist(), span_len.tolist(), span_lo.tolist(), strict=True):
         if os.preadv(fd, [view[at : at + n]], where) < n:
@@ -128,7 +129,7 @@ class StoredJpegTiles(Slide):
         if not counts.any():
             return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
         try:
-            buf, rel = read_spans(self._level_fd(level), offsets, counts, self._read_scratch())
+            buf, rel = read_spans(self._level_fd(level), offsets, counts, self._read_buffer())
         except EOFError as exc:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles") from exc
         return self._streams_from(level, tiles, buf, rel, counts)
@@ -165,15 +166,15 @@ class StoredJpegTiles(Slide):
             lengths[k] = sum(len(p) for p in pieces)
         return np.concatenate(parts), lengths
 
-    def _read_scratch(self) -> ReadBuffer:
+    def _read_buffer(self) -> ReadBuffer:
         """This thread's buffer for :func:`read_spans` on this slide (kept between batches)."""
         local = self.__dict__.get("_read_local")
         if local is None:  # threads arriving together may each make one; one is kept
             local = self.__dict__.setdefault("_read_local", threading.local())
-        scratch = getattr(local, "scratch", None)
-        if scratch is None:
-            scratch = local.scratch = ReadBuffer()
-        return scratch
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            buffer = local.buffer = ReadBuffer()
+        return buffer
 
     def raw_tile_jpeg(self, level: int, tx: int, ty: int) -> bytes:
         """Tile (tx, ty) as a self-contained JPEG stream (JPEGTables spliced in), told the
