@@ -80,6 +80,27 @@ def test_an_ome_pyramid_has_openslides_level_0_and_its_subifds_as_levels(tmp_pat
             assert np.abs(ours.read_region((0, 0), level, (w, h)).astype(int) - shrunk).mean() < 4
 
 
+def test_a_plain_tiff_with_subifds_reads_as_openslide_reads_it(tmp_path):
+    """Reduced levels in SubIFDs without OME metadata (as some converters write them): OpenSlide
+    reads the main chain's pages alone, here level 0, and so does the project."""
+    import cv2
+    from helpers import smooth_rgb
+
+    image = smooth_rgb(760, 1000, seed=5)
+    half = cv2.resize(image, (500, 380), interpolation=cv2.INTER_AREA)
+    quarter = cv2.resize(half, (250, 190), interpolation=cv2.INTER_AREA)
+    kw = dict(tile=(128, 128), compression="jpeg", photometric="rgb", metadata=None)
+    kw["compressionargs"] = {"level": 90, "outcolorspace": "ycbcr"}
+    path = str(tmp_path / "subifds.tif")
+    with tifffile.TiffWriter(path, bigtiff=True) as tw:
+        tw.write(image, subifds=2, resolution=(4e4, 4e4), resolutionunit="CENTIMETER", **kw)
+        for level in (half, quarter):
+            tw.write(level, subfiletype=1, **kw)
+    with openslide.OpenSlide(path) as ref:
+        assert ref.level_count == 1
+    _assert_same_as_openslide(path)
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("kind", ["aperio-reduced-flagged", "generic-pyramid"])
 def test_stream_flavours_read_as_openslide_reads_them(tmp_path, flavour, kind):

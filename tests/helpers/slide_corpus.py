@@ -176,6 +176,7 @@ def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: i
         Layout("aperio-one-level", (lvl(1), thumb, label, macro)),
         Layout("aperio-no-label-macro", (lvl(1), thumb, lvl(4))),
         Layout("aperio-label-removed", (lvl(1), thumb, lvl(4), lvl(16), macro)),  # as anonymisers leave it
+        Layout("aperio-macro-before-label", (lvl(1), thumb, lvl(4), lvl(16), macro, label)),
         Layout("aperio-assoc-undescribed", (lvl(1), thumb, lvl(4), assoc("label", 1, False), assoc("macro", 9, False))),
         Layout("aperio-uneven", (lvl(1), thumb, lvl(3), lvl(9)), width=1001, height=757),
         # Converters that re-tile the reduced levels, or write them without descriptions.
