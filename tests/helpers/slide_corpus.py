@@ -177,6 +177,10 @@ def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: i
         Layout("aperio-no-label-macro", (lvl(1), thumb, lvl(4))),
         Layout("aperio-label-removed", (lvl(1), thumb, lvl(4), lvl(16), macro)),  # as anonymisers leave it
         Layout("aperio-macro-before-label", (lvl(1), thumb, lvl(4), lvl(16), macro, label)),
+        Layout("aperio-thumbnail-after-levels", (lvl(1), lvl(4), lvl(16), thumb, label, macro)),
+        # OpenSlide refuses these two (its levels must shrink in file order); the project reads them.
+        Layout("aperio-tiled-thumbnail", (lvl(1), replace(lvl(8), description=thumb.description), lvl(4), label)),
+        Layout("aperio-levels-out-of-order", (lvl(1), thumb, lvl(16), lvl(4), label, macro)),
         Layout("aperio-assoc-undescribed", (lvl(1), thumb, lvl(4), assoc("label", 1, False), assoc("macro", 9, False))),
         Layout("aperio-uneven", (lvl(1), thumb, lvl(3), lvl(9)), width=1001, height=757),
         # Converters that re-tile the reduced levels, or write them without descriptions.
