@@ -216,6 +216,9 @@ def generic_layouts(flavour: str = "ycbcr-jfif") -> list[Layout]:
         Layout("generic-bigtiff", (lvl(1), lvl(2), lvl(4)), bigtiff=True, mpp_tags=True),
         Layout("generic-stripped-extra", (lvl(1), lvl(4), Page(8, False, None, "jpeg", 1)), mpp_tags=True),
         Layout("generic-deflate", (Page(1, True, None, "zlib"), Page(2, True, None, "zlib", 1))),
+        Layout("generic-3x", (lvl(1), lvl(3), lvl(9)), mpp_tags=True),
+        Layout("generic-kinds-per-level", (lvl(1), lvl(2, fl="rgb-adobe"), lvl(4, fl="rgb-012+tables")), mpp_tags=True),
+        Layout("generic-described", (replace(lvl(1), description="converted by a tool"), lvl(2), lvl(4))),
     ]
 
 
