@@ -64,3 +64,18 @@ def test_a_range_past_the_end_of_the_file_is_refused(data_file):
     fd, data = data_file
     with pytest.raises(EOFError):
         read_spans(fd, np.array([len(data) - 10], np.int64), np.array([20], np.int64))
+
+
+def test_the_batch_eoi_check_agrees_with_the_one_stream_check():
+    """``ends_with_eoi`` (many streams in one array) and ``stream_ends_with_eoi`` (one stream) are
+    the same rule: EOI, or EOI and DICOM's pad byte."""
+    from wsi_pipeline.slide.jpeg_kind import ends_with_eoi, stream_ends_with_eoi
+
+    endings = [b"", b"\xd9", b"\xff", b"\xff\xd9", b"\xff\xd9\x00", b"\xff\xd9\x01", b"\xd9\x00", b"\x00\xff\xd9"]
+    streams = [head + end for end in endings for head in (b"", b"\xff\xd8\x12")]
+    buf = np.frombuffer(b"".join(streams), np.uint8)
+    counts = np.array([len(s) for s in streams], np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    got = ends_with_eoi(buf, starts, counts).tolist()
+    assert got == [stream_ends_with_eoi(s) for s in streams]
+    assert sum(got) == 6  # FF D9, FF D9 00 and 00 FF D9, each bare and after a head

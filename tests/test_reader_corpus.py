@@ -72,7 +72,6 @@ def test_an_ome_pyramid_has_openslides_level_0_and_its_subifds_as_levels(tmp_pat
     """OpenSlide reads an OME-TIFF as a generic TIFF: its level 0 alone (the reduced levels are
     SubIFDs). The project reads the same level 0 and the SubIFDs as its levels (a decision:
     docs/ARCHITECTURE.md), each the level above shrunk."""
-    import cv2
     from helpers import smooth_rgb, write_pyramid_tiff
 
     path = str(tmp_path / "s.ome.tiff")
@@ -94,7 +93,6 @@ def test_an_ome_pyramid_has_openslides_level_0_and_its_subifds_as_levels(tmp_pat
 def test_a_plain_tiff_with_subifds_reads_as_openslide_reads_it(tmp_path):
     """Reduced levels in SubIFDs without OME metadata (as some converters write them): OpenSlide
     reads the main chain's pages alone, here level 0, and so does the project."""
-    import cv2
     from helpers import smooth_rgb
 
     image = smooth_rgb(760, 1000, seed=5)

@@ -148,6 +148,7 @@ RUN_SITES = [
     (stored_jpeg.StoredJpegTiles, "raw_tiles_jpeg", "read a batch's stored tile bytes"),
     (stored_jpeg.StoredJpegTiles, "raw_tile_jpeg", "read stored tile bytes"),
     (stored_jpeg.os, "pread", "os.pread (any caller)"),
+    (stored_jpeg.os, "preadv", "os.preadv (any caller: a batch's spans)"),
     (stored_jpeg, "same_headers", "stored bytes: headers compared"),
     (stored_jpeg, "ends_with_eoi", "stored bytes: EOI checked"),
     (cuda_worker.CudaWorker, "process", "worker batch (all of it)"),

@@ -195,9 +195,20 @@ def with_tables(tables: bytes | None, data: bytes) -> bytes:
     return b"".join(stream_parts(tables, data))
 
 
+# How a whole JPEG stream ends: its EOI marker (FF D9), or that and the one 0x00 pad byte DICOM adds
+# to an odd-length frame.
+EOI_ENDINGS = (b"\xff\xd9", b"\xff\xd9\x00")
+
+
+def stream_ends_with_eoi(data: bytes) -> bool:
+    """Whether the stream ``data`` ends as :data:`EOI_ENDINGS` says (one stream; :func:`ends_with_eoi`
+    checks many in one array)."""
+    return data.endswith(EOI_ENDINGS)
+
+
 def ends_with_eoi(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Whether each stream ``buf[starts[k] : starts[k] + counts[k]]`` ends with the JPEG EOI marker
-    (FF D9), allowing the one 0x00 pad byte DICOM adds to an odd-length frame."""
+    """Whether each stream ``buf[starts[k] : starts[k] + counts[k]]`` ends as :data:`EOI_ENDINGS`
+    says (array operations over every stream at once; :func:`stream_ends_with_eoi` checks one)."""
     ends = starts + counts
     ok = np.zeros(len(starts), bool)
     for pad in (0, 1):
@@ -222,10 +233,12 @@ def same_headers(buf: np.ndarray, starts: np.ndarray, counts: np.ndarray, ref: n
 __all__ = [
     "JpegHeader",
     "JpegKind",
+    "EOI_ENDINGS",
     "ends_with_eoi",
     "jpeg_kind",
     "read_header",
     "same_headers",
+    "stream_ends_with_eoi",
     "stream_parts",
     "told_stream",
     "with_tables",

@@ -24,6 +24,7 @@ from .jpeg_kind import (
     jpeg_kind,
     read_header,
     same_headers,
+    stream_ends_with_eoi,
     stream_parts,
     told_stream,
     with_tables,
@@ -187,7 +188,7 @@ class StoredJpegTiles(Slide):
         data = self.raw_tile(level, tx, ty)
         if not data:
             return data
-        if not data.endswith((b"\xff\xd9", b"\xff\xd9\x00")):  # EOI, or EOI and DICOM's pad byte
+        if not stream_ends_with_eoi(data):
             self._report_truncated(level, tx, ty)
         return self._told_jpeg(level, tx, ty, with_tables(self._jpeg_level(level).jpegtables, data))
 
