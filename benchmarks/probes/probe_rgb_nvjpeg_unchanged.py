@@ -1,13 +1,13 @@
 """Probe (2026-12-06, not yet run; for benchmarks/HISTORY.md): can nvJPEG decode RGB JPEG tiles
 exactly, and how fast beside nvImageCodec?
 
-RGB JPEG levels (Aperio's SVS, RGB JPEG TIFFs) go to nvImageCodec because torchvision's nvJPEG, asked
-for RGB, converts every 3-component stream from YCbCr. In the 32k runs of 2026-12-06 nvImageCodec
-decoded about 4,700-5,100 stored tiles/s and bounded those rows, against nvJPEG's 15,200. Asked for
-``ImageReadMode.UNCHANGED``, torchvision's nvJPEG returns the components as decoded
-(``NVJPEG_OUTPUT_UNCHANGED``): for a 4:4:4 stream whose components are R, G, B, the pixels without
-any conversion. This probe checks, on a CUDA machine, with the stored streams the reader hands the
-GPU decoders (``raw_tiles_jpeg``)::
+RGB JPEG levels (Aperio's SVS, RGB JPEG TIFFs) go to nvImageCodec because torchvision's nvJPEG,
+asked for RGB, converts every 3-component stream from YCbCr. In the 32k runs of 2026-12-06
+nvImageCodec decoded about 4,700-5,100 stored tiles/s (derived from the runs' counts) and seems to
+bound those rows, against nvJPEG's 15,200. Asked for ``ImageReadMode.UNCHANGED``, torchvision's
+nvJPEG returns the components as decoded (``NVJPEG_OUTPUT_UNCHANGED``): for a 4:4:4 stream whose
+components are R, G, B, the pixels without any conversion. This probe checks, on a CUDA machine,
+with the stored streams the reader hands the GPU decoders (``raw_tiles_jpeg``)::
 
     python benchmarks/probes/probe_rgb_nvjpeg_unchanged.py SLIDE [--tiles 512] [--rounds 5]
 
