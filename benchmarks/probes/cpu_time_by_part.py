@@ -1,4 +1,5 @@
-"""Probe (2026-12-06), fed benchmarks/HISTORY.md "2026-12-06 08:3x-09:3x UTC: where a CPU run's time goes".
+"""Probe (2026-12-06), fed benchmarks/HISTORY.md "2026-12-06 08:2x-09:0x UTC: every storage kind on
+the CPU at 16k, and where a CPU run's time goes".
 
 Where the CPU time of ``Pipeline.run`` on the CPU (ONNX Runtime) goes, against the model alone in
 the same process::
@@ -10,7 +11,9 @@ the same process::
 For each slide, after a warm-up run: the run's wall and process CPU seconds (the busy cores are
 their ratio), and the CPU seconds (``time.thread_time`` of the threads doing it) of the model's
 session runs, the tile reads and, inside them, the stored tiles' JPEG decoding (decoding in the
-region threads counted apart), the stitcher and the executor's box decoding; "the rest" is the
+region threads counted apart), the stitcher (the boxes' hand-off to the merge process included),
+the heatmap sinks' thread (the heatmap's statistics and array) and the executor's box decoding;
+"the rest" is the
 process CPU time less these (the tissue mask, the main loop, the hand-offs, the thread pools). Then the
 model alone (the pipeline's own sessions on the same number of tiles in memory,
 ``bench_cpu_pipeline.model_alone``): its CPU seconds and the ratio of the two wall times.
@@ -40,7 +43,7 @@ import numpy as np
 from wsi_pipeline import Pipeline
 from wsi_pipeline.inference import executor, ort_backend
 from wsi_pipeline.slide import stored_jpeg, stored_tiles
-from wsi_pipeline.stitch import stitcher
+from wsi_pipeline.stitch import sinks, stitcher
 from wsi_pipeline.tiling import slide_loader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,6 +53,7 @@ PARTS = {
     "model session runs": (ort_backend.OrtBackend, "infer"),
     "tile reads": (slide_loader, "read_tile"),
     "stitcher": (stitcher.Stitcher, "add_batch"),
+    "heatmap sinks (their thread)": (sinks, "_after_copy"),
     "box decoding": (executor, "decode_batch"),
 }
 # Stored JPEG tiles decoded: by a reader thread (part of "tile reads") or by the region threads
