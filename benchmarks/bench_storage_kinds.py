@@ -17,7 +17,8 @@ agreement with synth's TIFF at the same resolution (counts, share matched at IoU
 
 ``--corpus`` adds the same pixels in layouts other writers make (tests/helpers/slide_corpus.py:
 e.g. ``aperio-reduced-flagged``, an SVS of RGB JPEG tiles with JPEGTables and component ids 0, 1,
-2 whose reduced pages are flagged NewSubfileType 1; ``aperio-no-thumbnail``), and ``--slides``
+2 whose reduced pages are flagged NewSubfileType 1; ``aperio-no-thumbnail``; an Aperio layout
+in another stream flavour: ``aperio-classic@ycbcr-jfif+tables``, YCbCr 4:2:0), and ``--slides``
 runs each slide file or DICOM folder given (a folder of them: each entry) as its own row, named by
 its file name; both are run again at ``--coarse-mpp``. Their detections are compared with synth's
 only where they hold synth's pixels (the corpus rows).
@@ -174,21 +175,31 @@ def write_kinds(work: Path, synth: str, kinds: list[str]) -> dict[str, str]:
 
 
 def write_corpus(work: Path, synth: str, names: list[str]) -> dict[str, str]:
-    """Synth's pixels in the corpus layouts ``names`` (other writers' layouts, not the project's)."""
+    """Synth's pixels in the corpus layouts ``names`` (other writers' layouts, not the project's).
+
+    ``NAME@FLAVOUR`` writes an Aperio layout's tiles in another of the corpus's JPEG stream flavours
+    (``aperio-classic@ycbcr-jfif+tables``: YCbCr 4:2:0 with JPEGTables, as many scanners write them;
+    the default is the layouts' RGB JPEG)."""
     if not names:
         return {}
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers.slide_corpus import aperio_layouts, generic_layouts, write_layout
+    from helpers.slide_corpus import FLAVOURS, aperio_layouts, generic_layouts, write_layout
 
     with open_slide(synth) as src:
         image = src.read_region((0, 0), 0, src.dimensions)
     h, w = image.shape[:2]
-    layouts = {lay.name: lay for lay in aperio_layouts(width=w, height=h) + generic_layouts()}
     paths = {}
     for name in names:
+        layout_name, _, flavour = name.partition("@")
+        if flavour and flavour not in FLAVOURS:
+            raise SystemExit(f"--corpus {name}: expected a flavour among {', '.join(FLAVOURS)}, found {flavour!r}")
+        aperio = aperio_layouts(flavour, width=w, height=h) if flavour else aperio_layouts(width=w, height=h)
+        layouts = {lay.name: lay for lay in aperio + ([] if flavour else generic_layouts())}
+        if layout_name not in layouts:
+            raise SystemExit(f"--corpus {name}: expected a layout among {', '.join(layouts)}, found {layout_name!r}")
         t0 = time.perf_counter()
-        paths[f"corpus:{name}"] = str(work / f"{name}.svs")
-        write_layout(paths[f"corpus:{name}"], layouts[name], image)
+        paths[f"corpus:{name}"] = str(work / f"{name.replace('@', '.').replace('+', '-')}.svs")
+        write_layout(paths[f"corpus:{name}"], layouts[layout_name], image)
         log(f"corpus:{name}: written in {time.perf_counter() - t0:.1f} s")
     return paths
 

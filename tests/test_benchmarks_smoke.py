@@ -31,7 +31,11 @@ CANNOT_RUN = re.compile(
 SMOKE = [
     ("bench_reader.py", [], {"median_patches_per_s", "stored_tiles_per_patch", "date", "cpus"}),
     ("bench_cpu_pipeline.py", [], {"pipeline_tiles_per_s", "model_alone_tiles_per_s", "ratio_of_medians"}),
-    ("bench_storage_kinds.py", ["--backend", "ort"], {"rows", "model_alone_tiles_per_s_mpp_card"}),
+    (
+        "bench_storage_kinds.py",
+        ["--backend", "ort", "--corpus", "aperio-reduced-flagged,aperio-classic@ycbcr-jfif+tables"],
+        {"rows", "model_alone_tiles_per_s_mpp_card"},
+    ),
     ("bench_batch.py", ["--backend", "ort"], {"rows", "slides"}),
     ("bench_memory.py", [], {"rows"}),
     ("bench_heatmap_pyramid.py", [], {"close_s"}),
@@ -93,6 +97,8 @@ def test_a_maintained_benchmark_runs_in_its_smoke_mode(tool, extra, keys, tmp_pa
     rows = record.get("rows", [])
     assert all("error" not in row for row in (rows.values() if isinstance(rows, dict) else rows)), rows
     assert all("error" not in r for r in record.get("results", {}).values()), record["results"]
+    corpus = extra[extra.index("--corpus") + 1].split(",") if "--corpus" in extra else []
+    assert all(any(row.get("kind") == f"corpus:{name}" for row in rows) for name in corpus), (corpus, rows)
 
 
 def test_every_maintained_tool_has_a_smoke_run_here():
