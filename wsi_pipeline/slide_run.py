@@ -236,6 +236,7 @@ class SlideRunner:
             device=str(self.parts.executor.backend.device) if cuda else None,
             jpeg_helpers=helpers,
             jpeg_decoder=decoder,
+            model_on_cpu=not cuda,
         )
         with loader:
             on_device = stitcher.heatmap_device is not None

@@ -4,7 +4,7 @@ the CPU at 16k, and where a CPU run's time goes".
 Where the CPU time of ``Pipeline.run`` on the CPU (ONNX Runtime) goes, against the model alone in
 the same process::
 
-    python benchmarks/probes/cpu_time_by_part.py SLIDE [SLIDE ...] [--mpp 0.5] [--rounds 2]
+    python benchmarks/probes/cpu_time_by_part.py SLIDE [SLIDE ...] [--mpp 0.5 [--resample reduced]] [--rounds 2]
     python benchmarks/probes/cpu_time_by_part.py SLIDE --ab-region-threads [--rounds 6]
     python benchmarks/probes/cpu_time_by_part.py SLIDE --decoders
 
@@ -22,9 +22,10 @@ model alone (the pipeline's own sessions on the same number of tiles in memory,
 ``raw_tile_jpeg`` gives them) decoded by simplejpeg (the reader's decoder), imagecodecs, OpenCV and
 Pillow: microseconds a tile.
 
-``--ab-region-threads``: the run with a large region's stored tiles decoded by the region threads
-(``stored_tiles.PARALLEL_REGION_TILES`` as shipped) and with each region decoded by the reader
-thread itself, interleaved.
+``--ab-region-threads``: the run as it is (the model on the CPU: each reader thread decodes its
+regions' stored tiles itself, ``slide.base.decoding_in_this_thread``) and as before 2026-12-06
+09:2x (a region of ``stored_tiles.PARALLEL_REGION_TILES`` stored tiles or more handed to the
+region threads), interleaved.
 """
 
 from __future__ import annotations
@@ -129,21 +130,24 @@ def split(pipe: Pipeline, slide: str, rounds: int, clock: PartClock) -> None:
 
 
 def ab_region_threads(pipe: Pipeline, slide: str, rounds: int) -> None:
-    shipped = stored_tiles.PARALLEL_REGION_TILES
-    settings = {"region threads (shipped)": shipped, "each reader decodes its region": 1 << 62}
+    shipped = stored_tiles.decodes_in_this_thread
+    settings = {
+        "each reader decodes its regions (now, the model on the CPU)": shipped,
+        "large regions to the region threads (before)": lambda: False,
+    }
     pipe.run(slide)
     seen: dict[str, list[float]] = {k: [] for k in settings}
     try:
         for r in range(rounds):
             for name in list(settings)[:: 1 if r % 2 == 0 else -1]:
-                stored_tiles.PARALLEL_REGION_TILES = settings[name]
+                stored_tiles.decodes_in_this_thread = settings[name]
                 seen[name].append(one_run(pipe, slide)[0])
     finally:
-        stored_tiles.PARALLEL_REGION_TILES = shipped
+        stored_tiles.decodes_in_this_thread = shipped
     base = statistics.median(seen[next(iter(settings))])
     for name, runs in seen.items():
         med = statistics.median(runs)
-        print(f"{slide}: {name}: median {med:.3f} s ({base / med:.3f}x), runs {[round(x, 2) for x in runs]}")
+        print(f"{slide}: {name}: median {med:.3f} s ({med / base:.3f}x the time), runs {[round(x, 2) for x in runs]}")
 
 
 def decoders(slide_path: str) -> None:
@@ -184,6 +188,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("slides", nargs="+")
     ap.add_argument("--mpp", type=float, default=0.0)
+    ap.add_argument("--resample", default="area", choices=["area", "reduced"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ab-region-threads", action="store_true")
     ap.add_argument("--decoders", action="store_true")
@@ -192,7 +197,7 @@ def main() -> int:
         for slide in args.slides:
             decoders(slide)
         return 0
-    with Pipeline.from_card(backend="ort", **({"mpp": args.mpp} if args.mpp else {})) as pipe:
+    with Pipeline.from_card(backend="ort", resample=args.resample, **({"mpp": args.mpp} if args.mpp else {})) as pipe:
         if args.ab_region_threads:
             for slide in args.slides:
                 ab_region_threads(pipe, slide, args.rounds)

@@ -12,6 +12,7 @@ import abc
 import contextlib
 import math
 import os
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,30 @@ PLAUSIBLE_MPP_RANGE = (0.02, 20.0)
 # A thumbnail of a level larger than this (bytes of RGB) is made band by band,
 # each band read and shrunk before the next: its memory does not grow with the slide.
 THUMBNAIL_BAND_BYTES = 64 * 1024 * 1024
+
+
+_THIS_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def decoding_in_this_thread() -> Iterator[None]:
+    """Within it, a region this thread reads has its stored tiles decoded by this thread, however
+    many (a stored-tile reader otherwise hands a large region's tiles to its region threads).
+
+    For reader threads that already run side by side with a model on the same CPU: every core is
+    busy there, and handing tiles over only adds work (benchmarks/HISTORY.md, 2026-12-06 09:2x).
+    """
+    before = getattr(_THIS_THREAD, "decodes", False)
+    _THIS_THREAD.decodes = True
+    try:
+        yield
+    finally:
+        _THIS_THREAD.decodes = before
+
+
+def decodes_in_this_thread() -> bool:
+    """Whether the calling thread is inside :func:`decoding_in_this_thread`."""
+    return getattr(_THIS_THREAD, "decodes", False)
 
 
 class Slide(abc.ABC):

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import SlideError, SlideOpenError
+from .base import decodes_in_this_thread
 from .stored_jpeg import StoredJpegTiles
 
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
@@ -460,7 +461,7 @@ class StoredTileSlide(StoredJpegTiles):
         tiles = [
             (tx, ty) for ty in range(iy0 // th, (iy1 - 1) // th + 1) for tx in range(ix0 // tw, (ix1 - 1) // tw + 1)
         ]
-        if len(tiles) < PARALLEL_REGION_TILES:
+        if len(tiles) < PARALLEL_REGION_TILES or decodes_in_this_thread():
             for tx, ty in tiles:
                 copy_tile(tx, ty)
             return

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import ConfigError
-from ..slide.base import Slide
+from ..slide.base import Slide, decoding_in_this_thread
 from .grid import Tile, read_tile, reduced_factor
 from .loader import TileLoader
 
@@ -126,15 +126,22 @@ def choose_tile_decode(
 
 
 class _TimedRead:
-    """:func:`read_tile`, adding each call's seconds to :attr:`seconds` (thread-safe)."""
+    """:func:`read_tile`, adding each call's seconds to :attr:`seconds` (thread-safe); with
+    ``in_this_thread``, each tile's stored tiles decoded by the reading thread
+    (:func:`~..slide.base.decoding_in_this_thread`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_this_thread: bool = False) -> None:
         self.seconds = 0.0
         self._lock = threading.Lock()
+        self._in_this_thread = in_this_thread
 
     def __call__(self, slide: Slide, tile: Tile, buf: np.ndarray) -> None:
         t0 = time.perf_counter()
-        read_tile(slide, tile, buf)
+        if self._in_this_thread:
+            with decoding_in_this_thread():
+                read_tile(slide, tile, buf)
+        else:
+            read_tile(slide, tile, buf)
         with self._lock:
             self.seconds += time.perf_counter() - t0
 
@@ -150,6 +157,7 @@ def make_slide_loader(
     device: str | None = None,
     jpeg_helpers: Any = None,
     jpeg_decoder: str = "nvjpeg",
+    model_on_cpu: bool = False,
 ) -> tuple[Any, Callable[[], float]]:
     """The loader of a run, and a function giving its reader threads' seconds so far.
 
@@ -158,7 +166,9 @@ def make_slide_loader(
     ``reader_workers``: CPU reader threads; ``device``: the CUDA device of GPU
     decoding (whose reads are not timed: 0); ``jpeg_helpers``:
     processes that decode their share of the stored tiles on a GPU run
-    (:mod:`.jpeg_processes`).
+    (:mod:`.jpeg_processes`); ``model_on_cpu``: the model runs on this CPU, so each CPU reader
+    thread decodes its tiles' stored tiles itself, large regions too (the cores are the model's and
+    the readers' already).
     """
     if where == "gpu":
         from .gpu_loader import GpuTileLoader
@@ -174,7 +184,7 @@ def make_slide_loader(
             helpers=jpeg_helpers,
         )
         return loader, lambda: 0.0
-    read = _TimedRead()
+    read = _TimedRead(in_this_thread=model_on_cpu)
     loader = TileLoader(
         slide,
         list(tiles),
