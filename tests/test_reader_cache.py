@@ -186,19 +186,26 @@ def test_large_regions_decoded_by_several_threads_equal_one_thread(pyramid_tiff,
     np.testing.assert_array_equal(got["parallel"][0], ref)
 
 
-def _count_region_threads(monkeypatch) -> list:
-    """Make every large region go to the region threads, and count the hand-offs."""
+def _decoding_threads(monkeypatch) -> list:
+    """Make every region of stored tiles go to the region threads where it may, and record the
+    name of the thread each stored tile is decoded in (the region threads are ``region-decode_N``)."""
+    import simplejpeg
+
     import wsi_pipeline.slide.stored_tiles as stored_tiles
 
     monkeypatch.setattr(stored_tiles, "PARALLEL_REGION_TILES", 1)
-    handed, pool = [], stored_tiles._region_pool
+    names, decode_jpeg = [], simplejpeg.decode_jpeg
 
-    def counting_pool():
-        handed.append(threading.current_thread().name)
-        return pool()
+    def recording(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return decode_jpeg(*args, **kwargs)
 
-    monkeypatch.setattr(stored_tiles, "_region_pool", counting_pool)
-    return handed
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", recording)
+    return names
+
+
+def _by_region_threads(names: list) -> int:
+    return sum(name.startswith("region-decode") for name in names)
 
 
 def test_a_region_read_while_decoding_in_this_thread_is_decoded_by_it(pyramid_tiff, monkeypatch):
@@ -206,21 +213,24 @@ def test_a_region_read_while_decoding_in_this_thread_is_decoded_by_it(pyramid_ti
     to the same pixels as the region threads give; the setting ends with the block, nested too."""
     from wsi_pipeline.slide.base import decodes_in_this_thread, decoding_in_this_thread
 
-    handed = _count_region_threads(monkeypatch)
     regions = [((0, 0), (1800, 1300)), ((-300, 130), (900, 700))]
     with TiffSlide(pyramid_tiff) as s:
+        names = _decoding_threads(monkeypatch)
         by_pool = [s.read_region(loc, 0, size) for loc, size in regions]
-        assert len(handed) == len(regions)
+        assert names and _by_region_threads(names) == len(names)
         s.clear_cache()
+        names.clear()
         with decoding_in_this_thread():
             with decoding_in_this_thread():
                 assert decodes_in_this_thread()
             assert decodes_in_this_thread()
             by_reader = [s.read_region(loc, 0, size) for loc, size in regions]
         assert not decodes_in_this_thread()
-        assert len(handed) == len(regions)  # no more hand-offs inside the block
+        assert names and set(names) == {threading.current_thread().name}
+        s.clear_cache()
+        names.clear()
         s.read_region(regions[0][0], 0, regions[0][1])
-        assert len(handed) == len(regions) + 1
+        assert names and _by_region_threads(names) == len(names)
     for a, b in zip(by_pool, by_reader, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -232,18 +242,23 @@ def test_the_reader_threads_decode_their_regions_where_the_model_is_on_the_cpu(p
     threads. The pixels are the same either way."""
     from wsi_pipeline.tiling.slide_loader import make_slide_loader
 
-    handed = _count_region_threads(monkeypatch)
     with TiffSlide(pyramid_tiff) as s:
         tiles = TileGrid(s, tile_size=512, overlap=64, level=0)[:6]
+        names = _decoding_threads(monkeypatch)
         loader, _ = make_slide_loader(
             s, tiles, "cpu", batch_size=4, streams=2, reader_workers=2, model_on_cpu=model_on_cpu
         )
         with loader:
             got = np.concatenate([b.images.copy() for b in loader])
+        decoded_in = list(names)
+        s.clear_cache()
         expected = np.stack([read_tile(s, t) for t in tiles])
     np.testing.assert_array_equal(got, expected)
-    reader_handoffs = [name for name in handed if name.startswith("tile-reader")]
-    assert (len(reader_handoffs) == 0) == model_on_cpu, handed
+    assert decoded_in
+    if model_on_cpu:
+        assert all(name.startswith("tile-reader") for name in decoded_in), decoded_in
+    else:
+        assert _by_region_threads(decoded_in) == len(decoded_in), decoded_in
 
 
 def test_a_damaged_tile_in_a_large_region_fails_the_read_and_names_it(tmp_path, monkeypatch):
