@@ -11,6 +11,7 @@ on the device) or the CPU :class:`~.loader.TileLoader`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -137,10 +138,7 @@ class _TimedRead:
 
     def __call__(self, slide: Slide, tile: Tile, buf: np.ndarray) -> None:
         t0 = time.perf_counter()
-        if self._in_this_thread:
-            with decoding_in_this_thread():
-                read_tile(slide, tile, buf)
-        else:
+        with decoding_in_this_thread() if self._in_this_thread else contextlib.nullcontext():
             read_tile(slide, tile, buf)
         with self._lock:
             self.seconds += time.perf_counter() - t0
