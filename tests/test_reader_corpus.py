@@ -29,12 +29,38 @@ OPENSLIDE_REFUSES = {
     "aperio-tiled-label": (((1000, 760), (250, 190)), "not a level"),
     "aperio-tiled-thumbnail": (((1000, 760), (250, 190), (125, 95)), None),
     "aperio-levels-out-of-order": (((1000, 760), (250, 190), (63, 48)), None),
+    "aperio-page-larger-than-level-0": (((1000, 760), (250, 190)), "larger than level 0"),
+}
+# Pyramids in page 0's SubIFDs: OpenSlide sees level 0 alone; the project the same level 0 and the
+# SubIFDs that are reduced copies of it as levels, the others set apart with the note given.
+SUBIFD_LEVELS = {
+    "generic-subifds": (((1000, 760), (500, 380), (250, 190)), "levels taken from page 0's SubIFDs"),
+    "generic-subifds-unflagged": (((1000, 760), (500, 380), (250, 190)), "levels taken from page 0's SubIFDs"),
+    "generic-subifds-rgb": (((1000, 760), (500, 380), (250, 190)), "levels taken from page 0's SubIFDs"),
+    "generic-subifds-bigtiff": (((1000, 760), (500, 380), (250, 190)), "SubIFDs"),
+    "generic-subifds-larger": (((1000, 760), (250, 190)), "larger than level 0"),
+    "generic-subifds-stripped": (((1000, 760), (250, 190)), "not tiled"),
+    "generic-subifds-page": (((1000, 760), (250, 190)), "NewSubfileType is 2"),
 }
 
 
 def _close_enough(got: np.ndarray, want: np.ndarray) -> float:
     """The share of pixels whose channels differ by more than 2 levels."""
     return float((np.abs(got.astype(int) - want.astype(int)).max(axis=-1) > 2).mean())
+
+
+def _assert_levels_are_level_0_shrunk(
+    slide, levels: tuple, from_level_above: bool = False, mean_levels: float = 4.0
+) -> None:
+    """Each level the image shrunk: level 0, or (``from_level_above``, as a writer that halves
+    level by level makes them) the level above."""
+    base = slide.read_region((0, 0), 0, levels[0])
+    for level, (w, h) in enumerate(levels[1:], 1):
+        shrunk = cv2.resize(base, (w, h), interpolation=cv2.INTER_AREA)
+        if from_level_above:
+            base = slide.read_region((0, 0), level, (w, h))
+        got = slide.read_region((0, 0), level, (w, h))
+        assert np.abs(got.astype(int) - shrunk).mean() < mean_levels, f"level {level}"
 
 
 def _assert_same_as_openslide(path: str) -> None:
@@ -60,10 +86,18 @@ def test_layouts_read_as_openslide_reads_them(tmp_path, name):
         with open_slide(path, "tifffile") as ours:
             assert ours.level_dimensions == levels
             assert note is None or any(note in n for n in ours.level_notes)
-            base = ours.read_region((0, 0), 0, levels[0])
-            for level, (w, h) in enumerate(levels[1:], 1):  # each level the image shrunk
-                shrunk = cv2.resize(base, (w, h), interpolation=cv2.INTER_AREA)
-                assert np.abs(ours.read_region((0, 0), level, (w, h)).astype(int) - shrunk).mean() < 4
+            _assert_levels_are_level_0_shrunk(ours, levels)
+        return
+    if name in SUBIFD_LEVELS:
+        levels, note = SUBIFD_LEVELS[name]
+        with open_slide(path, "tifffile") as ours, openslide.OpenSlide(path) as ref:
+            assert ref.level_count == 1 and ours.level_dimensions == levels
+            assert any(note in n for n in ours.level_notes), ours.level_notes
+            mpp = ref.properties.get(openslide.PROPERTY_NAME_MPP_X)
+            assert ours.mpp == (None if mpp is None else pytest.approx((float(mpp), float(mpp))))
+            want = np.asarray(ref.read_region((0, 0), 0, levels[0]))[..., :3]
+            assert _close_enough(ours.read_region((0, 0), 0, levels[0]), want) <= 0.001
+            _assert_levels_are_level_0_shrunk(ours, levels)
         return
     _assert_same_as_openslide(path)
 
@@ -90,9 +124,10 @@ def test_an_ome_pyramid_has_openslides_level_0_and_its_subifds_as_levels(tmp_pat
             assert np.abs(ours.read_region((0, 0), level, (w, h)).astype(int) - shrunk).mean() < 4
 
 
-def test_a_plain_tiff_with_subifds_reads_as_openslide_reads_it(tmp_path):
-    """Reduced levels in SubIFDs without OME metadata (as some converters write them): OpenSlide
-    reads the main chain's pages alone, here level 0, and so does the project."""
+def test_a_plain_tiff_with_subifds_has_openslides_level_0_and_its_subifds_as_levels(tmp_path):
+    """Reduced levels in SubIFDs without OME metadata, written by tifffile's own writer as its
+    documentation shows (``subifds=``, JPEG RGB in, YCbCr stored): OpenSlide reads the main chain's
+    page alone, level 0; the project reads the same level 0 and the SubIFDs as levels, noted."""
     from helpers import smooth_rgb
 
     image = smooth_rgb(760, 1000, seed=5)
@@ -105,9 +140,14 @@ def test_a_plain_tiff_with_subifds_reads_as_openslide_reads_it(tmp_path):
         tw.write(image, subifds=2, resolution=(4e4, 4e4), resolutionunit="CENTIMETER", **kw)
         for level in (half, quarter):
             tw.write(level, subfiletype=1, **kw)
-    with openslide.OpenSlide(path) as ref:
+    with openslide.OpenSlide(path) as ref, open_slide(path, "tifffile") as ours:
         assert ref.level_count == 1
-    _assert_same_as_openslide(path)
+        assert ours.level_dimensions == ((1000, 760), (500, 380), (250, 190))
+        assert ours.mpp == pytest.approx((0.25, 0.25))
+        assert any("0/SubIFD 0, 0/SubIFD 1" in n for n in ours.level_notes), ours.level_notes
+        want = np.asarray(ref.read_region((0, 0), 0, (1000, 760)))[..., :3]
+        assert _close_enough(ours.read_region((0, 0), 0, (1000, 760)), want) <= 0.001
+        _assert_levels_are_level_0_shrunk(ours, ours.level_dimensions)
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -307,3 +347,46 @@ def test_a_truncated_tile_fails_the_gpu_loader_under_the_fail_policy(tmp_path, d
             with pytest.raises(TileReadError, match=r"\(0, 1\)"):
                 for _ in loader:
                     pass
+
+
+def test_an_ome_subifd_larger_than_page_0_is_set_apart_not_level_0(tmp_path):
+    """An OME-TIFF whose first SubIFD is larger than page 0 (other content): page 0 stays level 0,
+    as OpenSlide reads it, and the larger page is not a level, with a note saying why."""
+    from helpers import smooth_rgb
+
+    image = smooth_rgb(380, 500, seed=6)
+    larger = smooth_rgb(760, 1000, seed=8)
+    quarter = cv2.resize(image, (125, 95), interpolation=cv2.INTER_AREA)
+    kw = dict(tile=(128, 128), compression="jpeg", photometric="rgb")
+    path = str(tmp_path / "larger.ome.tif")
+    with tifffile.TiffWriter(path, ome=True) as tw:
+        tw.write(image, subifds=2, metadata={"axes": "YXS"}, **kw)
+        for level in (larger, quarter):
+            tw.write(level, subfiletype=1, **kw)
+    with openslide.OpenSlide(path) as ref, open_slide(path, "tifffile") as ours:
+        assert ours.level_dimensions[0] == ref.level_dimensions[0] == (500, 380)
+        assert ours.level_dimensions == ((500, 380), (125, 95))
+        assert any("larger than level 0" in n for n in ours.level_notes), ours.level_notes
+        want = np.asarray(ref.read_region((0, 0), 0, (500, 380)))[..., :3]
+        assert _close_enough(ours.read_region((0, 0), 0, (500, 380)), want) <= 0.001
+
+
+@pytest.mark.parametrize("compression", ["jpeg", "deflate"])
+def test_a_libvips_subifd_pyramid_has_openslides_level_0_and_every_stored_level(tmp_path, compression):
+    """``vips tiffsave --pyramid --subifd`` (libvips' own writer, as a user converting a slide
+    would call it): OpenSlide sees level 0 alone; the project the same level 0 and every level."""
+    pyvips = pytest.importorskip("pyvips", reason="pip install pyvips pyvips-binary (the dev extra)")
+    from helpers import smooth_rgb
+
+    image = smooth_rgb(1536, 2048, seed=9)  # halved evenly: libvips rounds odd sizes its own way
+    path = str(tmp_path / "vips.tif")
+    vips_image = pyvips.Image.new_from_array(image).copy(xres=4000.0, yres=4000.0)  # px/mm: 0.25 um/px
+    vips_image.tiffsave(path, tile=True, pyramid=True, subifd=True, compression=compression, Q=90, resunit="cm")
+    with openslide.OpenSlide(path) as ref, open_slide(path, "tifffile") as ours:
+        assert ref.level_count == 1
+        assert ours.level_dimensions == ((2048, 1536), (1024, 768), (512, 384), (256, 192), (128, 96))
+        assert ours.mpp == pytest.approx((0.25, 0.25))
+        assert any("SubIFD" in n for n in ours.level_notes)
+        want = np.asarray(ref.read_region((0, 0), 0, (2048, 1536)))[..., :3]
+        assert _close_enough(ours.read_region((0, 0), 0, (2048, 1536)), want) <= 0.001
+        _assert_levels_are_level_0_shrunk(ours, ours.level_dimensions, from_level_above=True)

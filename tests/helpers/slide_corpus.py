@@ -129,6 +129,7 @@ class Page:
     size: tuple[int, int] | None = None  # (w, h) where not level 0's / downsample
     mixed: str | None = None  # a second flavour for every other tile
     tile: int | None = None  # the page's tile size where not the layout's
+    subifd: bool = False  # written in page 0's SubIFDs (those pages follow page 0), not the main chain
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ def aperio_layouts(flavour: str = "rgb-012+tables", width: int = 1000, height: i
         # OpenSlide refuses these two (its levels must shrink in file order); the project reads them.
         Layout("aperio-tiled-thumbnail", (lvl(1), replace(lvl(8), description=thumb.description), lvl(4), label)),
         Layout("aperio-levels-out-of-order", (lvl(1), thumb, lvl(16), lvl(4), label, macro)),
+        Layout("aperio-page-larger-than-level-0", (lvl(1), thumb, lvl(4), replace(lvl(1), size=(2000, 1520)))),
         Layout("aperio-assoc-undescribed", (lvl(1), thumb, lvl(4), assoc("label", 1, False), assoc("macro", 9, False))),
         Layout("aperio-uneven", (lvl(1), thumb, lvl(3), lvl(9)), width=1001, height=757),
         # Converters that re-tile the reduced levels, or write them without descriptions.
@@ -206,7 +208,20 @@ def generic_layouts(flavour: str = "ycbcr-jfif") -> list[Layout]:
     def lvl(ds: int, sub: int = 1, fl: str = flavour) -> Page:
         return Page(ds, True, fl, "jpeg", 0 if ds == 1 else sub)
 
+    def sub(ds: int, flags: int = 1, **kw) -> Page:
+        return replace(lvl(ds, flags), subifd=True, **kw)
+
     return [
+        # Pyramids in page 0's SubIFDs, as tifffile's subifds= and libvips' tiffsave --subifd write
+        # them (OpenSlide sees level 0 alone; the project reads the SubIFDs as levels).
+        Layout("generic-subifds", (lvl(1), sub(2), sub(4)), mpp_tags=True),
+        Layout("generic-subifds-unflagged", (lvl(1), sub(2, 0), sub(4, 0)), mpp_tags=True),
+        Layout("generic-subifds-rgb", (lvl(1, fl="rgb-012"), sub(2, flavour="rgb-012"), sub(4, flavour="rgb-012"))),
+        Layout("generic-subifds-bigtiff", (lvl(1), sub(2), sub(4)), bigtiff=True, mpp_tags=True),
+        # SubIFDs that are not reduced copies of page 0: set apart, never level 0.
+        Layout("generic-subifds-larger", (lvl(1), sub(2, size=(2000, 1520)), sub(4))),
+        Layout("generic-subifds-stripped", (lvl(1), replace(sub(2), tiled=False, flavour=None), sub(4))),
+        Layout("generic-subifds-page", (lvl(1), sub(2, 2), sub(4))),
         Layout("generic-pyramid", (lvl(1), lvl(2), lvl(4)), mpp_tags=True),
         Layout("generic-unflagged", (lvl(1), lvl(2, 0), lvl(4, 0)), mpp_tags=True),
         Layout("generic-out-of-order", (lvl(1), lvl(4), lvl(2)), mpp_tags=True),
@@ -247,11 +262,14 @@ def write_layout(path, layout: Layout, image: np.ndarray | None = None) -> np.nd
     0's pixels before compression."""
     img = layout_image(layout) if image is None else image
     h0, w0 = img.shape[:2]
+    n_subifds = sum(p.subifd for p in layout.pages)
     with tifffile.TiffWriter(path, bigtiff=layout.bigtiff) as tw:
         for i, page in enumerate(layout.pages):
             w, h = page.size or (-(-w0 // page.downsample), -(-h0 // page.downsample))
             pixels = cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA) if (w, h) != (w0, h0) else img
             kw: dict = dict(subfiletype=page.subfiletype, description=page.description, metadata=None)
+            if i == 0 and n_subifds:
+                kw["subifds"] = n_subifds
             if i == 0 and layout.mpp_tags:
                 kw.update(resolution=(1e4 / 0.25, 1e4 / 0.25), resolutionunit="CENTIMETER")
             tile = page.tile or layout.tile

@@ -40,6 +40,7 @@ def _describe(path: str, backend: str) -> dict:
                 {"level": i, "width": w, "height": h, "downsample": round(d, 4)}
                 for i, ((w, h), d) in enumerate(zip(slide.level_dimensions, slide.level_downsamples, strict=True))
             ],
+            "level_notes": list(slide.level_notes),
             "mpp": list(slide.mpp) if slide.mpp else None,
             "vendor": slide.vendor,
             "background_rgb": list(slide.background_rgb),
@@ -145,4 +146,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  levels   {info['level_count']}")
     for lv in info["levels"]:
         print(f"    {lv['level']}: {lv['width']} x {lv['height']}  downsample {lv['downsample']:g}")
+    for note in info["level_notes"]:
+        print(f"    note: {note}")
     return 0

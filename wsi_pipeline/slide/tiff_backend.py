@@ -31,7 +31,7 @@ from .base import checked_mpp, composite_rgba
 from .jpeg_kind import JpegKind
 from .resolution import aperio_mpp, tiff_page_mpp
 from .stored_tiles import StoredTileSlide, fill_rgb
-from .tiff_file import check_page_data, check_tag_types, open_tifffile, refuse_cmyk
+from .tiff_file import check_page_data, check_tag_types, open_tifffile, page_name, refuse_cmyk
 from .tiff_levels import tiff_pyramid
 
 # TIFF compression 33003: Aperio's JPEG 2000 of YCbCr samples (33005 holds RGB).
@@ -139,7 +139,7 @@ class TiffSlide(StoredTileSlide):
         """A pyramid level from its TIFF page, once its geometry and tile table are checked."""
 
         def bad(reason: str) -> SlideOpenError:
-            return SlideOpenError(self.path, f"page {page.index}: {reason}")
+            return SlideOpenError(self.path, f"page {page_name(page)}: {reason}")
 
         check_tag_types(self.path, page)
         refuse_cmyk(self.path, page, "tifffile")

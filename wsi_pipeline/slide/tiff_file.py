@@ -45,6 +45,14 @@ _ONE_INTEGER_TAGS = {
 _BITS_PER_SAMPLE = 258
 
 
+def page_name(page: tifffile.TiffPage) -> str:
+    """A page's place as a person finds it: ``3`` in the main chain, ``0/SubIFD 1`` in page 0's SubIFDs."""
+    index = page.treeindex
+    if len(index) == 2:
+        return f"{index[0]}/SubIFD {index[1]}"
+    return "/".join(map(str, index))
+
+
 def is_tiff(path: str) -> bool:
     """Whether ``path`` starts with a TIFF or BigTIFF signature."""
     with open(path, "rb") as f:
@@ -117,7 +125,7 @@ def check_page_data(path: str, page: tifffile.TiffPage, file_size: int) -> None:
     """
 
     def bad(reason: str) -> SlideOpenError:
-        return SlideOpenError(path, f"page {page.index}: {reason}")
+        return SlideOpenError(path, f"page {page_name(page)}: {reason}")
 
     check_tag_types(path, page)
     width, height, spp = page.imagewidth, page.imagelength, max(1, page.samplesperpixel)
@@ -189,7 +197,7 @@ def check_tag_types(path: str, page: tifffile.TiffPage) -> None:
             shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
             raise SlideOpenError(
                 path,
-                f"page {page.index}: tag {name} ({code}): expected {expected}, found {shown} (a forged or damaged tag)",
+                f"page {page_name(page)}: tag {name} ({code}): expected {expected}, found {shown} (a forged or damaged tag)",
             )
 
 
@@ -203,7 +211,7 @@ def refuse_cmyk(path: str, page: tifffile.TiffPage, reader: str) -> None:
     if is_cmyk(page):
         raise SlideOpenError(
             path,
-            f"page {page.index}: CMYK (photometric SEPARATED) is not RGB: the {reader} reader would show its "
+            f"page {page_name(page)}: CMYK (photometric SEPARATED) is not RGB: the {reader} reader would show its "
             "inks as colours; the openslide backend converts a tiled one (--backend auto picks it), "
             "else convert the image to RGB",
         )

@@ -15,11 +15,17 @@ level. OpenSlide's rules are the reference for what a slide file holds:
   which tifffile follows; OpenSlide reads such a file as generic TIFF and sees
   its level 0 only).
 
-Two checks go beyond OpenSlide, which would read such pages as levels or
-refuse the file: a tiled page whose aspect ratio is not level 0's within
-rounding (a tiled label or macro) is not a level, and Aperio levels out of
-order are sorted by size (OpenSlide refuses the file). Each is recorded in
-``TiffPyramid.notes``.
+Checks beyond OpenSlide, which would read such pages as levels, miss them or
+refuse the file, each recorded in ``TiffPyramid.notes``:
+
+- a generic TIFF's page 0 whose SubIFDs hold reduced copies of it (as
+  tifffile's ``subifds=`` and libvips' ``tiffsave --subifd`` write a pyramid)
+  has those as its levels: OpenSlide sees level 0 alone and a run would decode
+  all of it for a tissue mask;
+- page 0 is level 0 whatever else the file holds: a page larger than it, of
+  another aspect ratio (a tiled label or macro) or, in SubIFDs, of another
+  kind (not tiled, other samples, other flags) is not a level;
+- Aperio levels out of order are sorted by size (OpenSlide refuses the file).
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ from dataclasses import dataclass, field
 import tifffile
 
 from .base import level_shape_agrees
+from .tiff_file import page_name
 
 APERIO_PREFIX = "Aperio"
 # Pixels by which a level's width or height may differ from level 0's divided by its downsample
 # (writers round each level's size up or down, some from the level above).
 LEVEL_ROUNDING_PX = 2.0
 _REDUCED = 1  # NewSubfileType bit 0: a reduced-resolution version of another page
+# A pyramid has a few dozen levels; more SubIFDs than this on page 0 are not read as levels.
+MAX_SUBIFD_LEVELS = 64
 _APERIO_ASSOCIATED = {1: "label", 9: "macro"}
 
 
@@ -62,22 +71,71 @@ def _main_chain(tif: tifffile.TiffFile) -> list[tifffile.TiffPage]:
 def _keep_consistent(
     pages: list[tifffile.TiffPage], notes: list[str], note_order: bool = True
 ) -> list[tifffile.TiffPage]:
-    """``pages`` largest first (noted where ``note_order`` and they were not), without those whose
-    aspect ratio is not the largest's."""
-    pages = sorted(pages, key=lambda p: -p.imagewidth)
-    if note_order and [p.index for p in pages] != sorted(p.index for p in pages):
-        notes.append(f"pages {[p.index for p in pages]} are levels out of order: sorted by size")
-    w0, h0 = pages[0].imagewidth, pages[0].imagelength
-    kept = [pages[0]]
-    for p in pages[1:]:
-        if level_shape_agrees(w0, h0, p.imagewidth, p.imagelength, LEVEL_ROUNDING_PX):
+    """``pages[0]`` (level 0), then the others largest first (noted where ``note_order`` and they
+    were not), without those larger than level 0 or whose aspect ratio is not its own."""
+    first = pages[0]
+    rest = sorted(pages[1:], key=lambda p: -p.imagewidth)
+    if note_order and [p.treeindex for p in rest] != sorted(p.treeindex for p in rest):
+        notes.append(f"pages {[page_name(p) for p in rest]} are levels out of order: sorted by size")
+    w0, h0 = first.imagewidth, first.imagelength
+    kept = [first]
+    for p in rest:
+        if p.imagewidth > w0 or p.imagelength > h0:
+            notes.append(
+                f"page {page_name(p)} ({p.imagewidth}x{p.imagelength}) is not a level: it is larger than "
+                f"level 0 ({w0}x{h0}, page {page_name(first)})"
+            )
+        elif level_shape_agrees(w0, h0, p.imagewidth, p.imagelength, LEVEL_ROUNDING_PX):
             kept.append(p)
         else:
             notes.append(
-                f"page {p.index} ({p.imagewidth}x{p.imagelength}) is not a level: its aspect ratio is not "
+                f"page {page_name(p)} ({p.imagewidth}x{p.imagelength}) is not a level: its aspect ratio is not "
                 f"level 0's ({w0}x{h0})"
             )
     return kept
+
+
+def _subifd_levels(tif: tifffile.TiffFile, page0: tifffile.TiffPage, notes: list[str]) -> list[tifffile.TiffPage]:
+    """The SubIFDs of ``page0`` that are reduced copies of it: tiled, of its samples and type,
+    flagged reduced-resolution or not flagged at all; the others noted and passed over."""
+    offsets = tuple(page0.subifds or ())
+    if len(offsets) > MAX_SUBIFD_LEVELS:
+        notes.append(f"page 0 lists {len(offsets)} SubIFDs, more than {MAX_SUBIFD_LEVELS}: none read as levels")
+        return []
+    size = tif.filehandle.size
+    pages = []
+    for i, offset in enumerate(offsets):
+        where = f"page 0/SubIFD {i}"
+        if not 8 <= offset < size:
+            notes.append(f"{where} is not a level: its offset {offset} is outside the file ({size} bytes)")
+            continue
+        try:
+            tif.filehandle.seek(offset)
+            page = tifffile.TiffPage(tif, (page0.index, i))
+        except Exception as exc:  # tifffile raises its own and struct's errors on a damaged IFD
+            notes.append(f"{where} is not a level: its IFD cannot be read ({exc})")
+            continue
+        kind = _other_kind(page, page0)
+        if kind:
+            notes.append(f"{where} ({page.imagewidth}x{page.imagelength}) is not a level: {kind}")
+            continue
+        pages.append(page)
+    return pages
+
+
+def _other_kind(page: tifffile.TiffPage, page0: tifffile.TiffPage) -> str | None:
+    """How ``page`` is not a reduced copy of ``page0``, or None where it is one."""
+    if not page.is_tiled:
+        return "it is not tiled"
+    if (page.samplesperpixel, page.dtype) != (page0.samplesperpixel, page0.dtype):
+        return (
+            f"it holds {page.samplesperpixel} samples of {page.dtype}, level 0 "
+            f"{page0.samplesperpixel} of {page0.dtype}"
+        )
+    flags = int(page.subfiletype)
+    if flags not in (0, _REDUCED):
+        return f"its NewSubfileType is {flags}, not 1 (reduced resolution) or 0"
+    return None
 
 
 def _aperio(pages: list[tifffile.TiffPage]) -> TiffPyramid:
@@ -93,10 +151,18 @@ def _aperio(pages: list[tifffile.TiffPage]) -> TiffPyramid:
     return TiffPyramid("aperio", _keep_consistent(tiled, notes), associated, notes)
 
 
-def _generic(pages: list[tifffile.TiffPage], vendor: str) -> TiffPyramid:
+def _generic(tif: tifffile.TiffFile, pages: list[tifffile.TiffPage], vendor: str) -> TiffPyramid:
     notes: list[str] = []
     levels = [pages[0]] + [p for p in pages[1:] if p.is_tiled and int(p.subfiletype) & _REDUCED]
-    return TiffPyramid(vendor, _keep_consistent(levels, notes, note_order=False), {}, notes)
+    subifds = _subifd_levels(tif, pages[0], notes) if pages[0].subifds else []
+    sizes = {(p.imagewidth, p.imagelength) for p in levels}
+    taken = [p for p in subifds if (p.imagewidth, p.imagelength) not in sizes]
+    if taken:
+        notes.append(
+            f"levels taken from page 0's SubIFDs: {', '.join(page_name(p) for p in taken)} "
+            "(OpenSlide reads level 0 alone)"
+        )
+    return TiffPyramid(vendor, _keep_consistent(levels + taken, notes, note_order=False), {}, notes)
 
 
 def _ome(tif: tifffile.TiffFile) -> TiffPyramid:
@@ -118,7 +184,7 @@ def tiff_pyramid(tif: tifffile.TiffFile) -> TiffPyramid:
         return _aperio(pages)
     if tif.is_ome and tif.series:
         return _ome(tif)
-    return _generic(pages, "bigtiff" if tif.is_bigtiff else "tiff")
+    return _generic(tif, pages, "bigtiff" if tif.is_bigtiff else "tiff")
 
 
 __all__ = ["TiffPyramid", "is_aperio", "tiff_pyramid"]
