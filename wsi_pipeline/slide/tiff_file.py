@@ -197,7 +197,8 @@ def check_tag_types(path: str, page: tifffile.TiffPage) -> None:
             shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:60]}..."
             raise SlideOpenError(
                 path,
-                f"page {page_name(page)}: tag {name} ({code}): expected {expected}, found {shown} (a forged or damaged tag)",
+                f"page {page_name(page)}: tag {name} ({code}): expected {expected}, found {shown} "
+                "(a forged or damaged tag)",
             )
 
 
