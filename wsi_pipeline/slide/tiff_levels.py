@@ -129,8 +129,7 @@ def _other_kind(page: tifffile.TiffPage, page0: tifffile.TiffPage) -> str | None
         return "it is not tiled"
     if (page.samplesperpixel, page.dtype) != (page0.samplesperpixel, page0.dtype):
         return (
-            f"it holds {page.samplesperpixel} samples of {page.dtype}, level 0 "
-            f"{page0.samplesperpixel} of {page0.dtype}"
+            f"it holds {page.samplesperpixel} samples of {page.dtype}, level 0 {page0.samplesperpixel} of {page0.dtype}"
         )
     flags = int(page.subfiletype)
     if flags not in (0, _REDUCED):
