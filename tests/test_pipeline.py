@@ -146,6 +146,8 @@ def test_summary_holds_what_a_report_needs(run_out):
     s = json.loads((out / "summary.json").read_text())
     assert s["counts"]["nucleus"] == len(result.detections)
     assert s["tissue"]["area_mm2"] > 0
+    source = s["tissue"]["source"]  # where the mask came from, what it cost
+    assert source["level"] in range(3) and source["seconds"] >= 0 and source["stored_tiles_decoded"] >= 0
     tumour = s["heatmap_scores"]["tumour"]
     assert 0 < tumour["area_above_0.5_mm2"] < s["tissue"]["area_mm2"]
     assert 0 < tumour["fraction_of_tissue_above_0.5"] < 1

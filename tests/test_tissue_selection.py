@@ -138,3 +138,48 @@ def test_the_advice_names_the_setting_that_excluded_the_tiles():
     said = tm.selection_warning(0, 1, 0.5, "otsu")
     assert "--tissue all" in said and "--min-tissue" in said
     assert "mask file covers" in tm.selection_warning(0, 1, 0.5, "file")
+
+
+def _tissue_scene(h: int = 3072, w: int = 4096) -> np.ndarray:
+    """White background with one stained disc and one stained band (a slide's thumbnail look)."""
+    img = np.full((h, w, 3), 235, np.uint8)
+    cv2.circle(img, (w // 3, h // 2), h // 4, (170, 60, 150), -1)
+    cv2.rectangle(img, (w * 2 // 3, h // 6), (w * 5 // 6, h * 5 // 6), (120, 40, 160), -1)
+    return img
+
+
+def test_a_single_level_slides_mask_decodes_its_tiles_reduced_and_agrees_with_the_full_decode(tmp_path):
+    """One stored level (4,096 px, a 2,048 px thumbnail): the mask's thumbnail comes from level 0's
+    JPEG tiles decoded at 1/2 in the DCT domain, each stored tile once, and the mask is that of the
+    full decode shrunk (the same pixels within a few mask pixels)."""
+    path = str(tmp_path / "one.tif")
+    write_pyramid_tiff(path, _tissue_scene(), levels=1, tile=256)
+    from wsi_pipeline.slide import open_slide
+
+    with open_slide(path) as slide:
+        mask = tissue_mask(slide)
+        src = mask.source
+        assert src["level"] == 0 and src["decode"] == "1/2" and src["read"] == "shrunk"
+        assert src["stored_tiles_decoded"] == 16 * 12 and src["seconds"] >= 0
+        full = slide.get_thumbnail(2048)
+    want = otsu_tissue_mask(full)
+    assert mask.mask.shape == want.shape
+    assert np.count_nonzero(mask.mask != want) <= 0.002 * want.size
+
+
+def test_a_subifd_pyramids_mask_reads_a_stored_level_as_it_is(tmp_path):
+    """The same slide with its levels in page 0's SubIFDs: the mask reads the 2x level as stored
+    (no stored tile of level 0 decoded), recorded in summary.json's tissue entry."""
+    from helpers.slide_corpus import Layout, Page, write_layout
+
+    layout = Layout("s", (Page(1), Page(2, subfiletype=1, subifd=True), Page(4, subfiletype=1, subifd=True)))
+    path = str(tmp_path / "subifds.tif")
+    write_layout(path, layout, _tissue_scene())
+    from wsi_pipeline.slide import open_slide
+
+    with open_slide(path) as slide:
+        assert slide.level_count == 3
+        src = tissue_mask(slide).source
+        assert (src["level"], src["decode"], src["read"]) == (1, "whole", "as stored")
+        _, _, across, down = slide.tile_grid_shape(1)
+        assert src["stored_tiles_decoded"] == across * down

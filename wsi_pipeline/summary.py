@@ -40,6 +40,7 @@ class TissueInfo(TypedDict):
     method: str
     fraction: float
     area_mm2: float | None
+    source: dict | None  # an Otsu mask's thumbnail: level, decode, stored tiles decoded, seconds
 
 
 class TilesInfo(TypedDict):
@@ -183,12 +184,14 @@ def tiles_info(grid: Any, n_read: int) -> TilesInfo:
 
 
 def tissue_info(method: str, mask: Any, mpp: Sequence[float] | None) -> TissueInfo:
-    """The ``tissue`` entry: the mask's ``method``, the fraction of the slide it covers, its area in mm²."""
+    """The ``tissue`` entry: the mask's ``method``, the fraction of the slide it covers, its area in
+    mm², and ``source``: where an Otsu mask's thumbnail came from (None for other masks)."""
     mm2 = mm2_per_level0_px(mpp)
     return {
         "method": method,
         "fraction": float(mask.fraction),
         "area_mm2": float(mask.area_level0_px() * mm2) if mm2 else None,
+        "source": getattr(mask, "source", None),
     }
 
 

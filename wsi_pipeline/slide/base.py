@@ -286,31 +286,51 @@ class Slide(abc.ABC):
     def _read_level(self, x0_level0: int, y0_level0: int, level: int, w: int, h: int) -> np.ndarray:
         """Backend read; same contract as :meth:`read_region`."""
 
-    def get_thumbnail(self, max_size: tuple[int, int] | int) -> np.ndarray:
+    def get_thumbnail(self, max_size: tuple[int, int] | int, reduced: bool = False) -> np.ndarray:
         """The whole slide, downscaled to fit ``max_size`` (width, height), aspect kept.
 
         Read from the finest level no finer than needed; a level over
         :data:`THUMBNAIL_BAND_BYTES` is read in bands of rows, each shrunk
         before the next is read. A level stored in part (:meth:`stored_tiles_present`) is made
         from the tiles it stores alone, the others background without a read: a sparse level
-        claiming 400,000 px a side costs its stored tiles, not 2,048 bands.
+        claiming 400,000 px a side costs its stored tiles, not 2,048 bands. With ``reduced``, a
+        level at least twice the thumbnail's size whose JPEG tiles decode reduced
+        (:meth:`reduced_scales`) is decoded at 1/2, 1/4 or 1/8 in the DCT domain before it is
+        shrunk (:meth:`thumbnail_source`): close to, not equal to, the full decode shrunk.
         """
+        tw, th, level, k = self.thumbnail_source(max_size, reduced)
+        lw, lh = self._level_dimensions[level]
+        present = self.stored_tiles_present(level)
+        if present is not None:
+            return _thumbnail_of_stored_tiles(self, level, tw, th, present)
+        if k > 1 or lw * lh * 3 > THUMBNAIL_BAND_BYTES:
+            return _banded_thumbnail(self, level, tw, th, k)
+        region = self.read_region((0, 0), level, (lw, lh))
+        if (lw, lh) == (tw, th):
+            return region
+        return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
+
+    def thumbnail_source(self, max_size: tuple[int, int] | int, reduced: bool = False) -> tuple[int, int, int, int]:
+        """``(width, height, level, k)``: the size of :meth:`get_thumbnail`'s image for ``max_size``
+        and where it comes from: ``level``, its stored tiles decoded at 1/``k`` (1: whole). ``k`` is
+        the largest of the level's :meth:`reduced_scales` that keeps the decoded level at least the
+        thumbnail's size, where ``reduced`` and the level stores all its tiles."""
         if isinstance(max_size, int):
             max_size = (max_size, max_size)
         w0, h0 = self.dimensions
         scale = max(w0 / max_size[0], h0 / max_size[1], 1.0)
         tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
         level = self.best_level_for_downsample(scale)
-        lw, lh = self._level_dimensions[level]
-        present = self.stored_tiles_present(level)
-        if present is not None:
-            return _thumbnail_of_stored_tiles(self, level, tw, th, present)
-        if lw * lh * 3 > THUMBNAIL_BAND_BYTES:
-            return _banded_thumbnail(self, level, tw, th)
-        region = self.read_region((0, 0), level, (lw, lh))
-        if (lw, lh) == (tw, th):
-            return region
-        return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
+        k = 1
+        if reduced and self.stored_tiles_present(level) is None:
+            ds = self._level_downsamples[level]
+            k = max((f for f in self.reduced_scales(level) if ds * f <= scale), default=1)
+        return tw, th, level, k
+
+    def decoded_tile_count(self) -> int | None:
+        """How many stored tiles this reader has decoded since it was opened (None: a reader
+        without stored tiles of its own, which cannot tell)."""
+        return None
 
     def stored_tile_pixels(
         self, level: int, present: np.ndarray, box: tuple[int, int, int, int]
@@ -353,10 +373,12 @@ class Slide(abc.ABC):
 # The thumbnail's ways of reading a level too large to read whole (Slide.get_thumbnail).
 
 
-def _banded_thumbnail(slide: Slide, level: int, tw: int, th: int) -> np.ndarray:
-    """``level`` of ``slide`` shrunk to ``th x tw``, read in bands of whole thumbnail rows."""
+def _banded_thumbnail(slide: Slide, level: int, tw: int, th: int, k: int = 1) -> np.ndarray:
+    """``level`` of ``slide`` (decoded at 1/``k``, :meth:`Slide.read_region_reduced`) shrunk to
+    ``th x tw``, read in bands of whole thumbnail rows."""
     lw, lh = slide.level_dimensions[level]
-    ds = slide.level_downsamples[level]
+    lw, lh = -(-lw // k), -(-lh // k)
+    ds = slide.level_downsamples[level] * k
     level_rows_per_row = lh / th
     rows_per_band = max(1, int(THUMBNAIL_BAND_BYTES // (lw * 3 * max(level_rows_per_row, 1.0))))
     out = np.empty((th, tw, 3), np.uint8)
@@ -364,7 +386,10 @@ def _banded_thumbnail(slide: Slide, level: int, tw: int, th: int) -> np.ndarray:
         r1 = min(th, r0 + rows_per_band)
         y0 = round(r0 * level_rows_per_row)
         y1 = lh if r1 == th else max(y0 + 1, round(r1 * level_rows_per_row))
-        band = slide.read_region((0, round(y0 * ds)), level, (lw, y1 - y0))
+        if k == 1:
+            band = slide.read_region((0, round(y0 * ds)), level, (lw, y1 - y0))
+        else:
+            band = slide.read_region_reduced((0, round(y0 * ds)), level, k, (lw, y1 - y0))
         out[r0:r1] = cv2.resize(band, (tw, r1 - r0), interpolation=cv2.INTER_AREA)
     return out
 

@@ -276,6 +276,10 @@ class StoredTileSlide(StoredJpegTiles):
         """Free the decoded tiles (e.g. once a grid read is over); reads after it decode again."""
         self._cache.clear()
 
+    def decoded_tile_count(self) -> int:
+        """How many stored tiles this reader has decoded since it was opened (whole or reduced)."""
+        return self._cache.info().misses
+
     def cache_info(self) -> TileCacheInfo:
         """The decoded-tile cache's counters and size now (:class:`TileCacheInfo`)."""
         return self._cache.info()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import cv2
@@ -35,12 +36,15 @@ class TissueMask:
 
     ``content_fraction``: the fraction of the slide that is not blank
     background (anything stained or coloured), where the mask was computed
-    from the slide's pixels; None for ``all`` and user masks.
+    from the slide's pixels; None for ``all`` and user masks. ``source``: how
+    the thumbnail was made (level, decode, stored tiles decoded, seconds).
     """
 
     mask: np.ndarray
     downsample: tuple[float, float]
     content_fraction: float | None = None
+    # Where an Otsu mask's thumbnail came from (:func:`mask_source`), for summary.json.
+    source: dict | None = None
 
     @property
     def fraction(self) -> float:
@@ -207,11 +211,34 @@ def tissue_mask(
         return mask_from_file(slide, mask_path, thumbnail_size)
     if method != "otsu":
         raise ConfigError(f"unknown tissue method {method!r}; expected otsu, all or file")
+    start, decoded_before = time.perf_counter(), slide.decoded_tile_count()
     side = thumbnail_side(slide, thumbnail_size)
-    thumb = slide.get_thumbnail((side, side))
+    # Decoded reduced where a level much larger than the thumbnail is read (a slide of one stored
+    # level, say): an eighth of the pixels decoded, not a whole level at full size on the CPU.
+    thumb = slide.get_thumbnail((side, side), reduced=True)
     th, tw = thumb.shape[:2]
     sat = _saturation(thumb)  # once, for both the mask and the content fraction
-    return TissueMask(_tissue_from_saturation(sat), (w0 / tw, h0 / th), _content_from_saturation(sat))
+    source = mask_source(slide, side, decoded_before)
+    source["seconds"] = round(time.perf_counter() - start, 4)
+    return TissueMask(_tissue_from_saturation(sat), (w0 / tw, h0 / th), _content_from_saturation(sat), source)
+
+
+def mask_source(slide: Slide, side: int, decoded_before: int | None) -> dict:
+    """How an Otsu mask's thumbnail of long side ``side`` is made: the ``level`` read, its
+    ``size``, ``decode`` ("whole" or "1/k": JPEG tiles decoded reduced), ``read`` ("as stored"
+    where the level is the thumbnail, else "shrunk"), and ``stored_tiles_decoded`` since
+    ``decoded_before`` (None where the reader cannot tell)."""
+    tw, th, level, k = slide.thumbnail_source((side, side), reduced=True)
+    lw, lh = slide.level_dimensions[level]
+    after = slide.decoded_tile_count()
+    return {
+        "level": level,
+        "size": [tw, th],
+        "level_size": [lw, lh],
+        "decode": "whole" if k == 1 else f"1/{k}",
+        "read": "as stored" if (lw, lh) == (tw, th) else "shrunk",
+        "stored_tiles_decoded": None if after is None or decoded_before is None else after - decoded_before,
+    }
 
 
 def thumbnail_side(slide: Slide, largest_px: int = DEFAULT_THUMBNAIL_SIZE) -> int:
