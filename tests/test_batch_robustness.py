@@ -830,7 +830,7 @@ def test_tissue_help_says_what_auto_does():
     assert "auto: otsu for a model with an mpp (pathology), all for one without (industrial)" in text
 
 
-def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny):
+def test_lists_that_are_not_text_are_usage_errors(tmp_path):
     lst = tmp_path / "list.txt"
     lst.write_bytes(b"a.tiff\n\xff\xfe.tiff\n")
     with pytest.raises(UsageError, match=r"list.txt: the list of slides is not UTF-8 text \(byte 0xff"):
@@ -838,15 +838,57 @@ def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny)
     lst.write_bytes(b"a.tiff\nb\x00.tiff\n")
     with pytest.raises(UsageError, match="list.txt: line 2: the list of slides holds a NUL byte"):
         expand_inputs([lst])
+
+
+def test_a_link_that_loops_in_a_folder_fails_that_entry_alone(tmp_path, tiny):
+    """A looping link among a folder's entries (whatever its name) fails as a slide of its own,
+    saying what it is; the folder's other slides run (exit 1: a slide failed)."""
     folder = tmp_path / "slides"
     folder.mkdir()
     shutil.copy(tiny, folder / "ok.tiff")
-    os.symlink(folder / "loop2.tiff", folder / "loop1.tiff")
-    os.symlink(folder / "loop1.tiff", folder / "loop2.tiff")
-    with pytest.raises(UsageError, match="loop1.tiff: a symbolic link that loops"):
-        expand_inputs([folder])
-    r = _cli("run", folder, "--out", tmp_path / "out")
-    assert r.returncode == 2 and "symbolic link" in r.stderr and "Traceback" not in r.stderr
+    os.symlink(folder / "loop2", folder / "loop1.tiff")
+    os.symlink(folder / "loop1.tiff", folder / "loop2")
+    assert expand_inputs([folder]) == [folder / "loop1.tiff", folder / "loop2", folder / "ok.tiff"]
+    out = tmp_path / "out"
+    r = _cli("run", folder, "--out", out, "--tissue", "all")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    m = _manifest(out)
+    assert m["ok"]["status"] == "done"
+    for name, file in (("loop1", "loop1.tiff"), ("loop2", "loop2")):
+        assert m[name]["status"] == "failed"
+        assert m[name]["error"] == f"{folder / file}: a symbolic link that loops (it never reaches a file)"
+
+
+def test_a_sub_folder_that_cannot_be_read_fails_as_an_entry_of_its_own(tmp_path, tiny, monkeypatch):
+    """A sub-folder without permission is a failed entry naming it (its slides would never run,
+    unseen); the other slides run and the batch ends 1."""
+    from wsi_pipeline.batch.jobs import PipelineFactory
+
+    src = tmp_path / "in"
+    (src / "locked").mkdir(parents=True)
+    shutil.copy(tiny, src / "a.tiff")
+    shutil.copy(tiny, src / "locked" / "b.tiff")
+    os.chmod(src / "locked", 0)
+    try:
+        if os.access(src / "locked", os.R_OK):  # root reads it all the same: make listing it fail as it would
+            real_scandir = os.scandir
+
+            def scandir(path="."):
+                if not isinstance(path, int) and os.fspath(path) == str(src / "locked"):
+                    raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+                return real_scandir(path)
+
+            monkeypatch.setattr(os, "scandir", scandir)
+        assert expand_inputs([src]) == [src / "a.tiff", src / "locked"]
+        config = RunConfig(model=str(DEFAULT_MODEL), backend="ort", tissue="all", slide_timeout=0)
+        out = tmp_path / "out"
+        report = run_batch(expand_inputs([src]), out, PipelineFactory(config), config, _key(config), progress=False)
+    finally:
+        os.chmod(src / "locked", 0o755)
+    assert report.exit_code == 1
+    assert [(o.name, o.status) for o in report.outcomes] == [("a", "done"), ("locked", "failed")]
+    assert report.outcomes[1].error == f"{src / 'locked'}: folder cannot be read (Permission denied)"
+    assert _manifest(out)["locked"]["status"] == "failed"
 
 
 def test_dask_without_dask_installed_is_a_usage_error(monkeypatch):
