@@ -94,14 +94,10 @@ def _stems(paths: list[Path]) -> list[str]:
 
 def _container_identifier(path: Path) -> str | None:
     """A DICOM file's ContainerIdentifier, or None where it has none or cannot be read."""
-    import pydicom
+    from ..slide.dicom_headline import headline
 
-    try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["ContainerIdentifier"])
-    except Exception:  # not DICOM or damaged: named after its file, to fail as a slide of its own
-        return None
-    value = str(ds.get("ContainerIdentifier") or "").strip()
-    return value or None
+    found = headline(str(path))  # read once for the series' grouping already
+    return found.container if found is not None else None
 
 
 def _safe(stem: str) -> str:
