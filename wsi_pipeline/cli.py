@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from .errors import UsageError, WSIPipelineError
 from .extras import missing_extra
 from .slide_warnings import format_warning
+from .text_escapes import printable
 
 # Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine", "card"]
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             command = f"wsi-pipeline {args.command}"
             return int(args.func(args) or EXIT_OK)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as exc:
         # An optional package a command reached without asking extras.require first: the same
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         missing = missing_extra(command, exc)
         if missing is None:
             raise
-        print(f"error: {missing}", file=sys.stderr)
+        print(f"error: {printable(missing)}", file=sys.stderr)
         return EXIT_USAGE
     except WSIPipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
         print("terminated", file=sys.stderr)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (OSError, MemoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
 
 

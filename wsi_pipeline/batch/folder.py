@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import SpecialFileError, UsageError, WSIPipelineError
 from ..special_files import open_regular, open_regular_fd, special_kind
 from ..summary import read_summary
+from ..text_escapes import OneLineFormatter
 
 try:
     import fcntl
@@ -318,7 +319,7 @@ class BatchLogHandler(logging.FileHandler):
         if kind := special_kind(path, follow_links=False):
             raise SpecialFileError(path, kind)
         super().__init__(path, encoding="utf-8", errors="backslashreplace")
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.setFormatter(OneLineFormatter())
         self._failed = False
 
     def _open(self) -> Any:
@@ -331,8 +332,3 @@ class BatchLogHandler(logging.FileHandler):
             self._failed = True
             exc = sys.exc_info()[1]
             print(f"warning: {self.baseFilename}: cannot write the log: {exc}", file=sys.stderr)
-
-
-def printable(text: str) -> str:
-    """``text`` with undecodable file-name bytes shown as escapes, safe to print on any stream."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")

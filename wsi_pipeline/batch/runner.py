@@ -43,6 +43,7 @@ from ..io.atomic import write_json
 from ..slide.readers import lists_slide
 from ..special_files import link_loops, open_regular, special_kind
 from ..summary import read_summary
+from ..text_escapes import printable
 from .dicom_series import one_file_per_dicom_series
 from .folder import (
     MANIFEST,
@@ -52,7 +53,6 @@ from .folder import (
     held_names,
     lock_output_folder,
     output_names,
-    printable,
     slide_dir,
     slides_dir,
 )
