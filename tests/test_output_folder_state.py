@@ -17,7 +17,6 @@ from wsi_pipeline.batch.folder import lock_output_folder
 from wsi_pipeline.batch.runner import Manifest
 from wsi_pipeline.errors import SpecialFileError, UsageError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, write_json
-from wsi_pipeline.synthetic import write_synthetic_slide
 
 PRECIOUS = b"a file outside the output folder\n"
 
@@ -40,11 +39,9 @@ def precious(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def slide(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("in") / "s.tiff"
-    write_synthetic_slide(path, 300, 300, seed=1, kind="pathology")
-    return path
+@pytest.fixture()
+def slide(small_slide) -> Path:
+    return small_slide
 
 
 def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path, precious, slide):

@@ -32,7 +32,14 @@ def _open_backend(path: str, backend: str) -> Slide:
     reader = reader_named(backend)
     if reader is None:
         raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(_backend_choices())}")
-    return reader.open(path)
+    slide = reader.open(path)
+    if not isinstance(slide, Slide):  # a plugin's reader: what it gave would fail far from here
+        raise SlideOpenError(
+            path,
+            f"slide reader {backend!r} ({reader.__module__}.{reader.__qualname__}) opened it as "
+            f"{type(slide).__name__}, expected a Slide",
+        )
+    return slide
 
 
 def _backend_choices() -> tuple[str, ...]:
