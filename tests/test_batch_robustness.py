@@ -182,6 +182,22 @@ class PlanningFakeFactory(FakeFactory):
         return PlanningFakePipeline(self.written_after)
 
 
+class DicomLoggingPipeline(FakePipeline):
+    """Logs as pydicom does when an encoder fails (the traceback with it), then writes its outputs."""
+
+    def run(self, path, out_dir, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            logging.getLogger("pydicom").exception(exc)
+        return super().run(path, out_dir, **kwargs)
+
+
+class DicomLoggingFactory:
+    def __call__(self):
+        return DicomLoggingPipeline()
+
+
 def _slides(folder: Path, *names: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -889,6 +905,29 @@ def test_a_sub_folder_that_cannot_be_read_fails_as_an_entry_of_its_own(tmp_path,
     assert [(o.name, o.status) for o in report.outcomes] == [("a", "done"), ("locked", "failed")]
     assert report.outcomes[1].error == f"{src / 'locked'}: folder cannot be read (Permission denied)"
     assert _manifest(out)["locked"]["status"] == "failed"
+
+
+def test_pydicom_s_logged_traceback_stays_out_of_the_batch_log_under_the_cli(tmp_path, monkeypatch):
+    """The command line sets pydicom's logger to CRITICAL (its failures are the slide's one-line
+    error); the slide process copies that level, so none of its records reach the parent's log."""
+    from wsi_pipeline import cli
+
+    for name in ("pydicom", "tifffile"):  # put back after the test: main sets them for the process
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    assert cli.main(["info"]) == 0  # the shipped models: no slide
+    assert logging.getLogger("pydicom").level == logging.CRITICAL
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger().addHandler(handler)
+    try:
+        paths = _slides(tmp_path / "in", "a.tiff")
+        config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
+        report = run_batch(paths, tmp_path / "out", DicomLoggingFactory(), config, _key(config), progress=False)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert [o.status for o in report.outcomes] == ["done"]
+    assert not [r for r in seen if r.name == "pydicom"]
 
 
 def test_dask_without_dask_installed_is_a_usage_error(monkeypatch):

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     # The readers report a bad file as one error of their own; the TIFF
     # library's log lines about the same damage would only repeat it.
     logging.getLogger("tifffile").setLevel(logging.CRITICAL)
+    # pydicom logs an encoder's or decoder's failure with its traceback before raising it: the
+    # slide's one-line failure already says it (the slide process copies this level).
+    logging.getLogger("pydicom").setLevel(logging.CRITICAL)
     command = "wsi-pipeline"
     try:
         with sigterm_as_interrupt():

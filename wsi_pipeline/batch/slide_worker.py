@@ -63,7 +63,7 @@ RUN_AHEAD = 2
 # while it runs the others, so that they are not between one slide's inference and the next.
 PLAN_AHEAD = 1
 # Loggers whose levels the child copies from the parent.
-_LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile")
+_LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile", "pydicom")
 
 
 def slide_time_limit(config: RunConfig, path: str | os.PathLike[str]) -> float | None:
