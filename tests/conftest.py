@@ -31,3 +31,13 @@ def storage_kinds(tmp_path_factory):
                 "path"
             ]
     return paths
+
+
+@pytest.fixture(scope="session")
+def small_slide(tmp_path_factory):
+    """A 300 x 300 synthetic pathology slide (a tiled TIFF): a slide that runs in seconds."""
+    from wsi_pipeline.synthetic import write_synthetic_slide
+
+    path = tmp_path_factory.mktemp("small") / "s.tiff"
+    write_synthetic_slide(path, 300, 300, seed=1, kind="pathology")
+    return path

@@ -182,6 +182,22 @@ class PlanningFakeFactory(FakeFactory):
         return PlanningFakePipeline(self.written_after)
 
 
+class DicomLoggingPipeline(FakePipeline):
+    """Logs as pydicom does when an encoder fails (the traceback with it), then writes its outputs."""
+
+    def run(self, path, out_dir, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as exc:
+            logging.getLogger("pydicom").exception(exc)
+        return super().run(path, out_dir, **kwargs)
+
+
+class DicomLoggingFactory:
+    def __call__(self):
+        return DicomLoggingPipeline()
+
+
 def _slides(folder: Path, *names: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -830,7 +846,7 @@ def test_tissue_help_says_what_auto_does():
     assert "auto: otsu for a model with an mpp (pathology), all for one without (industrial)" in text
 
 
-def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny):
+def test_lists_that_are_not_text_are_usage_errors(tmp_path):
     lst = tmp_path / "list.txt"
     lst.write_bytes(b"a.tiff\n\xff\xfe.tiff\n")
     with pytest.raises(UsageError, match=r"list.txt: the list of slides is not UTF-8 text \(byte 0xff"):
@@ -838,15 +854,80 @@ def test_lists_that_are_not_text_and_link_loops_are_usage_errors(tmp_path, tiny)
     lst.write_bytes(b"a.tiff\nb\x00.tiff\n")
     with pytest.raises(UsageError, match="list.txt: line 2: the list of slides holds a NUL byte"):
         expand_inputs([lst])
+
+
+def test_a_link_that_loops_in_a_folder_fails_that_entry_alone(tmp_path, tiny):
+    """A looping link among a folder's entries (whatever its name) fails as a slide of its own,
+    saying what it is; the folder's other slides run (exit 1: a slide failed)."""
     folder = tmp_path / "slides"
     folder.mkdir()
     shutil.copy(tiny, folder / "ok.tiff")
-    os.symlink(folder / "loop2.tiff", folder / "loop1.tiff")
-    os.symlink(folder / "loop1.tiff", folder / "loop2.tiff")
-    with pytest.raises(UsageError, match="loop1.tiff: a symbolic link that loops"):
-        expand_inputs([folder])
-    r = _cli("run", folder, "--out", tmp_path / "out")
-    assert r.returncode == 2 and "symbolic link" in r.stderr and "Traceback" not in r.stderr
+    os.symlink(folder / "loop2", folder / "loop1.tiff")
+    os.symlink(folder / "loop1.tiff", folder / "loop2")
+    assert expand_inputs([folder]) == [folder / "loop1.tiff", folder / "loop2", folder / "ok.tiff"]
+    out = tmp_path / "out"
+    r = _cli("run", folder, "--out", out, "--tissue", "all")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    m = _manifest(out)
+    assert m["ok"]["status"] == "done"
+    for name, file in (("loop1", "loop1.tiff"), ("loop2", "loop2")):
+        assert m[name]["status"] == "failed"
+        assert m[name]["error"] == f"{folder / file}: a symbolic link that loops (it never reaches a file)"
+
+
+def test_a_sub_folder_that_cannot_be_read_fails_as_an_entry_of_its_own(tmp_path, tiny, monkeypatch):
+    """A sub-folder without permission is a failed entry naming it (its slides would never run,
+    unseen); the other slides run and the batch ends 1."""
+    from wsi_pipeline.batch.jobs import PipelineFactory
+
+    src = tmp_path / "in"
+    (src / "locked").mkdir(parents=True)
+    shutil.copy(tiny, src / "a.tiff")
+    shutil.copy(tiny, src / "locked" / "b.tiff")
+    os.chmod(src / "locked", 0)
+    try:
+        if os.access(src / "locked", os.R_OK):  # root reads it all the same: make listing it fail as it would
+            real_scandir = os.scandir
+
+            def scandir(path="."):
+                if not isinstance(path, int) and os.fspath(path) == str(src / "locked"):
+                    raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+                return real_scandir(path)
+
+            monkeypatch.setattr(os, "scandir", scandir)
+        assert expand_inputs([src]) == [src / "a.tiff", src / "locked"]
+        config = RunConfig(model=str(DEFAULT_MODEL), backend="ort", tissue="all", slide_timeout=0)
+        out = tmp_path / "out"
+        report = run_batch(expand_inputs([src]), out, PipelineFactory(config), config, _key(config), progress=False)
+    finally:
+        os.chmod(src / "locked", 0o755)
+    assert report.exit_code == 1
+    assert [(o.name, o.status) for o in report.outcomes] == [("a", "done"), ("locked", "failed")]
+    assert report.outcomes[1].error == f"{src / 'locked'}: folder cannot be read (Permission denied)"
+    assert _manifest(out)["locked"]["status"] == "failed"
+
+
+def test_pydicom_s_logged_traceback_stays_out_of_the_batch_log_under_the_cli(tmp_path, monkeypatch):
+    """The command line sets pydicom's logger to CRITICAL (its failures are the slide's one-line
+    error); the slide process copies that level, so none of its records reach the parent's log."""
+    from wsi_pipeline import cli
+
+    for name in ("pydicom", "tifffile"):  # put back after the test: main sets them for the process
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    assert cli.main(["info"]) == 0  # the shipped models: no slide
+    assert logging.getLogger("pydicom").level == logging.CRITICAL
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger().addHandler(handler)
+    try:
+        paths = _slides(tmp_path / "in", "a.tiff")
+        config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=60)
+        report = run_batch(paths, tmp_path / "out", DicomLoggingFactory(), config, _key(config), progress=False)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert [o.status for o in report.outcomes] == ["done"]
+    assert not [r for r in seen if r.name == "pydicom"]
 
 
 def test_dask_without_dask_installed_is_a_usage_error(monkeypatch):

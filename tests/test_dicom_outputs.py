@@ -445,3 +445,23 @@ def test_parametric_maps_read_with_bio_formats_as_written(tmp_path):
         stored = np.asarray(pydicom.dcmread(path).pixel_array, np.int64)
         assert pydicom.dcmread(path).file_meta.TransferSyntaxUID == dicom.PARAMETRIC_MAP_TRANSFER_SYNTAX
         assert read[str(path)] == [420, 300, 2, int(stored.sum()), int(stored.max())], path
+
+
+def test_a_full_disk_while_pydicom_writes_is_the_disk_s_error_not_a_traceback(tmp_path, monkeypatch):
+    """pydicom wraps an error met writing an element in one whose text is the whole traceback; the
+    output's failure is the full disk's own OSError (its errno kept: the batch then says "out of
+    disk space"), in one line."""
+    import errno
+
+    from helpers import write_secondary_capture
+
+    from wsi_pipeline.io import atomic
+
+    write_secondary_capture(tmp_path / "capture.dcm")
+    ds = pydicom.dcmread(tmp_path / "capture.dcm")
+    ds.EncapsulatedDocument = b"\0" * 100_000  # past the file's buffer: the disk is met inside an element
+    # Every output's temporary file lands on a full disk.
+    monkeypatch.setattr(atomic, "open_regular", lambda path, mode, **kw: open("/dev/full", mode))
+    with pytest.raises(OSError) as info, atomic.atomic_write(tmp_path / "x.dcm", "wb") as f:
+        dicom.save_dataset(ds, f)
+    assert info.value.errno == errno.ENOSPC and "Traceback" not in str(info.value) and "\n" not in str(info.value)

@@ -149,7 +149,7 @@ def test_detect_backend_picks_the_dicom_reader_and_openslide_for_the_rest(series
     with pytest.raises(SlideOpenError, match=r"u_0\.dcm: its frames are Explicit VR Little Endian"):
         DicomSlide(uncompressed[0])
     write_dicom_wsi(raw, "v", _image()[:256, :256], levels=1, jpeg="YBR_FULL_422")
-    with pytest.raises(SlideOpenError, match="folder holds 2 DICOM WSI series"):
+    with pytest.raises(SlideOpenError, match="folder holds 2 DICOM WSI slides"):
         detect_backend(str(raw))
 
 

@@ -147,13 +147,13 @@ def test_thousands_of_dicom_files_are_grouped_with_one_short_read_each_and_few_f
         shutil.copyfile(level, folder / f"b{i:04d}.dcm")
     out = _run_limited(
         textwrap.dedent(f"""
-            import wsi_pipeline.slide.dicom_file as dicom_file
+            import wsi_pipeline.slide.dicom_headline as dicom_headline
             from wsi_pipeline.batch import expand_inputs
-            reads, read = [], dicom_file.series_identity
+            reads, read = [], dicom_headline.read_headline
             def counted(path):
                 reads.append(path)
                 return read(path)
-            dicom_file.series_identity = counted
+            dicom_headline.read_headline = counted
             paths = expand_inputs([{str(folder)!r}])
             print(len(paths), paths[0].name, len(reads), len(set(reads)))
         """),
@@ -179,3 +179,78 @@ def test_a_series_of_more_level_files_than_files_may_be_open_is_read(tmp_path):
     backend, levels, *_, open_fds = out.split()
     assert (backend, int(levels)) == ("dicom", 1536)
     assert int(open_fds) < 64
+
+
+def _set_uids(paths, **values):
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        for name, value in values.items():
+            if value is None:
+                delattr(ds, name)
+            else:
+                setattr(ds, name, value)
+        ds.save_as(path)
+
+
+@pytest.mark.parametrize("differs_by", ["PyramidUID", "ContainerIdentifier"])
+def test_two_slides_sharing_a_series_uid_are_two_slides_never_levels_of_one(tmp_path, differs_by):
+    """A scan whose SeriesInstanceUID is another's but whose PyramidUID (or, without one, whose
+    ContainerIdentifier) differs is a slide of its own: never read as a level of the other."""
+    from wsi_pipeline.errors import SlideOpenError
+    from wsi_pipeline.slide import open_slide
+
+    rng = np.random.default_rng(3)
+    folder = tmp_path / "scans"
+    folder.mkdir()
+    image = (rng.random((512, 640, 3)) * 255).astype(np.uint8)
+    a = write_dicom_wsi(folder, "a", image, levels=3, jpeg="YBR_FULL_422")
+    grey = np.full((256, 640, 3), 200, np.uint8)
+    b = write_dicom_wsi(folder, "b", grey, levels=2, jpeg="YBR_FULL_422", associated=("LABEL",))
+    series = pydicom.dcmread(a[0], stop_before_pixels=True).SeriesInstanceUID
+    label = folder / "b_label.dcm"
+    if differs_by == "PyramidUID":
+        _set_uids([*b, label], SeriesInstanceUID=series)
+    else:
+        _set_uids([*a, *b, label], PyramidUID=None)
+        _set_uids(a, ContainerIdentifier="S-A")
+        _set_uids([*b, label], SeriesInstanceUID=series, ContainerIdentifier="S-B")
+    assert expand_inputs([folder]) == [a[0], b[0]]  # b's label goes with b
+    for files, dims in ((a, [(640, 512), (320, 256), (160, 128)]), (b, [(640, 256), (320, 128)])):
+        for path in files:
+            with open_slide(path) as slide:
+                assert (slide.backend, list(slide.level_dimensions)) == ("dicom", dims)
+    with open_slide(label) as slide:
+        assert list(slide.level_dimensions) == [(640, 256), (320, 128)]
+        assert slide.read_region((0, 0), 1, (64, 64)).mean() == pytest.approx(200, abs=2)
+    with pytest.raises(SlideOpenError, match="scans: folder holds 2 DICOM WSI slides"):
+        open_slide(folder)
+
+
+def test_info_on_a_folder_of_many_dicom_files_reads_each_header_once(tmp_path):
+    folder = tmp_path / "many"
+    folder.mkdir()
+    levels = write_dicom_wsi(folder, "z", np.zeros((256, 256, 3), np.uint8), levels=3, tile=64, jpeg="YBR_FULL_422")
+    write_secondary_capture(tmp_path / "capture.dcm", _series_uids(levels[0]))
+    for i in range(300):
+        shutil.copyfile(tmp_path / "capture.dcm", folder / f"a{i:04d}.dcm")
+    out = _run_limited(
+        textwrap.dedent(f"""
+            import pydicom
+            import wsi_pipeline.slide.dicom_headline as dicom_headline
+            from wsi_pipeline.commands.info import describe
+            heads, full, read, dcmread = [], [], dicom_headline.read_headline, pydicom.dcmread
+            def counted(path):
+                heads.append(path)
+                return read(path)
+            def counted_full(f, *args, **kwargs):
+                full.append(f)
+                return dcmread(f, *args, **kwargs)
+            dicom_headline.read_headline = counted
+            pydicom.dcmread = counted_full
+            info = describe({str(levels[0])!r})
+            print(info["backend"], info["level_count"], len(heads), len(set(heads)), len(full))
+        """),
+        open_files=64,
+    )
+    # Each file's first elements once (a whole run asked about it several times), each level's header once.
+    assert out.split() == ["dicom", "3", "303", "303", "3"]

@@ -81,3 +81,18 @@ def test_a_slide_replaced_after_it_was_planned_is_opened_again(tmp_path, caplog)
         result = p.run(plan)
     assert result.summary["dimensions_level0"] == [160, 128]
     assert "changed since it was opened ahead: opened again" in caplog.text
+
+
+@pytest.mark.parametrize("shape", [(200_000, 200_000, 3), (20_000_000, 20_000_000, 3)])
+def test_an_array_too_large_to_copy_is_the_projects_error_not_numpys(tmp_path, shape):
+    """A broadcast view claims terabytes it does not hold: the copy a slide needs is refused, naming
+    the size, before anything is allocated."""
+    from wsi_pipeline.errors import SlideOpenError
+
+    card = build_toy_model(tmp_path, "boxes_scores_labels")
+    huge = np.broadcast_to(np.uint8(128), shape)
+    with Pipeline.from_card(card.card_path, backend="ort", tissue="all", overlap=8) as p:
+        with pytest.raises(SlideOpenError, match=rf"<array>: a {shape[1]}x{shape[0]} image needs [\d.]+ GiB"):
+            p.run(huge, out_dir=tmp_path / "out")
+        small = np.broadcast_to(np.uint8(128), (96, 96, 3))  # a view that fits is copied and run
+        assert set(p.run(small, out_dir=tmp_path / "small").summary["counts"]) == {"a", "b"}

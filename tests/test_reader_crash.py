@@ -42,7 +42,7 @@ CRASHING_READER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGSEGV)
 
 
-    readers.register_reader(CrashingReader, before=readers.SLIDE_READERS[0])
+    readers.register_reader(CrashingReader, before=readers.SLIDE_READERS[0], replace=True)
 """)
 
 

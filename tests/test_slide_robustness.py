@@ -288,3 +288,32 @@ def test_a_batch_goes_past_hostile_slides(tmp_path):
     assert status == {"a_good": "done", "b_loop": "failed", "c_good": "done", "d_bomb": "failed"}, status
     assert "b_loop.tiff: TIFF page chain loops" in slides["b_loop"]["error"]
     assert "over the 2 GiB limit" in slides["d_bomb"]["error"]
+
+
+@pytest.mark.parametrize("outcolorspace", ["YCCK", "CMYK"])
+def test_four_component_jpeg_tiles_in_a_ycbcr_page_are_refused_not_shown_as_colours(tmp_path, outcolorspace):
+    """A page of 3 samples (YCbCr) whose tiles are YCCK or CMYK JPEG streams: every pixel decoded
+    from them would be wrong, so reading one is a TileReadError naming the tile (as OpenSlide's
+    "Bogus JPEG colorspace"), never a "done" slide."""
+    imagecodecs = pytest.importorskip("imagecodecs")
+    ink = np.full((256, 256, 4), 60, np.uint8)
+    stream = imagecodecs.jpeg8_encode(ink, level=90, colorspace="CMYK", outcolorspace=outcolorspace)
+    path = tmp_path / "inks.tiff"
+    with tifffile.TiffWriter(path) as tw:
+        # Streams encoded here; these arguments only make tifffile write a YCbCr page's tags.
+        tw.write(
+            (stream for _ in range(4)),
+            shape=(512, 512, 3),
+            dtype=np.uint8,
+            tile=(256, 256),
+            photometric="rgb",
+            compression="jpeg",
+            subsampling=(2, 2),
+            metadata=None,
+        )
+    with open_slide(path) as slide:
+        assert slide.stored_tile_format(0)["photometric"] == "YCBCR"
+        with pytest.raises(TileReadError, match=r"stored tile \(0, 0\) of level 0: Bogus JPEG colorspace"):
+            slide.read_region((0, 0), 0, (64, 64))
+        with pytest.raises(TileReadError, match="Bogus JPEG colorspace"):
+            slide.read_region((256, 256), 0, (256, 256))

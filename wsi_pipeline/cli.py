@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from .errors import UsageError, WSIPipelineError
 from .extras import missing_extra
 from .slide_warnings import format_warning
+from .text_escapes import printable
 
 # Sub-command modules, in the order ``--help`` lists them.
 COMMANDS = ["run", "synth", "info", "quantize", "train", "build_engine", "card"]
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     # The readers report a bad file as one error of their own; the TIFF
     # library's log lines about the same damage would only repeat it.
     logging.getLogger("tifffile").setLevel(logging.CRITICAL)
+    # pydicom logs an encoder's or decoder's failure with its traceback before raising it: the
+    # slide's one-line failure already says it (the slide process copies this level).
+    logging.getLogger("pydicom").setLevel(logging.CRITICAL)
     command = "wsi-pipeline"
     try:
         with sigterm_as_interrupt():
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             command = f"wsi-pipeline {args.command}"
             return int(args.func(args) or EXIT_OK)
     except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except ModuleNotFoundError as exc:
         # An optional package a command reached without asking extras.require first: the same
@@ -89,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         missing = missing_extra(command, exc)
         if missing is None:
             raise
-        print(f"error: {missing}", file=sys.stderr)
+        print(f"error: {printable(missing)}", file=sys.stderr)
         return EXIT_USAGE
     except WSIPipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
     except Terminated:
         print("terminated", file=sys.stderr)
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (OSError, MemoryError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_FAILED
 
 

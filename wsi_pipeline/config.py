@@ -29,12 +29,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, SpecialFileError
 from .inference.backend import BACKEND_CHOICES
 from .inference.card_spec import MAX_MPP, MAX_TILE, MIN_MPP
 from .io.formats import DEFAULT_FORMATS, parse_formats
 from .plugins import load_plugins
 from .slide.damage import DAMAGED_TILE_CHOICES
+from .special_files import open_regular
 from .stitch.policies import MERGE_POLICIES
 from .stitch.weights import KINDS as BLEND_KINDS
 from .validation import is_int, is_number
@@ -281,10 +282,14 @@ def load_config(path: str | os.PathLike[str]) -> RunConfig:
     """
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:  # a FIFO would wait for a writer for ever
             doc = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except SpecialFileError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.kind}, not a regular file") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -44,7 +44,8 @@ class SlideOpenError(SlideError):
 
 class SpecialFileError(WSIPipelineError):
     """A path the program would open (a slide's companion file, an output) is a FIFO, socket or
-    device: opening it could wait for ever, or never end."""
+    device: opening it could wait for ever, or never end; or one of the program's own files of an
+    output folder is a symbolic link: writing it would write the file it names."""
 
     def __init__(self, path: str | os.PathLike[str], kind: str):
         self.path = os.fspath(path)

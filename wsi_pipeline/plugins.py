@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,6 +51,8 @@ _carriers: dict[Callable[[list[Any]], None], tuple[Callable[[], list[Any]], str,
 # imports those modules itself, so they are not sent.
 _declared: list[Any] = []
 _declared_ids: set[int] = set()
+# Seconds a helper process may take to import the plugins (the run's slide time limit; None: no limit).
+_import_limit_s: float | None = None
 
 
 def load_plugins(modules: Iterable[str] = (), source: str = "plugins") -> tuple[str, ...]:
@@ -59,16 +63,35 @@ def load_plugins(modules: Iterable[str] = (), source: str = "plugins") -> tuple[
     if not _entry_points_loaded:
         for group in ENTRY_POINT_GROUPS:
             for ep in importlib.metadata.entry_points(group=group):
-                _import(ep.module, f"entry point {ep.name!r} of group {group}")
+                _import(_entry_point_module(ep, group), f"entry point {ep.name!r} of group {group}")
         _entry_points_loaded = True  # only once all are in: a broken one is reported every time
     for name in modules:
         _import(name, source)
     return tuple(_modules)
 
 
+def set_import_limit(seconds: float | None) -> None:
+    """Bound the plugin imports of every helper process started from now on (and of those they
+    start) by ``seconds`` (None: no bound): one that hangs there ends that process, saying so."""
+    global _import_limit_s
+    _import_limit_s = seconds
+
+
 def plugin_modules() -> tuple[str, ...]:
     """The plugin modules imported in this process so far, in order."""
     return tuple(_modules)
+
+
+def _entry_point_module(ep: importlib.metadata.EntryPoint, group: str) -> str:
+    """The module an entry point names; :class:`PluginError` naming it where its value is no
+    ``module`` or ``module:attribute``."""
+    try:
+        return ep.module
+    except Exception:  # its value does not parse: importlib.metadata finds no match
+        raise PluginError(
+            f"entry point {ep.name!r} of group {group}: expected a module such as my_package.my_module, "
+            f"found {ep.value!r}"
+        ) from None
 
 
 def _import(name: str, source: str) -> None:
@@ -80,7 +103,13 @@ def _import(name: str, source: str) -> None:
         importlib.import_module(name)
     except ImportError as exc:
         raise PluginError(f"{source}: plugin {name!r}: cannot import it: {exc}") from exc
-    except Exception as exc:  # the module's own code failed while registering its entries
+    except KeyboardInterrupt:
+        raise
+    except SystemExit as exc:  # sys.exit() at import would end the run as if it were done
+        raise PluginError(
+            f"{source}: plugin {name!r}: importing it called sys.exit({exc.code!r}); a plugin only registers"
+        ) from None
+    except BaseException as exc:  # the module's own code failed while registering its entries
         raise PluginError(f"{source}: plugin {name!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
     _modules[name] = None
     for added, _, _ in _carriers.values():
@@ -155,6 +184,7 @@ def child_state() -> dict[str, Any]:
         "modules": list(_modules),
         "entry_points": _entry_points_loaded,
         "carried": carried,
+        "import_limit_s": _import_limit_s,
     }
 
 
@@ -164,10 +194,39 @@ def apply_child_state(state: dict[str, Any]) -> None:
     sys.path.extend(p for p in state["path"] if p not in sys.path)
     # The parent's entry point modules are among its modules: not looked up again.
     _entry_points_loaded = _entry_points_loaded or state["entry_points"]
-    for name in state["modules"]:
-        _import(name, "plugins")
-    for restore, blobs in state["carried"]:
-        restore([pickle.loads(b) for b in blobs])
+    set_import_limit(state.get("import_limit_s"))
+    watchdog = _import_watchdog(state["modules"], _import_limit_s)
+    try:
+        for name in state["modules"]:
+            _import(name, "plugins")
+        for restore, blobs in state["carried"]:
+            restore([pickle.loads(b) for b in blobs])
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _import_watchdog(modules: list[str], limit_s: float | None) -> threading.Timer | None:
+    """A timer that ends this process, in one line on stderr, where the imports pass ``limit_s``:
+    an import cannot be stopped from inside Python, and the process waiting for this one would wait
+    as long as it hangs."""
+    if not modules or not limit_s:
+        return None
+
+    def give_up() -> None:
+        process = os.path.basename(sys.argv[0]) or "a helper process"
+        print(
+            f"error: plugins {', '.join(modules)}: not imported within {limit_s:g} s (the slide time limit) "
+            f"in {process}; stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(limit_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 __all__ = [
@@ -180,4 +239,5 @@ __all__ = [
     "child_state",
     "load_plugins",
     "plugin_modules",
+    "set_import_limit",
 ]

@@ -14,6 +14,8 @@ import threading
 import warnings
 from collections.abc import Iterator
 
+from .text_escapes import printable
+
 _local = threading.local()
 
 
@@ -42,7 +44,7 @@ def warn(message: str, stacklevel: int = 1) -> None:
 def format_warning(message, category, filename, lineno, line=None) -> str:
     """A warning as one line, "warning: MESSAGE" (no source location: the message names the file);
     the CLI's ``warnings.formatwarning``, and the slide process's."""
-    return f"warning: {message}\n"
+    return f"warning: {printable(str(message))}\n"
 
 
 __all__ = ["format_warning", "recording", "warn"]

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecialFileError, UsageError, WSIPipelineError
-from ..special_files import open_regular_fd, special_kind
+from ..special_files import open_regular, open_regular_fd, special_kind
 from ..summary import read_summary
+from ..text_escapes import OneLineFormatter
 
 try:
     import fcntl
@@ -94,14 +95,10 @@ def _stems(paths: list[Path]) -> list[str]:
 
 def _container_identifier(path: Path) -> str | None:
     """A DICOM file's ContainerIdentifier, or None where it has none or cannot be read."""
-    import pydicom
+    from ..slide.dicom_headline import headline
 
-    try:
-        ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["ContainerIdentifier"])
-    except Exception:  # not DICOM or damaged: named after its file, to fail as a slide of its own
-        return None
-    value = str(ds.get("ContainerIdentifier") or "").strip()
-    return value or None
+    found = headline(str(path))  # read once for the series' grouping already
+    return found.container if found is not None else None
 
 
 def _safe(stem: str) -> str:
@@ -201,7 +198,7 @@ def lock_output_folder(out_dir: str | os.PathLike[str]) -> Iterator[None]:
     :func:`~.runner.run_batch` takes it again).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_output_folder(out)
     key = os.path.realpath(out)
     me = threading.get_ident()
     with _held_lock:
@@ -224,10 +221,23 @@ def lock_output_folder(out_dir: str | os.PathLike[str]) -> Iterator[None]:
                 os.close(fd)  # releases the lock; the file stays (removing it would race a new run)
 
 
+def _make_output_folder(out: Path) -> None:
+    """``out`` made where missing; :class:`UsageError` where it names a file or cannot be made."""
+    if os.path.lexists(out) and not out.is_dir():
+        kind = special_kind(out) or ("a symbolic link to nothing" if out.is_symlink() else "a file")
+        raise UsageError(f"{out}: the output folder is {kind}, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{out}: cannot make the output folder: {exc.strerror or exc}") from None
+
+
 def _acquire(out: Path) -> int:
     path = out / LOCK_FILE
     try:
-        fd = open_regular_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular_fd(path, os.O_RDWR | os.O_CREAT, 0o644, follow_links=False)
+    except SpecialFileError as exc:
+        raise UsageError(f"{exc}; the output folder's lock file must be a file of its own") from None
     except OSError as exc:
         raise UsageError(f"{path}: cannot create the output folder's lock file: {exc.strerror}") from None
     if fcntl is None:  # pragma: no cover
@@ -301,22 +311,24 @@ def clean_leftovers(out_dir: str | os.PathLike[str]) -> None:
 
 class BatchLogHandler(logging.FileHandler):
     """``DIR/run.log``: any file name is written (undecodable bytes escaped), and a failed write
-    (a full disk) is said once on stderr instead of a traceback per record."""
+    (a full disk) is said once on stderr instead of a traceback per record. A FIFO, device or
+    symbolic link there is refused (:class:`SpecialFileError`): appending to a FIFO would wait
+    for a reader, through a link would write the file it names."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        if kind := special_kind(path):  # appending to a FIFO would wait for a reader
+        if kind := special_kind(path, follow_links=False):
             raise SpecialFileError(path, kind)
         super().__init__(path, encoding="utf-8", errors="backslashreplace")
-        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.setFormatter(OneLineFormatter())
         self._failed = False
+
+    def _open(self) -> Any:
+        return open_regular(
+            self.baseFilename, self.mode, follow_links=False, encoding=self.encoding, errors=self.errors
+        )
 
     def handleError(self, record: logging.LogRecord) -> None:
         if not self._failed:
             self._failed = True
             exc = sys.exc_info()[1]
             print(f"warning: {self.baseFilename}: cannot write the log: {exc}", file=sys.stderr)
-
-
-def printable(text: str) -> str:
-    """``text`` with undecodable file-name bytes shown as escapes, safe to print on any stream."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")

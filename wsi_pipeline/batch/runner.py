@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import errno
 import glob
 import itertools
 import json
@@ -37,13 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from ..errors import UsageError
+from ..errors import SpecialFileError, UsageError
 from ..file_identity import input_identity
 from ..inference.card_spec import ModelCard
 from ..io.atomic import write_json
 from ..slide.readers import lists_slide
-from ..special_files import special_kind
+from ..special_files import link_loops, open_regular, special_kind
 from ..summary import read_summary
+from ..text_escapes import printable
 from .dicom_series import one_file_per_dicom_series
 from .folder import (
     MANIFEST,
@@ -53,7 +53,6 @@ from .folder import (
     held_names,
     lock_output_folder,
     output_names,
-    printable,
     slide_dir,
     slides_dir,
 )
@@ -113,14 +112,6 @@ def _read_list(path: Path) -> list[Path]:
     return [(base / r) if not os.path.isabs(r) else Path(r) for r in rows]
 
 
-def _is_link_loop(path: Path) -> bool:
-    try:
-        os.stat(path)
-    except OSError as exc:
-        return exc.errno == errno.ELOOP
-    return False
-
-
 def expand_inputs(
     inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
 ) -> list[Path]:
@@ -128,9 +119,11 @@ def expand_inputs(
     :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists.
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
-    folder); paths it names that do not exist are kept, to fail as slides.
-    An input that names nothing (no such file, folder or glob match), a list
-    that is not UTF-8 text, and a symbolic link that loops are usage errors.
+    folder); paths it names that do not exist are kept, to fail as slides, and
+    so are a folder's entries that cannot be read (a sub-folder without
+    permission, a symbolic link that loops): each fails as a slide of its own,
+    saying why, and the others run. An input that names nothing (no such file,
+    folder or glob match) and a list that is not UTF-8 text are usage errors.
     ``exclude``: a folder whose files never count (the output folder). Order
     is kept; duplicates are dropped, and so are the other files of a DICOM
     series and the DICOM files of a folder that are no whole-slide image
@@ -142,9 +135,7 @@ def expand_inputs(
     skip = os.path.realpath(exclude) + os.sep if exclude is not None else None
 
     def add(p: Path, by_name: bool = False) -> None:
-        if _is_link_loop(p):
-            raise UsageError(f"{p}: a symbolic link that loops (it never reaches a file)")
-        key = os.path.realpath(p)
+        key = os.path.abspath(p) if link_loops(p) else os.path.realpath(p)  # a loop resolves to no file
         if key in seen or (skip is not None and key.startswith(skip)):
             return
         seen.add(key)
@@ -156,14 +147,8 @@ def expand_inputs(
         s = os.fspath(item)
         p = Path(s)
         if p.is_dir():
-            for root, dirs, files in os.walk(p):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for f in sorted(files):
-                    fp = Path(root) / f
-                    if _is_slide_file(fp):
-                        add(fp)
-                    elif _has_slide_extension(fp):  # a hidden file
-                        log.warning("%s: skipped: a hidden file (its name starts with '.'); name it to run it", fp)
+            for fp in _folder_slides(p):
+                add(fp)
         elif p.is_file() and p.suffix.lower() in LIST_EXTENSIONS:
             for q in _read_list(p):
                 add(q, by_name=True)
@@ -180,6 +165,26 @@ def expand_inputs(
         else:
             raise UsageError(f"{s}: no such file or folder")
     return one_file_per_dicom_series(out, named)
+
+
+def _folder_slides(folder: Path) -> list[Path]:
+    """The slide files under ``folder`` (recursive, by name), and each entry that cannot be read: a
+    sub-folder that cannot be listed (it fails as a slide, naming the folder and why; its slides would
+    otherwise never run, unseen) and a symbolic link that loops (whatever its name)."""
+    found: list[Path] = []
+
+    def unreadable(exc: OSError) -> None:
+        found.append(Path(exc.filename))
+
+    for root, dirs, files in os.walk(folder, onerror=unreadable):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for f in sorted(files):
+            fp = Path(root) / f
+            if _is_slide_file(fp) or link_loops(fp):
+                found.append(fp)
+            elif _has_slide_extension(fp):  # a hidden file
+                log.warning("%s: skipped: a hidden file (its name starts with '.'); name it to run it", fp)
+    return found
 
 
 # -- resume key -----------------------------------------------------------------
@@ -222,21 +227,23 @@ class Manifest:
         self.path = out_dir / MANIFEST
         self._lock = threading.Lock()
         self.slides: dict[str, dict[str, Any]] = {}
-        if self.path.is_file():
-            try:
-                with open(self.path, encoding="utf-8") as f:
-                    doc = json.load(f)
-                self.slides = dict(doc.get("slides", {}))
-            except (OSError, ValueError, AttributeError, TypeError):
-                log.warning("%s: unreadable, starting a new manifest (finished slide folders are kept)", self.path)
-            else:
-                if doc.get("format") == 1:
-                    log.warning(
-                        "%s: written by an older version, whose slide folders (DIR/<name>/) are not "
-                        "reused; slides now go to DIR/%s/<name>/",
-                        self.path,
-                        SLIDES_DIR,
-                    )
+        if not os.path.lexists(self.path):
+            return
+        try:
+            doc = _read_manifest(self.path)
+        except _DamagedManifest as exc:
+            aside = _set_aside(self.path)
+            kept = f"set aside as {aside.name}" if aside else "left as it is (it could not be moved aside)"
+            log.warning("%s: %s; %s, a new manifest is started (finished slide folders are kept)", self.path, exc, kept)
+            return
+        self.slides = doc["slides"]
+        if doc.get("format") == 1:
+            log.warning(
+                "%s: written by an older version, whose slide folders (DIR/<name>/) are not "
+                "reused; slides now go to DIR/%s/<name>/",
+                self.path,
+                SLIDES_DIR,
+            )
 
     def update(self, name: str, **fields: Any) -> None:
         self.update_records({name: fields})
@@ -253,6 +260,45 @@ class Manifest:
                     f"{self.path}: cannot record the batch's progress ({exc.strerror or exc}); the run stops. "
                     "Finished slides are kept: free space or fix the folder, then run again"
                 ) from None
+
+
+class _DamagedManifest(Exception):
+    """Why a manifest cannot be read as one (its text says what was expected and what was found)."""
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest at ``path`` as ``{"format": ..., "slides": {name: record}}``, every record an object;
+    :class:`_DamagedManifest` saying what is wrong otherwise. A link or special file is not read."""
+    try:
+        with open_regular(path, "r", follow_links=False, encoding="utf-8") as f:
+            doc = json.load(f)
+    except SpecialFileError as exc:
+        raise _DamagedManifest(f"{exc.kind}, not a regular file") from None
+    except OSError as exc:
+        raise _DamagedManifest(f"unreadable ({exc.strerror or exc})") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested past the parser's depth
+        raise _DamagedManifest(f"not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict):
+        raise _DamagedManifest(f"expected a JSON object, found {type(doc).__name__}")
+    slides = doc.get("slides", {})
+    if not isinstance(slides, dict):
+        raise _DamagedManifest(f'expected "slides" to be an object of records by name, found {type(slides).__name__}')
+    bad = next((name for name, record in slides.items() if not isinstance(record, dict)), None)
+    if bad is not None:
+        found = type(slides[bad]).__name__
+        raise _DamagedManifest(f'expected the record of slide "{bad}" to be an object, found {found}')
+    return {**doc, "slides": slides}
+
+
+def _set_aside(path: Path) -> Path | None:
+    """Rename a damaged manifest to ``manifest.damaged-<time>.json`` beside it (kept for whoever looks
+    into it, out of the run's way); None where it cannot be renamed."""
+    aside = path.with_name(f"{path.stem}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}{path.suffix}")
+    try:
+        os.replace(path, aside)
+    except OSError:
+        return None
+    return aside
 
 
 def _now() -> str:

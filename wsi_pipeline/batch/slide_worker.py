@@ -47,6 +47,7 @@ from typing import Any
 from ..child_process import child_connections, exception_from, exception_payload, start_child
 from ..config import RunConfig
 from ..errors import WSIPipelineError
+from ..plugins import set_import_limit
 from ..slide_warnings import format_warning
 from .folder import remove_or_warn, slides_dir
 
@@ -62,7 +63,7 @@ RUN_AHEAD = 2
 # while it runs the others, so that they are not between one slide's inference and the next.
 PLAN_AHEAD = 1
 # Loggers whose levels the child copies from the parent.
-_LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile")
+_LOGGERS = ("", "wsi_pipeline", "py.warnings", "tifffile", "pydicom")
 
 
 def slide_time_limit(config: RunConfig, path: str | os.PathLike[str]) -> float | None:
@@ -297,7 +298,9 @@ class ChildProcessRunner:
 
 
 def make_runner(factory: Callable[[], Any], config: RunConfig, progress: bool) -> InProcessRunner | ChildProcessRunner:
-    """A child-process runner, or an in-process one for ``slide_timeout = 0``."""
+    """A child-process runner, or an in-process one for ``slide_timeout = 0``. The plugin imports of
+    every process the run starts are bounded by the slides' limit (a slide of no size's by default)."""
+    set_import_limit(slide_time_limit(config, ""))
     if config.slide_timeout == 0:
         return InProcessRunner(factory, progress)
     try:

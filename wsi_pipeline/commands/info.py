@@ -14,6 +14,7 @@ from ..plugins import load_plugins
 from ..slide import BACKENDS, Slide, open_slide, reader_may_crash
 from ..slide.isolated import call_isolated
 from ..slide.readers import reader_named, reader_names
+from ..text_escapes import printable
 from ..tiling.gpu_choice import storage_gpu_decoder
 
 
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     w, h = info["dimensions"]
     mpp = info["mpp"]
-    print(f"{info['path']}")
+    print(printable(info["path"]))
     print(f"  format   {info['format']}  (read with {info['backend']})")
     storage = info["storage"]
     if storage is not None:

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from ..batch import expand_inputs, run_batch, run_key
-from ..batch.folder import LOCK_FILE, LOG_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
+from ..batch.folder import LOCK_FILE, LOG_FILE, MANIFEST, SLIDES_DIR, lock_output_folder
 from ..batch.jobs import PipelineFactory
 from ..config import (
     BLEND_CHOICES,
@@ -27,6 +27,7 @@ from ..inference.backend import BACKEND_CHOICES
 from ..inference.shipped import DEFAULT_MODEL_NAME, shipped_names
 from ..io.formats import DEFAULT_FORMATS, FORMATS
 from ..slide.damage import DAMAGED_TILE_CHOICES
+from ..text_escapes import printable
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
 
 DESCRIPTION = """\
@@ -289,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
             raise
     print(report.table())
     n_failed = len(report.failed)
+    print()
     print(
         printable(
-            f"\n{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
+            f"{len(report.outcomes) - n_failed} of {len(report.outcomes)} slides done; outputs in "
             f"{out}/slides/ ({LOG_FILE} and manifest.json in {out}/)"
         )
     )

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..batch.folder import BatchLogHandler
+from ..text_escapes import OneLineFormatter
 
 PROGRESS_CHOICES = ("auto", "bar", "log", "none")
 
@@ -28,12 +29,9 @@ def progress_mode(choice: str, quiet: bool, stderr_is_terminal: bool) -> str:
     return choice
 
 
-class _LineFormatter(logging.Formatter):
+class _LineFormatter(OneLineFormatter):
     """Timestamped single lines; a captured warning loses the "warning: " prefix and newline
     that :func:`warnings.formatwarning` gives it (the level says it)."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         if record.name == "py.warnings":

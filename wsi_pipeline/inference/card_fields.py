@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError
+from ..errors import ModelError, SpecialFileError
+from ..special_files import open_regular
 from ..validation import is_instance, is_int, is_number
 
 # A card is a few KB; anything far larger is not one.
@@ -79,8 +80,10 @@ def _no_constant(name: str) -> Any:
 def read_card_json(path: Path) -> Any:
     """The card's JSON document; ModelError for a file that is not a small UTF-8 JSON text of plain numbers."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "rb") as f:  # a FIFO would wait for a writer for ever
             raw = f.read(MAX_CARD_BYTES + 1)
+    except SpecialFileError as exc:
+        raise ModelError(f"{path}: cannot read the model card: {exc.kind}, not a regular file") from None
     except OSError as exc:
         raise ModelError(f"{path}: cannot read the model card: {exc.strerror or exc}") from None
     if len(raw) > MAX_CARD_BYTES:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ModelError, UsageError
 from .card import card_path_for, file_sha256, format_for, load_card
-from .card_fields import Dim
+from .card_fields import Dim, read_card_json
 from .card_spec import INPUT_DTYPES, SCHEMA_VERSION, ModelCard
 from .decoder_registry import decoder_types
 from .model_signature import ort_session, ort_signature
@@ -158,13 +158,11 @@ def check_card(card_path: str | os.PathLike[str], run: bool = True) -> ModelCard
     """Validate a card: no :data:`TODO` left, :func:`~.card.load_card`'s checks, and (``run``) one blank
     tile through ONNX Runtime and the decoder. Raises ModelError or ModelError naming the card."""
     path = Path(card_path)
+    doc = read_card_json(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelError(f"{path}: cannot read the card: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}: not valid JSON: {exc}") from exc
-    todo = todo_fields(doc)
+        todo = todo_fields(doc)
+    except RecursionError:  # parsed just short of the interpreter's depth
+        raise ModelError(f"{path}: not valid JSON: nested too deeply") from None
     if todo:
         raise ModelError(f"{path}: fields still to fill in: {', '.join(todo)}")
     card = load_card(path)

@@ -21,10 +21,11 @@ from ..special_files import open_regular, special_kind
 
 def partial_name(path: str | os.PathLike[str]) -> Path:
     """The temporary name a file is written under before its rename; :class:`SpecialFileError`
-    where a FIFO, socket or device stands there (a writer opening it would wait, or never end)."""
+    where a FIFO, socket or device stands there (a writer opening it would wait, or never end), or a
+    symbolic link (the write would land on the file it names)."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
-    if kind := special_kind(tmp):
+    if kind := special_kind(tmp, follow_links=False):
         raise SpecialFileError(tmp, kind)
     return tmp
 
@@ -47,7 +48,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", **open_kw: Any) 
     if "b" not in mode:
         open_kw.setdefault("encoding", "utf-8")
     try:
-        with open_regular(tmp, mode, **open_kw) as f:  # never waits on a FIFO put there
+        # Never waits on a FIFO put there, nor writes through a link.
+        with open_regular(tmp, mode, follow_links=False, **open_kw) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())

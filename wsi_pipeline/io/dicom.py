@@ -105,9 +105,24 @@ def _equipment() -> dict[str, Any]:
     }
 
 
+def save_dataset(ds: Dataset, target: Any) -> None:
+    """``ds.save_as(target)`` (a path or a binary file), its failure raised as the error that caused
+    it: pydicom wraps an error met writing an element (a full disk's ``OSError``) in one of the same
+    type whose text holds the whole traceback, and without its errno."""
+    try:
+        ds.save_as(target, enforce_file_format=True)
+    except Exception as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None and "Traceback (most recent call last)" in str(cause):
+            cause = cause.__cause__
+        if cause is exc:
+            raise
+        raise cause from None
+
+
 def _save(path: Path, ds: Dataset) -> Path:
     with atomic_write(path, "wb") as f:
-        ds.save_as(f, enforce_file_format=True)
+        save_dataset(ds, f)
     return path
 
 
@@ -409,7 +424,7 @@ def write_dicom_parametric_map(
                 **geometry,
                 **_equipment(),
             )
-            pm.save_as(tmp / file_name, enforce_file_format=True)
+            save_dataset(pm, tmp / file_name)
             del pm, stored
         for spooled in tmp.glob("*.npy"):
             spooled.unlink()

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from ..errors import SlideError, SlideOpenError
-from ..special_files import refusal, special_kind
+from ..special_files import link_loops, refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
 from .readers import SLIDE_READERS, SlideReader, first_reader, reader_named, reader_names
@@ -32,7 +32,14 @@ def _open_backend(path: str, backend: str) -> Slide:
     reader = reader_named(backend)
     if reader is None:
         raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(_backend_choices())}")
-    return reader.open(path)
+    slide = reader.open(path)
+    if not isinstance(slide, Slide):  # a plugin's reader: what it gave would fail far from here
+        raise SlideOpenError(
+            path,
+            f"slide reader {backend!r} ({reader.__module__}.{reader.__qualname__}) opened it as "
+            f"{type(slide).__name__}, expected a Slide",
+        )
+    return slide
 
 
 def _backend_choices() -> tuple[str, ...]:
@@ -41,9 +48,16 @@ def _backend_choices() -> tuple[str, ...]:
 
 
 def _check_file(path: str) -> None:
+    if link_loops(path):
+        raise SlideOpenError(path, "a symbolic link that loops (it never reaches a file)")
     if not os.path.exists(path):
         raise SlideOpenError(path, "no such file")
     if os.path.isdir(path):
+        try:
+            with os.scandir(path) as entries:
+                next(entries, None)
+        except OSError as exc:
+            raise SlideOpenError(path, f"folder cannot be read ({exc.strerror or exc})") from None
         return  # DICOM series are folders; their reader decides.
     if kind := special_kind(path):  # a FIFO's open would wait for a writer
         raise SlideOpenError(path, refusal(kind))

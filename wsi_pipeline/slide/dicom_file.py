@@ -3,7 +3,9 @@
 A VL Whole Slide Microscopy series is a file per pyramid level (and files
 for its label, overview and thumbnail images), in one folder. A slide is
 opened from the folder or from any file of the series: the other files of
-the folder with the same SeriesInstanceUID are its other levels.
+the folder with the same SeriesInstanceUID, PyramidUID and
+ContainerIdentifier are its other levels (each file's first elements read
+once, :mod:`.dicom_headline`).
 
 Each level's encapsulated JPEG frames are located once at open by walking
 the item headers of its Pixel Data (8 bytes read per frame; no pixel data
@@ -16,82 +18,45 @@ frames split over several fragments ...); those slides go to OpenSlide.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 import pydicom
-import pydicom.filereader
 from pydicom.dataset import Dataset
-from pydicom.uid import JPEGBaseline8Bit, VLWholeSlideMicroscopyImageStorage
 
-from ..errors import SlideOpenError, SpecialFileError
-from ..special_files import open_regular, open_regular_fd
+from ..errors import SlideOpenError
+from .dicom_headline import PHOTOMETRIC, CappedReader, Headline, headline, level_refusal, sop_name
 from .tiff_file import MAX_TILE_BYTES, MAX_TILE_SIDE, small_tiles_refusal
 
 # A level's grid of stored tiles (and so its offset tables, 16 bytes a tile) is at most this many
 # tiles: 8M tiles of 256 px cover 5.5e11 pixels, far beyond any scan.
 MAX_GRID_TILES = 1 << 23
 # Whole-slide files of a folder looked at to find a series' other levels, and files of a folder
-# looked at to find those (the first elements of each read: 0.3 ms a file, 20 s for all).
+# looked at to find those (the first elements of each read once: 0.3 ms a file, 20 s for all).
 MAX_SERIES_FILES = 4096
 MAX_FOLDER_FILES = 1 << 16
 # Image types (value 3 of ImageType) that are not pyramid levels.
 NOT_LEVELS = ("LABEL", "OVERVIEW", "THUMBNAIL")
-# Photometric interpretation of JPEG frames -> how they are stored (TIFF's names).
-PHOTOMETRIC = {"YBR_FULL_422": "YCBCR", "YBR_FULL": "YCBCR", "RGB": "RGB"}
 
 _ITEM = b"\xfe\xff\x00\xe0"  # (FFFE,E000) little endian
 _SEQUENCE_END = b"\xfe\xff\xdd\xe0"  # (FFFE,E0DD)
 _PIXEL_DATA = b"\xe0\x7f\x10\x00"  # (7FE0,0010)
-_SERIES_INSTANCE_UID = 0x0020000E
-_SERIES_TAGS = [0x00080016, _SERIES_INSTANCE_UID]  # SOPClassUID, SeriesInstanceUID
-_HEADER_TAGS = [
-    "SOPClassUID",
-    "SeriesInstanceUID",
-    "ImageType",
-    "TotalPixelMatrixColumns",
-    "TotalPixelMatrixRows",
-]
-
-
-def is_dicom_file(path: str) -> bool:
-    """Whether ``path`` is a regular file with the DICOM preamble's ``DICM`` at byte 128."""
-    try:
-        with open_regular(path) as f:
-            head = f.read(132)
-    except (OSError, SpecialFileError):
-        return False
-    return len(head) == 132 and head[128:] == b"DICM"
 
 
 def is_dicom_wsi(path: str) -> bool:
-    """Whether ``path`` is a DICOM WSI file, or a folder holding one (headers only)."""
+    """Whether ``path`` is a DICOM WSI file, or a folder holding one (first elements only)."""
     if os.path.isdir(path):
-        return any(_is_wsi_header(_header(p)) for p in _dicom_files(path))
-    return is_dicom_file(path) and _is_wsi_header(_header(path))
-
-
-class _CappedReader(io.BufferedReader):
-    """A file whose large reads ask for no more than is left in it: a forged element length
-    makes pydicom read short (and fail) instead of allocating what the length claims."""
-
-    def __init__(self, path: str):
-        super().__init__(io.FileIO(open_regular_fd(path), "rb"))
-        self._size = os.fstat(self.fileno()).st_size
-
-    def read(self, size: int | None = -1, /) -> bytes:
-        if size is not None and size > 1 << 16:
-            size = max(0, min(size, self._size - self.tell()))
-        return super().read(size)
+        return bool(_dicom_files(path))
+    found = headline(path)
+    return found is not None and found.is_wsi
 
 
 def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]:
     """A DICOM file's header up to its pixel data (only ``tags`` where given), and where its pixel data starts."""
     try:
-        with _CappedReader(path) as f:
+        with CappedReader(path) as f:
             ds = pydicom.dcmread(f, stop_before_pixels=True, specific_tags=tags)
             list(ds)  # values are converted when first used: a damaged one fails here, named as such
             return ds, f.tell()
@@ -99,60 +64,24 @@ def read_header(path: str, tags: list[str] | None = None) -> tuple[Dataset, int]
         raise SlideOpenError(path, f"unreadable DICOM header ({type(exc).__name__}: {exc})") from exc
 
 
-def series_identity(path: str) -> tuple[str, str | None] | None:
-    """(SOP Class UID, SeriesInstanceUID) of the DICOM file at ``path``, read from its first
-    elements alone (up to the series UID: a few hundred bytes, whatever the file's size); None
-    where it is not a DICOM file, has no SOP class or cannot be read. Never opens a FIFO or device."""
-    if not is_dicom_file(path):
-        return None
-    try:
-        with _CappedReader(path) as f:
-            ds = pydicom.filereader.read_partial(
-                f, stop_when=lambda tag, vr, length: tag > _SERIES_INSTANCE_UID, specific_tags=_SERIES_TAGS
-            )
-            sop, series = ds.get("SOPClassUID"), ds.get("SeriesInstanceUID")
-    except Exception:  # damaged: pydicom raises many types
-        return None
-    if not sop:
-        return None
-    return str(sop), (str(series) if series else None)
-
-
 def not_a_slide(path: str) -> str | None:
     """What the file at ``path`` is where it is a DICOM object other than a whole-slide image
     (a Secondary Capture, annotations ...); None for any other file."""
-    found = series_identity(path) if os.path.isfile(path) else None
-    if found is None or found[0] == VLWholeSlideMicroscopyImageStorage:
+    found = headline(path)
+    if found is None or found.is_wsi:
         return None
-    sop = pydicom.uid.UID(found[0])
-    name = f" ({sop.name})" if sop.name != str(sop) else ""
-    return f"a DICOM object of SOP class {sop}{name}, not a VL Whole Slide Microscopy image"
+    return f"a DICOM object of SOP class {sop_name(found.sop)}, not a VL Whole Slide Microscopy image"
 
 
-def _header(path: str) -> Dataset | None:
-    try:
-        return read_header(path, _HEADER_TAGS)[0]
-    except Exception:  # not DICOM after all, or damaged: not a level
-        return None
-
-
-def _is_wsi_header(ds: Dataset | None) -> bool:
-    return ds is not None and ds.get("SOPClassUID") == VLWholeSlideMicroscopyImageStorage
-
-
-def _dicom_files(folder: str) -> list[str]:
-    """The first :data:`MAX_SERIES_FILES` VL Whole Slide Microscopy files of ``folder`` by name,
-    among its first :data:`MAX_FOLDER_FILES` files: other DICOM objects (thousands of Secondary
-    Captures, say) cost a short read each (:func:`series_identity`) and never crowd the slide out."""
+def _dicom_files(folder: str) -> dict[str, Headline]:
+    """The first :data:`MAX_SERIES_FILES` VL Whole Slide Microscopy files of ``folder`` by name, with
+    their headlines, among its first :data:`MAX_FOLDER_FILES` files: other DICOM objects (thousands
+    of Secondary Captures, say) cost a short read each (:func:`.dicom_headline.headline`) and never
+    crowd the slide out."""
     names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
     paths = [p for p in (os.path.join(folder, n) for n in names) if os.path.isfile(p)][:MAX_FOLDER_FILES]
-    wsi = [p for p in paths if (found := series_identity(p)) and found[0] == VLWholeSlideMicroscopyImageStorage]
-    return wsi[:MAX_SERIES_FILES]
-
-
-def _image_type(ds: Dataset) -> str:
-    values = ds.get("ImageType") or []
-    return str(values[2]).upper() if len(values) > 2 else ""
+    wsi = {p: found for p in paths if (found := headline(p)) is not None and found.is_wsi}
+    return dict(list(wsi.items())[:MAX_SERIES_FILES])
 
 
 # What OpenSlide names a series' associated images, by image type.
@@ -170,33 +99,41 @@ def series_level_files(path: str) -> list[str]:
 
 def series_files(path: str) -> tuple[list[str], dict[str, str]]:
     """(:func:`series_level_files`, the series' associated images: ``{name: file}`` by OpenSlide's
-    names, "label", "macro" (OVERVIEW), "thumbnail")."""
+    names, "label", "macro" (OVERVIEW), "thumbnail"). A slide is the series' images of one pyramid
+    and container (:attr:`.dicom_headline.Headline.slide`): another scan of the same series is
+    another slide, never a level of this one."""
     if os.path.isdir(path):
-        files = _dicom_files(path)
-        headers = {p: _header(p) for p in files}
-        series = {ds.SeriesInstanceUID for ds in headers.values() if _is_wsi_header(ds) and "SeriesInstanceUID" in ds}
-        if len(series) != 1:
-            found = "no" if not series else f"{len(series)}"
-            raise SlideOpenError(path, f"folder holds {found} DICOM WSI series (expected one; open a file of one)")
-        uid = series.pop()
+        headlines = _dicom_files(path)
+        slides = {h.slide for h in headlines.values() if h.series and h.image_type not in NOT_LEVELS}
+        if len(slides) != 1:
+            found = "no" if not slides else f"{len(slides)}"
+            raise SlideOpenError(
+                path,
+                f"folder holds {found} DICOM WSI slides (by series, pyramid and container; expected one: "
+                "open a file of one)",
+            )
+        slide = slides.pop()
     else:
-        ds = _header(path)
-        if not _is_wsi_header(ds):
+        own = headline(path)
+        if own is None or not own.is_wsi:
             raise SlideOpenError(path, "not a DICOM VL Whole Slide Microscopy image")
-        uid = ds.get("SeriesInstanceUID")
-        folder = os.path.dirname(os.path.abspath(path))
-        files = _dicom_files(folder)
-        headers = {p: _header(p) for p in files if not os.path.samefile(p, path)}
-        headers[path] = ds
+        others = _dicom_files(os.path.dirname(os.path.abspath(path)))
+        headlines = {p: h for p, h in others.items() if not os.path.samefile(p, path)}
+        headlines[path] = own
+        slide = own.slide
+        if own.image_type in NOT_LEVELS:  # a label names its slide's pyramid and container, or not
+            slides = {h.slide for h in headlines.values() if h.image_type not in NOT_LEVELS and own.of_slide(h.slide)}
+            slide = slides.pop() if len(slides) == 1 else slide
     levels: dict[tuple[int, int], str] = {}
     associated: dict[str, str] = {}
-    for p, ds in headers.items():
-        if not _is_wsi_header(ds) or ds.get("SeriesInstanceUID") != uid:
+    for p, found in headlines.items():
+        if found.image_type in NOT_LEVELS:
+            if found.of_slide(slide):
+                associated.setdefault(ASSOCIATED_NAMES[found.image_type], p)
             continue
-        if _image_type(ds) in NOT_LEVELS:
-            associated.setdefault(ASSOCIATED_NAMES[_image_type(ds)], p)
+        if found.slide != slide:
             continue
-        size = (int(ds.get("TotalPixelMatrixColumns") or 0), int(ds.get("TotalPixelMatrixRows") or 0))
+        size = (found.width, found.height)
         if size in levels:
             raise SlideOpenError(
                 path,
@@ -209,29 +146,11 @@ def series_files(path: str) -> tuple[list[str], dict[str, str]]:
     return [levels[size] for size in sorted(levels, key=lambda s: (-s[0] * s[1], -s[0]))], associated
 
 
-def level_refusal(ds: Dataset) -> str | None:
-    """What about a level's header the reader does not read (OpenSlide may), or None."""
-    meta = getattr(ds, "file_meta", None)
-    syntax = meta.get("TransferSyntaxUID") if meta is not None else None
-    if syntax != JPEGBaseline8Bit:
-        name = getattr(syntax, "name", None) or str(syntax)
-        return f"its frames are {name} (this reader reads JPEG Baseline, {JPEGBaseline8Bit})"
-    photometric = str(ds.get("PhotometricInterpretation", ""))
-    if photometric not in PHOTOMETRIC:
-        return f"photometric interpretation {photometric!r} (expected one of {', '.join(PHOTOMETRIC)})"
-    if ds.get("SamplesPerPixel") != 3 or ds.get("BitsAllocated") != 8:
-        return f"{ds.get('SamplesPerPixel')} samples of {ds.get('BitsAllocated')} bits (expected 3 of 8)"
-    for name, what in (("TotalPixelMatrixFocalPlanes", "focal planes"), ("NumberOfOpticalPaths", "optical paths")):
-        if int(ds.get(name) or 1) != 1:
-            return f"{ds.get(name)} {what} (this reader reads one)"
-    return None
-
-
 def series_refusal(path: str) -> str | None:
     """:func:`level_refusal` of the first level that has one, naming its file; None: all are read."""
     for p in series_level_files(path):
-        ds = read_header(p)[0]
-        reason = level_refusal(ds)
+        found = headline(p)
+        reason = found.refusal if found is not None else "its first elements cannot be read"
         if reason is not None:
             return f"{os.path.basename(p)}: {reason}"
     return None

@@ -150,15 +150,39 @@ def _convert_rows(src: np.ndarray, out: np.ndarray, path: str) -> None:
 
 
 def _to_rgb(arr: np.ndarray, path: str) -> np.ndarray:
-    """``arr`` as C-contiguous HxWx3 uint8 RGB (itself where it already is), converted a band at a time."""
-    if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3:
-        return np.ascontiguousarray(arr)
+    """``arr`` as C-contiguous HxWx3 uint8 RGB (itself where it already is), converted a band at a time;
+    :class:`SlideOpenError` where the copy does not fit in memory (a broadcast or strided view of a
+    huge image)."""
     if arr.ndim not in (2, 3):
         raise SlideOpenError(path, f"expected a 2-D grey or RGB(A) image, found shape {arr.shape}")
-    out = np.empty((arr.shape[0], arr.shape[1], 3), np.uint8)
+    as_is = arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3
+    if as_is and arr.flags.c_contiguous:
+        return arr
+    h, w = arr.shape[:2]
+    try:
+        if h * w * 3 > _physical_memory():  # an allocation the kernel may grant, then kill the process filling it
+            raise MemoryError
+        out = np.empty((h, w, 3), np.uint8)
+    except MemoryError:
+        raise SlideOpenError(
+            path,
+            f"a {w}x{h} image needs {h * w * 3 / 2**30:.1f} GiB as a contiguous RGB copy, more memory than is "
+            "available (a C-contiguous HxWx3 uint8 array is used without a copy; a tiled TIFF is read tile by tile)",
+        ) from None
+    if as_is:
+        out[...] = arr
+        return out
     for y in range(0, arr.shape[0], _CONVERT_ROWS):
         _convert_rows(arr[y : y + _CONVERT_ROWS], out[y : y + _CONVERT_ROWS], path)
     return out
+
+
+def _physical_memory() -> int:
+    """The machine's memory in bytes (no limit where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
 
 
 class ImageSlide(Slide):

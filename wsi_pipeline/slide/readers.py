@@ -211,10 +211,20 @@ SLIDE_READERS: list[type[SlideReader]] = [
 ]
 
 
-def register_reader(reader: type[SlideReader], before: type[SlideReader] | None = None) -> None:
-    """Add ``reader`` to :data:`SLIDE_READERS`: asked before ``before``, or after all the others."""
+def register_reader(
+    reader: type[SlideReader], before: type[SlideReader] | None = None, *, replace: bool = False
+) -> None:
+    """Add ``reader`` to :data:`SLIDE_READERS`: asked before ``before``, or after all the others.
+    ValueError where its name is another reader's (as for decoders and formats), unless ``replace``:
+    the name (``--reader NAME``) then gives whichever of them is asked first."""
     if reader in SLIDE_READERS:
         raise ValueError(f"slide reader {reader.__name__} is registered already")
+    holder = reader_named(reader.name)
+    if holder is not None and not replace:
+        raise ValueError(
+            f"slide reader {reader.__name__}: the name {reader.name!r} is taken by {holder.__module__}."
+            f"{holder.__qualname__}; give it a name of its own"
+        )
     SLIDE_READERS.insert(SLIDE_READERS.index(before) if before is not None else len(SLIDE_READERS), reader)
 
 

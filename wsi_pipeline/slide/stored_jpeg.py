@@ -217,7 +217,7 @@ class StoredJpegTiles(Slide):
                     header = read_header(data)
                     whole = with_tables(lv.jpegtables, data)
                     colour = self._stored_colour(level)
-                    if colour is None or told_stream(whole, colour) is whole:
+                    if len(header.components) != 4 and (colour is None or told_stream(whole, colour) is whole):
                         found = np.frombuffer(data[: header.scan_at], np.uint8).copy()
             refs[level] = found
         return refs[level]
@@ -263,6 +263,17 @@ class StoredJpegTiles(Slide):
                 tx,
                 ty,
                 f"{where}: a {header.precision}-bit JPEG stream; expected 8-bit samples as the container says",
+            )
+        if len(header.components) == 4:
+            # A 4-component stream (CMYK, or YCCK: Adobe transform 2) in a page of 3 samples:
+            # decoded as RGB its every pixel would be wrong. OpenSlide refuses it the same way.
+            transform = "" if header.adobe_transform is None else f", Adobe transform {header.adobe_transform}"
+            raise self._tile_error(
+                level,
+                tx,
+                ty,
+                f"{where}: Bogus JPEG colorspace: a 4-component stream (CMYK or YCCK{transform}); "
+                "expected 3 components as the container's 3 samples say",
             )
         colour = self._stored_colour(level)
         return jpeg if colour is None else told_stream(jpeg, colour, header)
