@@ -5,8 +5,8 @@ latency, and moto's S3 server. Used by tests/test_remote_slides.py and benchmark
 an ETag and Last-Modified, an optional bearer token or basic login it asks for, and faults set per
 file name (:attr:`RangeServer.faults`): ``"status:503:2"`` (answer 503 to the next 2 requests),
 ``"status:403"`` (always), ``"truncate"`` (a body cut short, then the connection closed),
-``"hang"`` (headers, then nothing), ``"die-after:N"`` (the server closes every connection after N
-requests of the file).
+``"hang"`` (headers, then nothing), ``"die-within:A:B"`` (the connection closed, no answer, for
+every request of a range that meets bytes ``[A, B)``).
 """
 
 from __future__ import annotations
@@ -50,15 +50,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 left = int(times[0]) - 1
                 owner.faults[name] = f"status:{code}:{left}" if left > 0 else ""
             return self._refuse(int(code))
-        if fault.startswith("die-after:") and owner.requests[name] > int(fault.split(":")[1]):
-            self.close_connection = True
-            self.connection.shutdown(socket.SHUT_RDWR)
-            return None
+        m = _RANGE.match(self.headers.get("Range", ""))
+        if fault.startswith("die-within:") and m is not None:
+            lo, hi = (int(v) for v in fault.split(":")[1:])
+            if int(m.group(1)) < hi and int(m.group(2) or hi) >= lo:
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return None
         path = os.path.join(owner.folder, name)
         if not os.path.isfile(path):
             return self._refuse(404)
         size = os.path.getsize(path)
-        m = _RANGE.match(self.headers.get("Range", ""))
         if m is None:
             return self._refuse(400)
         start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)

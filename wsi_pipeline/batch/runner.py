@@ -41,6 +41,7 @@ from ..errors import UsageError
 from ..file_identity import input_identity
 from ..inference.card_spec import ModelCard
 from ..io.atomic import write_json
+from ..remote.address import RemoteAddress, is_remote
 from ..slide.readers import lists_slide
 from ..special_files import special_kind
 from ..summary import read_summary
@@ -110,7 +111,7 @@ def _read_list(path: Path) -> list[Path]:
         rows = [r[col or 0].strip() for r in body if len(r) > (col or 0) and r[col or 0].strip()]
     else:
         rows = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return [(base / r) if not os.path.isabs(r) else Path(r) for r in rows]
+    return [RemoteAddress(r) if is_remote(r) else (base / r) if not os.path.isabs(r) else Path(r) for r in rows]
 
 
 def _is_link_loop(path: Path) -> bool:
@@ -125,7 +126,8 @@ def expand_inputs(
     inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
 ) -> list[Path]:
     """Slide paths from files, folders (recursive: the files a slide reader lists,
-    :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists.
+    :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists, and remote addresses
+    (``https://``, ``http://``, ``s3://``: a :class:`~..remote.address.RemoteAddress` each).
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
     folder); paths it names that do not exist are kept, to fail as slides.
@@ -154,6 +156,9 @@ def expand_inputs(
 
     for item in inputs:
         s = os.fspath(item)
+        if is_remote(s):  # kept as given: a path would fold the address's "//"
+            add(RemoteAddress(s), by_name=True)
+            continue
         p = Path(s)
         if p.is_dir():
             for root, dirs, files in os.walk(p):

@@ -127,8 +127,11 @@ class HttpTransport:
         except ue.TimeoutError:
             raise Problem(f"no answer within {self.timeout:g} s", True) from None
         except ue.MaxRetryError as exc:
-            why = "no answer in time" if isinstance(exc.reason, ue.TimeoutError) else "cannot connect"
-            raise Problem(f"{why} ({type(exc.reason).__name__})", True) from None
+            if isinstance(exc.reason, ue.TimeoutError):
+                raise Problem(f"no answer within {self.timeout:g} s", True) from None
+            if isinstance(exc.reason, ue.ProtocolError):
+                raise Problem("the server closed the connection without an answer", True) from None
+            raise Problem(f"cannot connect ({type(exc.reason).__name__})", True) from None
         except ue.ProtocolError:
             raise Problem("the connection broke before the answer ended", True) from None
         except (ue.HTTPError, OSError) as exc:
