@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     finally:
         server.close()
-    result = {"size_px": size, "rounds": rounds, "rows": rows, **machine()}
+    result = {"size_px": size, "rounds": rounds, "smoke": args.smoke, "rows": rows, **machine()}
     print(result)
     write_json(args.json, result)
     return 0
