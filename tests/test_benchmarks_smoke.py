@@ -48,6 +48,7 @@ SMOKE = [
     ("bench_outputs.py", [], {"results"}),
     ("bench_object_size.py", [], {"rows", "kind"}),
     ("bench_plan.py", [], {"plan_seconds", "tiles"}),
+    ("bench_remote.py", [], {"rows", "size_px"}),
     ("bench_merge_replay.py", [], {"replay_seconds", "boxes_added"}),
     ("bench_zarr_dicom.py", [], {"results"}),
     ("bench_qc_latency.py", [], {"rows", "backend"}),

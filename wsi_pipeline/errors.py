@@ -42,6 +42,11 @@ class SlideOpenError(SlideError):
     or a size beyond what the reader may allocate."""
 
 
+class RemoteReadError(SlideError):
+    """A remote slide's server refused a request, failed, stopped answering or sent a short body
+    (after the retries of a transient failure). ``path`` is the address without credentials."""
+
+
 class SpecialFileError(WSIPipelineError):
     """A path the program would open (a slide's companion file, an output) is a FIFO, socket or
     device: opening it could wait for ever, or never end; or one of the program's own files of an

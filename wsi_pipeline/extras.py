@@ -25,6 +25,7 @@ MODULE_EXTRAS = {
     "numcodecs": "zarr",
     "ome_zarr": "zarr",
     "highdicom": "dicom",
+    "boto3": "remote",
     "dask": "dask",
     "distributed": "dask",
     "pandas": "notebooks",

@@ -23,7 +23,15 @@ SAMPLE_BYTES = 4 << 10
 def input_identity(path: str | os.PathLike[str], slide_hash: str = "sampled") -> dict[str, Any] | None:
     """``{"size", "fingerprint", "mtime_ns", "inode"}`` of a slide file (``slide_hash`` "full": the
     fingerprint of its whole content, and ``"hash": "full"``), of a folder slide its files' names and
-    sizes and their latest mtime; None when it cannot be read (the run then fails it)."""
+    sizes and their latest mtime; None when it cannot be read (the run then fails it). A remote
+    address's: its size and ETag (:func:`~.remote.identity.remote_identity`)."""
+    if isinstance(path, str) and "://" in path:
+        from .remote.address import is_remote
+
+        if is_remote(path):
+            from .remote.identity import remote_identity
+
+            return remote_identity(path)
     if os.path.isdir(path):
         return _folder_identity(path)
     if special_kind(path):  # never opened: a FIFO waits for a writer, a device may not end

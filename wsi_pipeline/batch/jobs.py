@@ -25,6 +25,7 @@ from ..config import RunConfig
 from ..errors import BackendUnavailableError, ConfigError, ModelError, UsageError
 from ..file_identity import input_identity
 from ..inference.card_spec import ModelCard
+from ..remote.address import is_remote, shown_address
 from .folder import remove_or_warn, slide_dir, slides_dir
 from .resume import RunKey
 
@@ -72,7 +73,11 @@ class SlideOutcome:
 
 
 def path_record(path: str | os.PathLike[str]) -> dict[str, str]:
-    """A slide's path for the manifest: absolute (``path``) and as the input gave it (``path_as_given``)."""
+    """A slide's path for the manifest: absolute (``path``) and as the input gave it (``path_as_given``);
+    a remote address's without credentials, both."""
+    if is_remote(path):
+        shown = shown_address(path)
+        return {"path": shown, "path_as_given": shown}
     return {"path": os.path.abspath(path), "path_as_given": os.fspath(path)}
 
 

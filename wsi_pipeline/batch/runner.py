@@ -40,6 +40,7 @@ from ..errors import SpecialFileError, UsageError
 from ..file_identity import input_identity
 from ..inference.card_spec import ModelCard
 from ..io.atomic import write_json
+from ..remote.address import RemoteAddress, is_remote
 from ..slide.readers import lists_slide
 from ..special_files import link_loops, open_regular, special_kind
 from ..summary import read_summary
@@ -109,14 +110,15 @@ def _read_list(path: Path) -> list[Path]:
         rows = [r[col or 0].strip() for r in body if len(r) > (col or 0) and r[col or 0].strip()]
     else:
         rows = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return [(base / r) if not os.path.isabs(r) else Path(r) for r in rows]
+    return [RemoteAddress(r) if is_remote(r) else (base / r) if not os.path.isabs(r) else Path(r) for r in rows]
 
 
 def expand_inputs(
     inputs: Iterable[str | os.PathLike[str]], exclude: str | os.PathLike[str] | None = None
 ) -> list[Path]:
     """Slide paths from files, folders (recursive: the files a slide reader lists,
-    :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists.
+    :func:`~wsi_pipeline.slide.readers.lists_slide`), globs and lists, and remote addresses
+    (``https://``, ``http://``, ``s3://``: a :class:`~..remote.address.RemoteAddress` each).
 
     A ``.txt``/``.csv`` input is a list of slide paths (relative to the list's
     folder); paths it names that do not exist are kept, to fail as slides, and
@@ -145,6 +147,9 @@ def expand_inputs(
 
     for item in inputs:
         s = os.fspath(item)
+        if is_remote(s):  # kept as given: a path would fold the address's "//"
+            add(RemoteAddress(s), by_name=True)
+            continue
         p = Path(s)
         if p.is_dir():
             for fp in _folder_slides(p):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ..errors import PluginError, UsageError
@@ -14,6 +13,7 @@ from ..plugins import load_plugins
 from ..slide import BACKENDS, Slide, open_slide, reader_may_crash
 from ..slide.isolated import call_isolated
 from ..slide.readers import reader_named, reader_names
+from ..slide.remote_tiff import RemoteTiffSlide
 from ..text_escapes import printable
 from ..tiling.gpu_choice import storage_gpu_decoder
 
@@ -31,8 +31,9 @@ def describe(path: str, backend: str = "auto") -> dict:
 
 def _describe(path: str, backend: str) -> dict:
     with open_slide(path, backend) as slide:
+        remote = slide.remote_info() if isinstance(slide, RemoteTiffSlide) else None
         return {
-            "path": os.path.abspath(path),
+            "path": slide.absolute_path,
             "format": slide.vendor,
             "backend": slide.backend,
             "dimensions": list(slide.dimensions),
@@ -47,6 +48,7 @@ def _describe(path: str, backend: str) -> dict:
             "background_rgb": list(slide.background_rgb),
             "storage": slide.stored_tile_format(0),
             "gpu_decode": gpu_decode_info(slide),
+            **({"remote": remote} if remote is not None else {}),
         }
 
 
@@ -87,7 +89,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "info",
         help="print a slide's format, size, levels and resolution; without a slide, the shipped models",
     )
-    p.add_argument("slide", nargs="?", help="slide or image file (none: list the shipped models)")
+    p.add_argument(
+        "slide",
+        nargs="?",
+        help="slide or image file, or a tiled TIFF or SVS at an https:// or s3:// address "
+        "(none: list the shipped models)",
+    )
     p.add_argument(
         "--reader",
         default="auto",
@@ -144,6 +151,12 @@ def run(args: argparse.Namespace) -> int:
         print("           (no CUDA GPU on this machine: a run here decodes every tile on the CPU)")
     print(f"  size     {w} x {h} px" + (f"  ({w * mpp[0] / 1000:.2f} x {h * mpp[1] / 1000:.2f} mm)" if mpp else ""))
     print(f"  mpp      {mpp[0]:.4f} x {mpp[1]:.4f} um/px" if mpp else "  mpp      unknown")
+    remote = info.get("remote")
+    if remote is not None:
+        print(
+            f"  remote   {remote['size']} bytes, ETag {remote['etag'] or '-'}; opened in {remote['open_requests']} "
+            f"requests ({remote['open_bytes']} bytes)"
+        )
     print(f"  levels   {info['level_count']}")
     for lv in info["levels"]:
         print(f"    {lv['level']}: {lv['width']} x {lv['height']}  downsample {lv['downsample']:g}")

@@ -87,7 +87,8 @@ def _add_input_arguments(p: argparse.ArgumentParser) -> None:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="slide files, folders (recursive), globs, or .txt/.csv lists of paths",
+        help="slide files, folders (recursive), globs, .txt/.csv lists of paths, or https:// and s3:// "
+        "addresses of tiled TIFF or SVS slides",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (one sub-folder per slide)")
     p.add_argument(

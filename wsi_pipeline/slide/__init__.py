@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..errors import SlideError, SlideOpenError
+from ..remote.address import is_remote
 from ..special_files import link_loops, refusal, special_kind
 from .base import Slide
 from .image import ImageSlide
@@ -75,7 +76,8 @@ def detect_backend(path: str) -> str:
 
 
 def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
-    """Open a slide file with ``backend`` ("auto" picks the fastest that reads it).
+    """Open a slide file with ``backend`` ("auto" picks the fastest that reads it), or a tiled TIFF or
+    SVS at a remote address (``https://``, ``http://``, ``s3://``: :mod:`.remote_tiff`).
 
     The result is a context manager; see :class:`Slide` for its API. Any
     failure to open the file is raised as :class:`SlideOpenError` (a
@@ -92,6 +94,10 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     choices = _backend_choices()
     if backend not in choices:
         raise ValueError(f"unknown slide backend {backend!r}; expected one of {', '.join(choices)}")
+    if is_remote(path):  # https://, http://, s3://: a tiled TIFF or SVS read by range requests
+        from .remote_tiff import open_remote_slide
+
+        return open_remote_slide(path, backend)
     try:
         _check_file(path)
         if backend == "auto":

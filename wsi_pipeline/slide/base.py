@@ -256,6 +256,10 @@ class Slide(abc.ABC):
         """Let the cache hold a band ``height_px`` pixels tall across ``level``; its limit in bytes (0: none)."""
         return 0
 
+    def fetch_ahead(self, level: int, boxes: Sequence[tuple[int, int, int, int]]) -> None:  # noqa: B027
+        """A hint: the regions ``boxes`` (``x0, y0, x1, y1`` in ``level``'s pixels) are read soon. A
+        reader whose reads wait on a network (a remote slide) starts fetching them; others ignore it."""
+
     @contextlib.contextmanager
     def _reading(self, location_level0: tuple[int, int], level: int) -> Iterator[None]:
         """The read paths' error boundary: what a reader library raises becomes :class:`TileReadError`."""

@@ -105,6 +105,16 @@ class StoredJpegTiles(Slide):
     def _jpeg_level(self, level: int) -> Any:
         raise NotImplementedError
 
+    def _pread(self, level: int, n: int, offset: int) -> bytes:
+        """The ``n`` bytes at ``offset`` of ``level``'s file (a reader of a remote file reads otherwise)."""
+        return os.pread(self._level_fd(level), n, offset)
+
+    def _read_level_spans(
+        self, level: int, offsets: np.ndarray, counts: np.ndarray, reuse: ReadBuffer
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`read_spans` of ``level``'s file."""
+        return read_spans(self._level_fd(level), offsets, counts, reuse)
+
     def raw_tile(self, level: int, tx: int, ty: int) -> bytes:
         raise NotImplementedError
 
@@ -130,7 +140,7 @@ class StoredJpegTiles(Slide):
         if not counts.any():
             return np.zeros(0, np.uint8), np.zeros(len(tiles), np.int64)
         try:
-            buf, rel = read_spans(self._level_fd(level), offsets, counts, self._read_buffer())
+            buf, rel = self._read_level_spans(level, offsets, counts, self._read_buffer())
         except EOFError as exc:
             raise SlideError(self.path, f"level {level}: the file ends inside its stored tiles") from exc
         return self._streams_from(level, tiles, buf, rel, counts)
@@ -212,7 +222,7 @@ class StoredJpegTiles(Slide):
             nonempty = np.flatnonzero(lv.bytecounts)
             if len(nonempty):
                 i = int(nonempty[0])
-                data = os.pread(self._level_fd(level), min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
+                data = self._pread(level, min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
                 with contextlib.suppress(ValueError):
                     header = read_header(data)
                     whole = with_tables(lv.jpegtables, data)
@@ -232,7 +242,7 @@ class StoredJpegTiles(Slide):
             return None
         i = int(nonempty[0])
         # The headers before the first scan: the shared tables (spliced in) and a tile's own segments.
-        data = os.pread(self._level_fd(level), min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
+        data = self._pread(level, min(int(lv.bytecounts[i]), 1 << 16), int(lv.offsets[i]))
         try:
             return jpeg_kind(with_tables(lv.jpegtables, data), photometric)
         except ValueError:

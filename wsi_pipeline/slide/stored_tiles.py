@@ -308,7 +308,7 @@ class StoredTileSlide(StoredJpegTiles):
         lv = self._levels[level]
         i = ty * lv.tiles_across + tx
         n = int(lv.bytecounts[i])
-        return os.pread(self._level_fd(level), n, int(lv.offsets[i])) if n else b""
+        return self._pread(level, n, int(lv.offsets[i])) if n else b""
 
     def decode_stored_tile(self, level: int, tx: int, ty: int, out: np.ndarray) -> np.ndarray:
         """Stored tile (tx, ty) of ``level`` decoded into ``out`` (``tile_h x tile_w x 3`` uint8 RGB)

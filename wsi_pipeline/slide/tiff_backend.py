@@ -89,10 +89,10 @@ class TiffSlide(StoredTileSlide):
 
     def __init__(self, path: str | os.PathLike[str], cache_bytes: int | None = None):
         super().__init__(path)
-        self._tif = open_tifffile(self.path)
+        self._tif = self._open_tiff()
         try:
             self._init_levels()
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = self._open_fd()
         except BaseException:
             self._tif.close()
             raise
@@ -102,10 +102,23 @@ class TiffSlide(StoredTileSlide):
                 if lv.page.compression == tifffile.COMPRESSION.JPEG:
                     lv.jpeg_kind = self._stored_jpeg_kind(i, _tag_name(lv.page.photometric))
         except BaseException:
-            os.close(self._fd)
+            self._close_fd()
             self._tif.close()
             raise
         self._init_cache(cache_bytes)
+
+    # Where the file is opened: a reader of a file elsewhere (a remote one) opens it otherwise.
+    def _open_tiff(self) -> tifffile.TiffFile:
+        return open_tifffile(self.path)
+
+    def _file_size(self) -> int:
+        return os.path.getsize(self.path)
+
+    def _open_fd(self) -> int:
+        return os.open(self.path, os.O_RDONLY)
+
+    def _close_fd(self) -> None:
+        os.close(self._fd)
 
     # -- opening ------------------------------------------------------------
     def _init_levels(self) -> None:
@@ -114,7 +127,7 @@ class TiffSlide(StoredTileSlide):
             pyramid = tiff_pyramid(tif)
         except ValueError as exc:
             raise SlideOpenError(self.path, str(exc)) from exc
-        file_size = os.path.getsize(self.path)
+        file_size = self._file_size()
         levels = [self._level(page, file_size) for page in pyramid.levels]
         self._levels = levels
         self._set_level_geometry()
@@ -286,6 +299,6 @@ class TiffSlide(StoredTileSlide):
     def close(self) -> None:
         if not self._closed:
             self._tif.close()
-            os.close(self._fd)
+            self._close_fd()
             self._cache.clear()
         super().close()

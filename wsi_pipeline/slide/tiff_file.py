@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import os
 import struct
+from typing import BinaryIO
 
 import tifffile
 
-from ..errors import SlideOpenError
+from ..errors import SlideError, SlideOpenError
 
 # Pyramidal slides hold a few dozen pages; OME-TIFF stacks of planes a few thousand.
 MAX_TIFF_PAGES = 16384
@@ -67,41 +68,57 @@ def count_tiff_pages(path: str, max_pages: int = MAX_TIFF_PAGES) -> int:
     of the file. Raises :class:`SlideOpenError` if the chain comes back to a
     page already seen or is longer than ``max_pages``.
     """
-    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(16)
-        if len(head) < 8 or head[:2] not in (b"II", b"MM"):
-            raise SlideOpenError(path, f"not a TIFF: expected the byte-order mark II or MM, found {head[:2]!r}")
-        e = "<" if head[:2] == b"II" else ">"
-        magic = struct.unpack(e + "H", head[2:4])[0]
-        if magic == 42:
-            offset = struct.unpack(e + "I", head[4:8])[0]
-            count_fmt, entry_size, next_fmt = e + "H", 12, e + "I"
-        elif magic == 43 and len(head) == 16:
-            offset = struct.unpack(e + "Q", head[8:16])[0]
-            count_fmt, entry_size, next_fmt = e + "Q", 20, e + "Q"
-        else:
-            raise SlideOpenError(path, f"not a TIFF: expected version 42 or 43 (BigTIFF), found {magic}")
-        count_size, next_size = struct.calcsize(count_fmt), struct.calcsize(next_fmt)
-        seen: dict[int, int] = {}
-        while offset and offset + count_size <= size:
-            if offset in seen:
-                raise SlideOpenError(
-                    path,
-                    f"TIFF page chain loops: page {len(seen) - 1} points back to page {seen[offset]} "
-                    f"(IFD at byte {offset}); expected each page once and a chain that ends",
-                )
-            if len(seen) >= max_pages:
-                raise SlideOpenError(path, f"TIFF has more than {max_pages} pages; expected a slide's pyramid")
-            seen[offset] = len(seen)
-            f.seek(offset)
-            n = struct.unpack(count_fmt, f.read(count_size))[0]
-            next_at = offset + count_size + n * entry_size
-            if next_at + next_size > size:
-                break
-            f.seek(next_at)
-            offset = struct.unpack(next_fmt, f.read(next_size))[0]
+        return count_pages_in(f, os.path.getsize(path), path, max_pages)
+
+
+def count_pages_in(f: BinaryIO, size: int, path: str, max_pages: int = MAX_TIFF_PAGES) -> int:
+    """:func:`count_tiff_pages` of the open binary file ``f`` of ``size`` bytes (``path`` names it)."""
+    head = f.read(16)
+    if len(head) < 8 or head[:2] not in (b"II", b"MM"):
+        raise SlideOpenError(path, f"not a TIFF: expected the byte-order mark II or MM, found {head[:2]!r}")
+    e = "<" if head[:2] == b"II" else ">"
+    magic = struct.unpack(e + "H", head[2:4])[0]
+    if magic == 42:
+        offset = struct.unpack(e + "I", head[4:8])[0]
+        count_fmt, entry_size, next_fmt = e + "H", 12, e + "I"
+    elif magic == 43 and len(head) == 16:
+        offset = struct.unpack(e + "Q", head[8:16])[0]
+        count_fmt, entry_size, next_fmt = e + "Q", 20, e + "Q"
+    else:
+        raise SlideOpenError(path, f"not a TIFF: expected version 42 or 43 (BigTIFF), found {magic}")
+    count_size, next_size = struct.calcsize(count_fmt), struct.calcsize(next_fmt)
+    seen: dict[int, int] = {}
+    while offset and offset + count_size <= size:
+        if offset in seen:
+            raise SlideOpenError(
+                path,
+                f"TIFF page chain loops: page {len(seen) - 1} points back to page {seen[offset]} "
+                f"(IFD at byte {offset}); expected each page once and a chain that ends",
+            )
+        if len(seen) >= max_pages:
+            raise SlideOpenError(path, f"TIFF has more than {max_pages} pages; expected a slide's pyramid")
+        seen[offset] = len(seen)
+        f.seek(offset)
+        n = struct.unpack(count_fmt, f.read(count_size))[0]
+        next_at = offset + count_size + n * entry_size
+        if next_at + next_size > size:
+            break
+        f.seek(next_at)
+        offset = struct.unpack(next_fmt, f.read(next_size))[0]
     return len(seen)
+
+
+def open_tifffile_stream(path: str, stream: BinaryIO, size: int) -> tifffile.TiffFile:
+    """:func:`open_tifffile` of an open binary ``stream`` of ``size`` bytes (a remote file), named ``path``."""
+    count_pages_in(stream, size, path)
+    stream.seek(0)
+    try:
+        return tifffile.TiffFile(stream)
+    except SlideError:  # a request that failed, as it said
+        raise
+    except Exception as exc:  # tifffile raises many types on a damaged header
+        raise SlideOpenError(path, f"not a readable TIFF: {exc}") from exc
 
 
 def open_tifffile(path: str) -> tifffile.TiffFile:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ClosedError, TileReadError
 from ..slide.base import Slide
-from .grid import Tile, read_tile
+from .grid import Tile, read_tile, tile_origin_at_level
 
 
 @dataclass
@@ -112,6 +112,19 @@ class TileLoader:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._reserve_cache(n_buffers * self.batch_size + self.workers)
+        # A slide whose reads wait on a network is told each batch's regions a batch before its reads.
+        self._hints = type(slide).fetch_ahead is not Slide.fetch_ahead
+
+    def _fetch_ahead(self, start: int) -> None:
+        """Tell the slide the regions of the batch of tiles from ``start`` (:meth:`Slide.fetch_ahead`)."""
+        tiles = self.tiles[start : start + self.batch_size]
+        if not self._hints or not tiles:
+            return
+        boxes = []
+        for t in tiles:
+            x0, y0 = tile_origin_at_level(self.slide, t)
+            boxes.append((x0, y0, x0 + t.read_size, y0 + t.read_size))
+        self.slide.fetch_ahead(tiles[0].level, boxes)
 
     def _reserve_cache(self, tiles_in_flight: int) -> None:
         """Ask the slide's tile cache (where it has one) to hold the grid rows in flight."""
@@ -182,6 +195,9 @@ class TileLoader:
             if item is None:
                 return False
             seq, start = item
+            if seq == 0:
+                self._fetch_ahead(start)
+            self._fetch_ahead(start + self.batch_size)
             tiles = self.tiles[start : start + self.batch_size]
             buf = self._acquire()
             futures = [
