@@ -300,9 +300,9 @@ class Slide(abc.ABC):
         claiming 400,000 px a side costs its stored tiles, not 2,048 bands. With ``reduced``, a
         level at least twice the thumbnail's size whose JPEG tiles decode reduced
         (:meth:`reduced_scales`) is decoded at 1/2, 1/4 or 1/8 in the DCT domain before it is
-        shrunk (:meth:`thumbnail_source`): close to, not equal to, the full decode shrunk.
+        shrunk (:func:`thumbnail_source`): close to, not equal to, the full decode shrunk.
         """
-        tw, th, level, k = self.thumbnail_source(max_size, reduced)
+        tw, th, level, k = thumbnail_source(self, max_size, reduced)
         lw, lh = self._level_dimensions[level]
         present = self.stored_tiles_present(level)
         if present is not None:
@@ -313,23 +313,6 @@ class Slide(abc.ABC):
         if (lw, lh) == (tw, th):
             return region
         return np.ascontiguousarray(cv2.resize(region, (tw, th), interpolation=cv2.INTER_AREA))
-
-    def thumbnail_source(self, max_size: tuple[int, int] | int, reduced: bool = False) -> tuple[int, int, int, int]:
-        """``(width, height, level, k)``: the size of :meth:`get_thumbnail`'s image for ``max_size``
-        and where it comes from: ``level``, its stored tiles decoded at 1/``k`` (1: whole). ``k`` is
-        the largest of the level's :meth:`reduced_scales` that keeps the decoded level at least the
-        thumbnail's size, where ``reduced`` and the level stores all its tiles."""
-        if isinstance(max_size, int):
-            max_size = (max_size, max_size)
-        w0, h0 = self.dimensions
-        scale = max(w0 / max_size[0], h0 / max_size[1], 1.0)
-        tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
-        level = self.best_level_for_downsample(scale)
-        k = 1
-        if reduced and self.stored_tiles_present(level) is None:
-            ds = self._level_downsamples[level]
-            k = max((f for f in self.reduced_scales(level) if ds * f <= scale), default=1)
-        return tw, th, level, k
 
     def decoded_tile_count(self) -> int | None:
         """How many stored tiles this reader has decoded since it was opened (None: a reader
@@ -375,6 +358,24 @@ class Slide(abc.ABC):
 
 
 # The thumbnail's ways of reading a level too large to read whole (Slide.get_thumbnail).
+
+
+def thumbnail_source(slide: Slide, max_size: tuple[int, int] | int, reduced: bool = False) -> tuple[int, int, int, int]:
+    """``(width, height, level, k)``: the size of :meth:`Slide.get_thumbnail`'s image for ``max_size``
+    and where it comes from: ``level``, its stored tiles decoded at 1/``k`` (1: whole). ``k`` is
+    the largest of the level's :meth:`~Slide.reduced_scales` that keeps the decoded level at least the
+    thumbnail's size, where ``reduced`` and the level stores all its tiles."""
+    if isinstance(max_size, int):
+        max_size = (max_size, max_size)
+    w0, h0 = slide.dimensions
+    scale = max(w0 / max_size[0], h0 / max_size[1], 1.0)
+    tw, th = max(1, round(w0 / scale)), max(1, round(h0 / scale))
+    level = slide.best_level_for_downsample(scale)
+    k = 1
+    if reduced and slide.stored_tiles_present(level) is None:
+        ds = slide.level_downsamples[level]
+        k = max((f for f in slide.reduced_scales(level) if ds * f <= scale), default=1)
+    return tw, th, level, k
 
 
 def _banded_thumbnail(slide: Slide, level: int, tw: int, th: int, k: int = 1) -> np.ndarray:

@@ -19,7 +19,7 @@ import cv2
 import numpy as np
 
 from ..errors import ConfigError
-from ..slide.base import Slide
+from ..slide.base import Slide, thumbnail_source
 from ..special_files import open_regular, special_kind
 from .grid import TileGrid
 
@@ -228,7 +228,7 @@ def mask_source(slide: Slide, side: int, decoded_before: int | None) -> dict:
     ``size``, ``decode`` ("whole" or "1/k": JPEG tiles decoded reduced), ``read`` ("as stored"
     where the level is the thumbnail, else "shrunk"), and ``stored_tiles_decoded`` since
     ``decoded_before`` (None where the reader cannot tell)."""
-    tw, th, level, k = slide.thumbnail_source((side, side), reduced=True)
+    tw, th, level, k = thumbnail_source(slide, (side, side), reduced=True)
     lw, lh = slide.level_dimensions[level]
     after = slide.decoded_tile_count()
     return {
