@@ -7,7 +7,8 @@
 
 Writes a synthetic pathology slide (``wsi-pipeline synth``, seed 7; YCbCr 4:2:0 JPEG in 256 px
 tiles) and copies its pixels into each storage kind of :mod:`wsi_pipeline.synthetic.storage`
-(tiled TIFF 4:2:0 / 4:2:2 / 4:4:4 / RGB JPEG in 240 px tiles, Aperio SVS) and, where pydicom is
+(tiled TIFF 4:2:0 / 4:2:2 / 4:4:4 / RGB JPEG in 240 px tiles, the 4:4:4 and RGB ones with their
+pyramid in page 0's SubIFDs, the 4:4:4 one with level 0 alone, Aperio SVS) and, where pydicom is
 there, a DICOM WSI series. Each is run through ``Pipeline.run`` (no outputs) with the shipped
 pathology model at the card's resolution, and the SVS and synth's TIFF again at ``--coarse-mpp``
 (a 20x model on a 40x scan: tiles read from level 0 and resampled). For each it prints the
@@ -110,8 +111,12 @@ def run_kind(pipe: Pipeline, path: str, rounds: int) -> dict:
         sync()
         speeds.append(last.summary["tiles"]["read"] / (time.perf_counter() - t0))
     s = last.summary
+    seconds = s.get("seconds") or {}
     return {
         "tiles": s["tiles"]["read"],
+        # The tissue mask's share of the run's seconds, and where its thumbnail came from.
+        "mask_share": round(seconds.get("tissue_mask", 0.0) / max(seconds.get("total", 0.0), 1e-9), 3),
+        "mask_source": (s.get("tissue") or {}).get("source"),
         "tiles_per_s": [round(v, 1) for v in speeds],
         "median": round(statistics.median(speeds), 1),
         "best": round(max(speeds), 1),
@@ -121,6 +126,12 @@ def run_kind(pipe: Pipeline, path: str, rounds: int) -> dict:
         "detections": int(len(last.detections)),
         "_boxes": boxes_of(last),
     }
+
+
+def _mask_how(source: dict | None) -> str:
+    if not source:
+        return "none"
+    return f"level {source['level']}, {source['decode']}, {source['stored_tiles_decoded']} stored tiles"
 
 
 def model_alone(pipe: Pipeline) -> float:
@@ -298,12 +309,12 @@ def main() -> int:
     synth_median = ref[None]["median"] if None in ref else None
     log(
         "\n| storage | mpp | reader | decode | tiles/s median (best) | vs synth | / model alone "
-        "| count, matched vs synth |"
+        "| count, matched vs synth | mask share (source) |"
     )
-    log("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    log("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         if "error" in r:
-            log(f"| {r['kind']} | {r['mpp'] or 'card'} | failed: {r['error']} | | | | | |")
+            log(f"| {r['kind']} | {r['mpp'] or 'card'} | failed: {r['error']} | | | | | | |")
             continue
         dec = r["tile_decode"] or {}
         how = dec.get("where", "?") + (f" ({dec['decoder']})" if dec.get("decoder") else "")
@@ -311,7 +322,8 @@ def main() -> int:
         log(
             f"| {r['kind']} | {r['mpp'] or 'card'} | {(r['slide_reader'] or {}).get('name', '?')} | {how} | "
             f"{r['median']:.0f} ({r['best']:.0f}) | {vs} | {r.get('over_model_alone', '')} | "
-            f"{r.get('count_vs_synth', '')}, {r.get('matched_vs_synth', '')} |"
+            f"{r.get('count_vs_synth', '')}, {r.get('matched_vs_synth', '')} | {r['mask_share']} "
+            f"({_mask_how(r['mask_source'])}) |"
         )
     log(f"model alone: { {k: v for k, v in res.items() if k.startswith('model_alone')} }; MONAI: {res.get('monai')}")
     write_json(args.json, res)

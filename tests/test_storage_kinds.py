@@ -23,8 +23,13 @@ KIND_NAMES = {
     "tiff-ycbcr444": "YCbCr 4:4:4",
     "tiff-rgb": "RGB",
     "svs": "RGB",
+    "tiff-subifds-ycbcr444": "YCbCr 4:4:4",
+    "tiff-subifds-rgb": "RGB",
+    "tiff-one-level": "YCbCr 4:4:4",
     "svs-j2k": None,
 }
+# Pyramids in page 0's SubIFDs: OpenSlide sees level 0; the project the same level 0 and the SubIFDs.
+SUBIFD_KINDS = ("tiff-subifds-ycbcr444", "tiff-subifds-rgb")
 
 
 def _lattice(slide, step=448, size=512):
@@ -39,14 +44,18 @@ def test_each_kind_reads_as_openslide_reads_it(storage_kinds, kind):
     osr = openslide.OpenSlide(path)
     with open_slide(path) as slide:
         assert slide.backend == "tifffile"
-        assert slide.level_dimensions == tuple(tuple(d) for d in osr.level_dimensions)
+        if kind in SUBIFD_KINDS:
+            assert osr.level_count == 1 and slide.level_dimensions[0] == tuple(osr.level_dimensions[0])
+            assert slide.level_count == 3 and any("SubIFD" in n for n in slide.level_notes)
+        else:
+            assert slide.level_dimensions == tuple(tuple(d) for d in osr.level_dimensions)
         assert slide.mpp == pytest.approx((0.25, 0.25))
         assert slide.stored_tile_format(0)["jpeg_kind"] == KIND_NAMES[kind]
         if kind == "svs-j2k":
             assert slide.stored_tile_format(0)["compression"] == "APERIO_JP2000_YCBC"
         origins, size = _lattice(slide)
         diffs = []
-        for level in range(slide.level_count):
+        for level in range(osr.level_count):
             for x, y in origins[:: 3 if level == 0 else 1]:
                 ours = slide.read_region((x, y), level, (size, size)).astype(np.int16)
                 rgba = np.asarray(osr.read_region((x, y), level, (size, size)))

@@ -19,6 +19,12 @@ Kinds (:data:`STORAGE_KINDS`):
     their quantisation and Huffman tables in the page's JPEGTables tag; levels at downsample 4,
     16, ...; the thumbnail as the second page, label (LZW) and macro (JPEG) pages last; mpp and
     magnification in the Aperio ImageDescription.
+``tiff-subifds-ycbcr444``, ``tiff-subifds-rgb``
+    the YCbCr 4:4:4 / RGB TIFF with its reduced levels in page 0's SubIFDs, no OME-XML, as
+    tifffile's ``subifds=`` and libvips' ``tiffsave --subifd`` write a pyramid (OpenSlide sees
+    level 0 alone).
+``tiff-one-level``
+    the YCbCr 4:4:4 TIFF's level 0 alone (a slide of one stored level).
 ``svs-j2k``
     the same with Aperio's JPEG 2000 (TIFF compression 33003): Y, Cb, Cr planes (JFIF's full
     range) in a J2K codestream without its own colour transform, as OpenSlide decodes them.
@@ -39,7 +45,23 @@ from ..errors import ConfigError
 from ..io.atomic import partial_name
 from ..slide.base import Slide
 
-STORAGE_KINDS = ("tiff-ycbcr420", "tiff-ycbcr422", "tiff-ycbcr444", "tiff-rgb", "svs", "svs-j2k")
+STORAGE_KINDS = (
+    "tiff-ycbcr420",
+    "tiff-ycbcr422",
+    "tiff-ycbcr444",
+    "tiff-rgb",
+    "tiff-subifds-ycbcr444",
+    "tiff-subifds-rgb",
+    "tiff-one-level",
+    "svs",
+    "svs-j2k",
+)
+# Kinds that store another kind's tiles in another layout: (the tiles' kind, the layout).
+_LAYOUTS = {
+    "tiff-subifds-ycbcr444": ("tiff-ycbcr444", "subifds"),
+    "tiff-subifds-rgb": ("tiff-rgb", "subifds"),
+    "tiff-one-level": ("tiff-ycbcr444", "one-level"),
+}
 _SUBSAMPLING = {"tiff-ycbcr420": (2, 2), "tiff-ycbcr422": (2, 1), "tiff-ycbcr444": (1, 1)}
 # Levels stop at the first whose longer side is at most this.
 _SMALLEST_LEVEL_SIDE = 1024
@@ -144,12 +166,16 @@ def write_storage(
     mpp = source.mpp[0] if source.mpp else None
     svs = kind.startswith("svs")
     plan = _level_plan(width, height, 4 if svs else 2)
+    written, layout = _LAYOUTS.get(kind, (kind, None))
+    if layout == "one-level":
+        plan = plan[:1]
     bigtiff = width * height * 3 > 2**31
     tmp = partial_name(path)
     try:
         with tifffile.TiffWriter(tmp, bigtiff=bigtiff) as tw:
             for k, (d, lw, lh) in enumerate(plan):
-                _write_level(tw, source, kind, d, lw, lh, tile_size, quality, mpp, first=k == 0)
+                subifds = len(plan) - 1 if layout == "subifds" and k == 0 else None
+                _write_level(tw, source, written, d, lw, lh, tile_size, quality, mpp, first=k == 0, subifds=subifds)
                 if svs and k == 0:
                     _write_associated(tw, source, "thumbnail", width, height, quality, mpp)
             if svs:
@@ -182,6 +208,7 @@ def _write_level(
     quality: int,
     mpp: float | None,
     first: bool,
+    subifds: int | None = None,
 ) -> None:
     tiles = _tiles(source, downsample, lw, lh, tile)
     extratags: list = []
@@ -220,6 +247,7 @@ def _write_level(
         software="wsi-pipeline",
         metadata=None,
         extratags=extratags,
+        subifds=subifds,
         **resolution,
     )
 
