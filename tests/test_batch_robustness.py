@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsi_pipeline.batch import expand_inputs, run_batch, run_key, runner
+import wsi_pipeline.batch.manifest as manifest_file
+from wsi_pipeline.batch import expand_inputs, run_batch, run_key
 from wsi_pipeline.batch.folder import OutputFolderError, lock_output_folder, output_names
 from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.batch.runner import plan
@@ -272,7 +273,7 @@ def test_a_pipeline_that_cannot_be_built_stops_the_batch_with_no_slide_running(t
 
 
 def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
-    from wsi_pipeline.batch.slide_worker import slide_time_limit
+    from wsi_pipeline.batch.slide_runners import slide_time_limit
 
     small = _slides(tmp_path, "a.tiff")[0]
     big = tmp_path / "big.tiff"
@@ -320,7 +321,8 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
         from pathlib import Path
         from test_batch_robustness import FakeFactory, _key
         from wsi_pipeline.batch import run_batch
-        from wsi_pipeline.cli import Terminated, sigterm_as_interrupt
+        from wsi_pipeline.cli import sigterm_as_interrupt
+        from wsi_pipeline.errors import Terminated
         from wsi_pipeline.config import RunConfig
         from wsi_pipeline.pipeline import DEFAULT_MODEL
         import logging
@@ -609,7 +611,7 @@ def test_a_fifo_among_the_slides_fails_at_once_and_the_batch_goes_on(tmp_path, t
 def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
     paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
-    real = runner.write_json
+    real = manifest_file.write_json
     calls = []
 
     def write_json(path, obj, **kw):
@@ -618,7 +620,7 @@ def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, obj, **kw)
 
-    monkeypatch.setattr(runner, "write_json", write_json)
+    monkeypatch.setattr(manifest_file, "write_json", write_json)
     with pytest.raises(OutputFolderError, match=r"manifest\.json: cannot record .*No space left.*the run stops"):
         run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
 
@@ -1005,7 +1007,7 @@ def test_the_slide_process_gives_freed_large_blocks_back_to_the_system():
     assert kept - given_back > 60, (kept, given_back)
 
 
-def test_the_batch_package_hands_on_its_names_and_loads_them_on_first_use():
+def test_the_batch_package_hands_on_its_names_without_importing_the_slide_process():
     """``python -m wsi_pipeline.batch.slide_worker`` must find the worker not yet imported by its package."""
     code = (
         "import sys, wsi_pipeline.batch as b\n"

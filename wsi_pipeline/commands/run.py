@@ -12,6 +12,7 @@ from pathlib import Path
 from ..batch import expand_inputs, run_batch, run_key
 from ..batch.folder import LOCK_FILE, LOG_FILE, MANIFEST, SLIDES_DIR, lock_output_folder, printable
 from ..batch.jobs import PipelineFactory
+from ..batch.stops import SetUp, record_stop_in_set_up, was_recorded
 from ..config import BATCH, DAMAGE, INFERENCE, INPUT, OUTPUT, TILING, RunConfig, load_config
 from ..errors import ConfigError, ModelError, UsageError
 from .run_log import PROGRESS_CHOICES, progress_mode, remove_logging, setup_logging
@@ -140,8 +141,8 @@ def _run_logged(args: argparse.Namespace, slides: list, out: Path, config: RunCo
     mode = progress_mode(args.progress, args.quiet, sys.stderr.isatty())
     handlers = setup_logging(out / LOG_FILE, mode, args.quiet)
     log = logging.getLogger("wsi_pipeline")
-    log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
     try:
+        log.info("run: %d slides into %s, run key %s, config %s", len(slides), out, key.value, config.as_dict())
         with warnings.catch_warnings():
             # Per-slide warnings (unknown resolution ...) go through the log handlers, once per slide.
             warnings.simplefilter("default")
@@ -155,6 +156,10 @@ def _run_logged(args: argparse.Namespace, slides: list, out: Path, config: RunCo
                 progress=mode == "bar",
                 dask=config.dask,
             )
+    except KeyboardInterrupt as stop:
+        if not was_recorded(stop):  # before the batch took the folder
+            record_stop_in_set_up(out, SetUp("opening the log"), stop)
+        raise
     finally:
         remove_logging(handlers)
 
