@@ -46,6 +46,10 @@ def _cli(*args, cwd=None, timeout=300):
     )
 
 
+# wsi_pipeline.review draws with matplotlib, which a core install lacks.
+NOTEBOOKS_EXTRA = "needs matplotlib, of the notebooks extra: pip install 'wsi-pipeline[notebooks]'"
+
+
 def _manifest(out: Path) -> dict:
     return json.loads((out / "manifest.json").read_text())["slides"]
 
@@ -249,9 +253,8 @@ def test_the_child_plans_the_slide_after_those_it_runs_ahead(tmp_path):
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
     paths = _slides(tmp_path / "in", "hang[1].tiff", "crash.tiff", "good.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=3)
-    t0 = time.monotonic()
+    # A batch that waited on the hanging slide would never end: its outcome says it was stopped.
     report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
-    assert time.monotonic() - t0 < 60
     hang, crash, good = report.outcomes
     assert hang.status == "failed" and "did not finish within 3 s" in hang.error and "hang[1].tiff" in hang.error
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
@@ -339,10 +342,9 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
     """)
     # Its own process group, as a scheduler's job: the signal goes to the child too, as it would.
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if list((out / "slides").glob(".hang.partial-*")):  # the child is inside the slide
-            break
+    # Waits on the run's progress (the child inside the slide), not on a clock.
+    while not list((out / "slides").glob(".hang.partial-*")):
+        assert proc.poll() is None, "the run ended before its slide started"
         time.sleep(0.05)
     os.killpg(proc.pid, signum)
     assert proc.wait(timeout=60) == code
@@ -527,6 +529,7 @@ def test_what_stands_where_a_slide_folder_goes_is_replaced_and_not_left(tmp_path
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(os.listdir(out / "slides")) == ["tiny"]
     assert sorted(os.listdir(out / "slides" / "tiny")) == sorted(OUTPUT_FILES)
+    pytest.importorskip("matplotlib", reason=NOTEBOOKS_EXTRA)
     from wsi_pipeline.review import load_run
 
     run = load_run(out)  # a batch folder of one slide
@@ -971,6 +974,7 @@ def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, 
 
 
 def test_load_run_on_a_batch_folder_of_several_slides_names_them(tmp_path):
+    pytest.importorskip("matplotlib", reason=NOTEBOOKS_EXTRA)
     from wsi_pipeline.errors import WSIPipelineError
     from wsi_pipeline.review import load_run
 
