@@ -5,7 +5,9 @@ model, ONNX Runtime) and each setting of sessions (``streams``: the CPU
 workers, each an ONNX Runtime session with cores / streams intra-op threads)
 and ``batch_size`` (a frame's tiles in one batch, or half of them in each
 session's), the
-median and worst of ``--runs`` calls after one warm-up call.
+median and worst of ``--runs`` calls after one warm-up call. The settings' pipelines are built
+together and called in turn, round after round, so that a machine whose load changes meanwhile
+weighs on each setting alike.
 
     python benchmarks/bench_qc_latency.py [--sizes 512,1024,2048] [--runs 5] [--backend ort]
 
@@ -28,7 +30,8 @@ from wsi_pipeline.synthetic import SyntheticScene
 
 # (name, streams, batch_size): None the default; 0 a frame's tiles, -1 half of them (one batch per session).
 SETTINGS = [
-    ("default: 2 sessions, batch 8", None, None),
+    ("default", None, None),
+    ("2 sessions, batch 8", 2, 8),
     ("2 sessions, batch half a frame", 2, -1),
     ("1 session, batch 8", 1, 8),
     ("1 session, batch a frame", 1, 0),
@@ -53,25 +56,36 @@ def main() -> None:
         frame = SyntheticScene(size, size, seed=7, kind="industrial").render(0, 0, size, size)
         g = TilingGeometry(size, size, 512, 64)
         tiles = g.n_rows * g.n_cols
-        for name, streams, batch in settings:
+        pipes = []
+        for _, streams, batch in settings:
             per_batch = {0: tiles, -1: -(-tiles // 2)}.get(batch, batch)
             overrides = {} if streams is None else {"streams": streams, "batch_size": per_batch}
-            with Pipeline.from_card("defects_industrial", backend=args.backend, **overrides) as pipe:
+            pipes.append(Pipeline.from_card("defects_industrial", backend=args.backend, **overrides))
+        try:
+            times: list[list[float]] = [[] for _ in pipes]
+            for pipe in pipes:
                 pipe.run(frame)  # warm-up
-                times = []
-                for _ in range(args.runs):
+            for _ in range(args.runs):
+                for pipe, kept in zip(pipes, times, strict=True):
                     t0 = time.perf_counter()
                     pipe.run(frame)
-                    times.append(time.perf_counter() - t0)
-                name = name if args.backend == "ort" else f"{pipe.backend_name}, batch {pipe.batch_size}"
-            print(f"| {size} x {size} | {tiles} | {name} | {statistics.median(times):.3f} | {max(times):.3f} |")
+                    kept.append(time.perf_counter() - t0)
+            names = [
+                n if args.backend == "ort" else f"{p.backend_name}, batch {p.batch_size}"
+                for (n, _, _), p in zip(settings, pipes, strict=True)
+            ]
+        finally:
+            for pipe in pipes:
+                pipe.close()
+        for name, kept in zip(names, times, strict=True):
+            print(f"| {size} x {size} | {tiles} | {name} | {statistics.median(kept):.3f} | {max(kept):.3f} |")
             record["rows"].append(
                 {
                     "frame_px": size,
                     "tiles": tiles,
                     "setting": name,
-                    "median_s": statistics.median(times),
-                    "worst_s": max(times),
+                    "median_s": statistics.median(kept),
+                    "worst_s": max(kept),
                 }
             )
     write_json(args.json, record)

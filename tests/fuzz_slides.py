@@ -872,6 +872,39 @@ def _worker_main(mem_bytes: int) -> None:
 # -- the harness -------------------------------------------------------------------
 
 
+# A case that goes this long without its worker's CPU time moving waits on something that never
+# comes (a lock, a pipe): a hang that a CPU-time limit would not see.
+IDLE_S = 120.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time (user and system) of process ``pid`` and its live descendants, with what their
+    ended children used; None where /proc cannot tell (not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total = sum(int(v) for v in fields[11:15]) / _CLOCK_TICKS  # utime stime cutime cstime
+        children: list[int] = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children.extend(int(c) for c in f.read().split())
+    except (OSError, ValueError, IndexError):
+        return None
+    return total + sum(cpu_seconds(c) or 0.0 for c in children)
+
+
+@dataclass
+class _Case:
+    """The case a worker runs: its index, and the worker's CPU time and the wall clock when it was
+    sent and when that CPU time last moved."""
+
+    index: int
+    cpu_at_start: float | None
+    cpu_seen: float | None
+    moved_at: float
+
+
 class _Worker:
     def __init__(self, mem_bytes: int):
         env = dict(os.environ, MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -885,14 +918,29 @@ class _Worker:
             text=True,
             bufsize=1,
         )
-        self.busy: tuple[int, float] | None = None  # (case index, start time)
+        self.busy: _Case | None = None
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("fuzz worker did not start")
 
     def send(self, index: int, path: Path) -> None:
         self.proc.stdin.write(f"{path}\n")
         self.proc.stdin.flush()
-        self.busy = (index, time.monotonic())
+        cpu = cpu_seconds(self.proc.pid)
+        self.busy = _Case(index, cpu, cpu, time.monotonic())
+
+    def cpu_used(self) -> float:
+        """CPU seconds the case has used so far (where /proc cannot tell: seconds since it was sent)."""
+        case = self.busy
+        now, cpu = time.monotonic(), cpu_seconds(self.proc.pid)
+        if cpu is None or case.cpu_at_start is None:
+            return now - case.moved_at
+        if cpu != case.cpu_seen:
+            case.cpu_seen, case.moved_at = cpu, now
+        return cpu - case.cpu_at_start
+
+    def stalled(self) -> bool:
+        """Whether the case's CPU time has stood still for :data:`IDLE_S`."""
+        return self.busy.cpu_at_start is not None and time.monotonic() - self.busy.moved_at > IDLE_S
 
     def kill(self) -> None:
         self.proc.kill()
@@ -902,7 +950,10 @@ class _Worker:
 def run_cases(
     cases: list[tuple[Path, str]], workers: int = 2, timeout_s: float = 20.0, mem_bytes: int = 3 << 30
 ) -> list[dict]:
-    """Run every case in worker processes; a hang past ``timeout_s`` or a crash kills the worker."""
+    """Run every case in worker processes; a crash, a case past ``timeout_s`` of CPU time (the
+    worker's, its helper processes' included: a machine busy with other work slows a case down,
+    but does not make it use more), or one that makes no progress for :data:`IDLE_S` (its CPU
+    time stands still) kills the worker. Each result holds the case's CPU seconds (``cpu_s``)."""
     results: list[dict | None] = [None] * len(cases)
     pending = list(range(len(cases)))[::-1]
     pool = [_Worker(mem_bytes) for _ in range(workers)]
@@ -917,17 +968,19 @@ def run_cases(
             for k, w in enumerate(pool):
                 if not w.busy:
                     continue
-                i, t0 = w.busy
+                i, used = w.busy.index, w.cpu_used()
                 if w.proc.stdout in ready:
                     line = w.proc.stdout.readline()
                     if line:
-                        results[i] = json.loads(line)
+                        results[i] = {**json.loads(line), "cpu_s": round(used, 2)}
                         w.busy = None
                         continue
                     rc = w.proc.wait()
                     results[i] = {"outcome": "crash", "detail": f"worker exited with {rc}"}
-                elif time.monotonic() - t0 > timeout_s:
-                    results[i] = {"outcome": "timeout", "detail": f"no answer in {timeout_s:g} s"}
+                elif used > timeout_s:
+                    results[i] = {"outcome": "timeout", "detail": f"no answer after {timeout_s:g} s of CPU time"}
+                elif w.stalled():
+                    results[i] = {"outcome": "timeout", "detail": f"no progress: CPU time unchanged for {IDLE_S:g} s"}
                 else:
                     continue
                 w.kill()
@@ -952,7 +1005,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default="/tmp/wsi_fuzz")
-    ap.add_argument("--timeout", type=float, default=20.0)
+    ap.add_argument("--timeout", type=float, default=20.0, help="CPU seconds a case may use")
     ap.add_argument("--mem-gib", type=float, default=3.0)
     ap.add_argument("--no-bombs", action="store_true")
     ap.add_argument("--report", help="write every case's outcome to this JSON file")

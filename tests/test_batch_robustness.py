@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wsi_pipeline.batch import expand_inputs, run_batch, run_key, runner
+import wsi_pipeline.batch.manifest as manifest_file
+from wsi_pipeline.batch import expand_inputs, run_batch, run_key
 from wsi_pipeline.batch.folder import OutputFolderError, lock_output_folder, output_names
 from wsi_pipeline.batch.resume import RunKey
 from wsi_pipeline.batch.runner import plan
@@ -43,6 +44,10 @@ def _cli(*args, cwd=None, timeout=300):
         timeout=timeout,
         cwd=cwd,
     )
+
+
+# wsi_pipeline.review draws with matplotlib, which a core install lacks.
+NOTEBOOKS_EXTRA = "needs matplotlib, of the notebooks extra: pip install 'wsi-pipeline[notebooks]'"
 
 
 def _manifest(out: Path) -> dict:
@@ -264,9 +269,8 @@ def test_the_child_plans_the_slide_after_those_it_runs_ahead(tmp_path):
 def test_a_slide_past_its_time_limit_is_failed_and_the_batch_goes_on(tmp_path):
     paths = _slides(tmp_path / "in", "hang[1].tiff", "crash.tiff", "good.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=3)
-    t0 = time.monotonic()
+    # A batch that waited on the hanging slide would never end: its outcome says it was stopped.
     report = run_batch(paths, tmp_path / "out", FakeFactory(), config, _key(config), progress=False)
-    assert time.monotonic() - t0 < 60
     hang, crash, good = report.outcomes
     assert hang.status == "failed" and "did not finish within 3 s" in hang.error and "hang[1].tiff" in hang.error
     assert crash.status == "failed" and "died (exit code 3)" in crash.error
@@ -288,7 +292,7 @@ def test_a_pipeline_that_cannot_be_built_stops_the_batch_with_no_slide_running(t
 
 
 def test_the_default_time_limit_grows_with_the_slide_file(tmp_path):
-    from wsi_pipeline.batch.slide_worker import slide_time_limit
+    from wsi_pipeline.batch.slide_runners import slide_time_limit
 
     small = _slides(tmp_path, "a.tiff")[0]
     big = tmp_path / "big.tiff"
@@ -336,7 +340,8 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
         from pathlib import Path
         from test_batch_robustness import FakeFactory, _key
         from wsi_pipeline.batch import run_batch
-        from wsi_pipeline.cli import Terminated, sigterm_as_interrupt
+        from wsi_pipeline.cli import sigterm_as_interrupt
+        from wsi_pipeline.errors import Terminated
         from wsi_pipeline.config import RunConfig
         from wsi_pipeline.pipeline import DEFAULT_MODEL
         import logging
@@ -353,10 +358,9 @@ def test_ctrl_c_or_sigterm_stops_the_child_and_marks_the_slide_interrupted(tmp_p
     """)
     # Its own process group, as a scheduler's job: the signal goes to the child too, as it would.
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if list((out / "slides").glob(".hang.partial-*")):  # the child is inside the slide
-            break
+    # Waits on the run's progress (the child inside the slide), not on a clock.
+    while not list((out / "slides").glob(".hang.partial-*")):
+        assert proc.poll() is None, "the run ended before its slide started"
         time.sleep(0.05)
     os.killpg(proc.pid, signum)
     assert proc.wait(timeout=60) == code
@@ -541,6 +545,7 @@ def test_what_stands_where_a_slide_folder_goes_is_replaced_and_not_left(tmp_path
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(os.listdir(out / "slides")) == ["tiny"]
     assert sorted(os.listdir(out / "slides" / "tiny")) == sorted(OUTPUT_FILES)
+    pytest.importorskip("matplotlib", reason=NOTEBOOKS_EXTRA)
     from wsi_pipeline.review import load_run
 
     run = load_run(out)  # a batch folder of one slide
@@ -625,7 +630,7 @@ def test_a_fifo_among_the_slides_fails_at_once_and_the_batch_goes_on(tmp_path, t
 def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, monkeypatch):
     paths = _slides(tmp_path / "in", "a.tiff", "b.tiff")
     config = RunConfig(model=str(DEFAULT_MODEL), slide_timeout=0)
-    real = runner.write_json
+    real = manifest_file.write_json
     calls = []
 
     def write_json(path, obj, **kw):
@@ -634,7 +639,7 @@ def test_a_manifest_that_cannot_be_written_stops_the_run_saying_why(tmp_path, mo
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, obj, **kw)
 
-    monkeypatch.setattr(runner, "write_json", write_json)
+    monkeypatch.setattr(manifest_file, "write_json", write_json)
     with pytest.raises(OutputFolderError, match=r"manifest\.json: cannot record .*No space left.*the run stops"):
         run_batch(paths, tmp_path / "out", FakePipeline, config, _key(config), progress=False)
 
@@ -1050,6 +1055,7 @@ def test_a_log_that_cannot_be_written_is_said_once_without_tracebacks(tmp_path, 
 
 
 def test_load_run_on_a_batch_folder_of_several_slides_names_them(tmp_path):
+    pytest.importorskip("matplotlib", reason=NOTEBOOKS_EXTRA)
     from wsi_pipeline.errors import WSIPipelineError
     from wsi_pipeline.review import load_run
 
@@ -1086,7 +1092,7 @@ def test_the_slide_process_gives_freed_large_blocks_back_to_the_system():
     assert kept - given_back > 60, (kept, given_back)
 
 
-def test_the_batch_package_hands_on_its_names_and_loads_them_on_first_use():
+def test_the_batch_package_hands_on_its_names_without_importing_the_slide_process():
     """``python -m wsi_pipeline.batch.slide_worker`` must find the worker not yet imported by its package."""
     code = (
         "import sys, wsi_pipeline.batch as b\n"

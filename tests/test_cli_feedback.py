@@ -235,7 +235,7 @@ def test_info_names_the_slide_reader_and_keeps_backend_as_an_old_name(coarse_sli
 
 def test_decode_help_and_info_follow_the_gpu_decoder_table(coarse_slide, capsys, monkeypatch):
     from wsi_pipeline.commands import info
-    from wsi_pipeline.commands.run import decode_help
+    from wsi_pipeline.config import decode_help
     from wsi_pipeline.tiling.gpu_choice import GPU_DECODER_BY_COLOUR, storage_gpu_decoder
 
     text = decode_help()

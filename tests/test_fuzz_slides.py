@@ -1,6 +1,6 @@
 """A few hundred mutants of small slides: each ends in success or a project error naming the file.
 
-No case may hang (each has a time limit), crash the process, allocate past
+No case may hang (each has a limit of CPU time, and one of no progress), crash the process, allocate past
 the address-space limit, or raise an exception type that is not the
 project's own. The generator and the harness are in ``fuzz_slides.py``.
 """
@@ -89,7 +89,7 @@ def test_slides_one_pixel_high_or_wide_are_read(tmp_path):
 def test_coarse_reads_skewed_pages_and_sparse_matrices_are_read_within_the_limits(tmp_path):
     """A tile 64 x coarser than a one-level slide (3.2 GB read whole), a page of another shape
     than level 0 (never read for a resolution), a sparse DICOM and a sparse TIFF claiming 400,000 px
-    square (their thumbnails from their few stored tiles): read, under the harness's 2 GiB and 30 s."""
+    square (their thumbnails from their few stored tiles): read, under the harness's 2 GiB and 30 s of CPU time."""
     cases = coarse_read_slides(tmp_path / "coarse") + skewed_level_slides(tmp_path / "skewed")
     cases += sparse_dicom_slides(tmp_path / "sparse") + sparse_tiff_slides(tmp_path / "sparse_tiff")
     results = run_cases(cases, workers=1, timeout_s=30.0, mem_bytes=2 << 30)
@@ -131,3 +131,30 @@ def test_cmyk_is_read_as_rgb_by_openslide_or_refused_never_shown_as_inks(tmp_pat
     for path, backend in ((tiled, "tifffile"), (strips, "auto"), (strips, "image")):
         with pytest.raises(SlideOpenError, match=r"CMYK \(photometric SEPARATED\) is not RGB"):
             open_slide(path, backend)
+
+
+def test_the_harness_limits_cpu_time_not_the_wall_clock():
+    """A process that sleeps uses no CPU time, so a machine busy with other work cannot make a case
+    look hung; one that spins uses it, its children's included."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fuzz_slides import cpu_seconds
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"],
+        start_new_session=True,  # its child too ends with its group
+    )
+    try:
+        time.sleep(1.5)
+        assert cpu_seconds(sleeper.pid) < 0.5
+        assert cpu_seconds(spinner.pid) > 0.3  # its child's spinning
+    finally:
+        sleeper.kill()
+        os.killpg(spinner.pid, signal.SIGKILL)
+        for p in (sleeper, spinner):
+            p.wait()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline.batch.folder import lock_output_folder
-from wsi_pipeline.batch.runner import Manifest
+from wsi_pipeline.batch.manifest import Manifest
 from wsi_pipeline.errors import SpecialFileError, UsageError
 from wsi_pipeline.io.atomic import atomic_write, partial_name, write_json
 

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -115,12 +114,11 @@ def test_a_run_with_dicom_outputs_fails_the_slide_at_once_naming_a_fifo_beside_i
     a = write_dicom_wsi(folder, "a", image, levels=2, jpeg="YBR_FULL_422")  # read by the dicom reader
     os.mkfifo(folder / "zz.dcm")  # no writer: opening it for reading waits for ever
     out = tmp_path / "out"
-    t0 = time.monotonic()
     proc = _cli("run", a[0], "--out", out, "--backend", "ort", "--formats", "geojson,dicom", "--slide-timeout", 120)
-    assert time.monotonic() - t0 < 100, "the slide waited on the FIFO until its time limit"
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     (record,) = json.loads((out / "manifest.json").read_text())["slides"].values()  # named after its folder
     assert record["status"] == "failed"
+    # Refused as a FIFO, not failed at its time limit ("did not finish within 120 s") waiting on it.
     assert "zz.dcm: a FIFO (named pipe), not a regular file" in record["error"], record
 
 

@@ -142,16 +142,53 @@ def test_the_import_graph_is_read():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _outward(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` less each module's imports of the packages it stands in: an ``__init__``
+    imports its own modules (eagerly, or through ``importlib.import_module``), and a module taking a
+    sibling's name through the package face would make every package one circle. The face is
+    followed inwards from outside the package: a module importing it reaches what it imports."""
+    return {name: {m for m in imported if not name.startswith(m + ".")} for name, imported in graph.items()}
+
+
 def test_no_module_imports_itself_back_through_others():
-    """A package's ``__init__`` handing on its modules' names is not a circle: it is left out
-    when it imports only from below itself."""
+    assert _circles(_outward(_graph())) == []
+
+
+# The modules that start the command line: the package's own ``python -m wsi_pipeline`` and ``make demo``.
+ENTRY_POINTS = {"wsi_pipeline.__main__", "wsi_pipeline.demo"}
+
+
+def test_only_the_entry_points_import_the_command_line():
+    """The command line sits on top: what it shares (``Terminated``, the errors) lives below it."""
     graph = _graph()
-    # An ``__init__`` importing its own modules, and a module importing a sibling through the
-    # package face, would make every package one circle; the face is followed only outwards.
-    for name, path in _modules().items():
-        if path.name == "__init__.py":
-            graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
-    assert _circles(graph) == []
+    assert {name for name, imported in graph.items() if "wsi_pipeline.cli" in imported} == ENTRY_POINTS
+
+
+def test_no_package_forwards_names_through_getattr():
+    """A package's names are imported by its ``__init__``; a module ``__getattr__`` hides what it
+    imports from the structure's readers. The package's own face loads the pipeline on first use."""
+    forwarding = {
+        name
+        for name, path in _modules().items()
+        if path.name == "__init__.py"
+        and any(
+            isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+            for node in ast.parse(path.read_text(encoding="utf-8")).body
+        )
+    }
+    assert forwarding == {"wsi_pipeline"}
+
+
+def test_a_circle_through_a_package_face_is_found():
+    """A module importing a package whose ``__init__`` loads, on first use, a module that imports the
+    first one back is a circle (as ``cli -> commands.run -> batch -> batch.runner -> cli`` was)."""
+    graph = {
+        "p.cli": {"p.commands.run"},
+        "p.commands.run": {"p.batch"},
+        "p.batch": {"p.batch.runner"},
+        "p.batch.runner": {"p.cli", "p.batch"},
+    }
+    assert _circles(_outward(graph)) == [["p.batch", "p.batch.runner", "p.cli", "p.commands.run"]]
 
 
 def test_no_module_is_over_the_limit():

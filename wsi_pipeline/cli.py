@@ -17,7 +17,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
-from .errors import UsageError, WSIPipelineError
+from .errors import Terminated, UsageError, WSIPipelineError
 from .extras import missing_extra
 from .slide_warnings import format_warning
 from .text_escapes import printable
@@ -30,11 +30,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what a scheduler sends to stop a job), handled as Ctrl-C is: the slide under way is
-    marked interrupted, its partial folder removed, the child processes ended."""
 
 
 def _raise_terminated(signum: int, frame: object) -> None:

@@ -26,13 +26,14 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, SpecialFileError
 from .inference.backend import BACKEND_CHOICES
 from .inference.card_spec import MAX_MPP, MAX_TILE, MIN_MPP
-from .io.formats import DEFAULT_FORMATS, parse_formats
+from .io.formats import DEFAULT_FORMATS, FORMATS, parse_formats
 from .plugins import load_plugins
 from .slide.damage import DAMAGED_TILE_CHOICES
 from .special_files import open_regular
@@ -65,44 +66,189 @@ LOCAL_DASK = "local:"
 PATH_KEYS = ("model", "mask")
 
 
+@dataclass(frozen=True)
+class CliOption:
+    """How a setting is given on ``wsi-pipeline run``'s command line: its help, and the part of
+    ``--help`` it stands in (``section``). ``help`` may be a function, called when the parser is
+    built (texts naming what plugins or the installed models add). ``exclusive``: settings of one
+    name exclude each other; ``append``: a repeatable flag whose values add to the config file's."""
+
+    section: str
+    help: str | Callable[[], str]
+    metavar: str | None = None
+    flag: str | None = None  # default: --NAME with - for _
+    exclusive: str | None = None
+    append: bool = False
+
+
+def option(default: Any = None, cli: CliOption | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A RunConfig field: its default, its command-line flag (None: a config-file key only) and the
+    values it may take (checked by :meth:`RunConfig.validate`, offered by the flag)."""
+    return field(default=default, metadata={"cli": cli, "choices": choices})
+
+
+def _model_help() -> str:
+    from .inference.shipped import DEFAULT_MODEL_NAME, shipped_names
+
+    return (
+        "model card, or a shipped model by name: "
+        f"{', '.join(shipped_names()) or 'none found'} (default: {DEFAULT_MODEL_NAME})"
+    )
+
+
+def decode_help() -> str:
+    """``--decode``'s help, from the table of GPU decoders by JPEG kind (tiling/gpu_choice.py)."""
+    from .tiling.gpu_choice import GPU_DECODER_BY_COLOUR
+
+    kinds = ", ".join(f"{colour} by {decoder}" for colour, decoder in GPU_DECODER_BY_COLOUR.items())
+    return (
+        "where stored JPEG tiles are decoded: auto (on the GPU with a CUDA backend, for baseline JPEG "
+        f"tiles of a tiled TIFF, Aperio SVS or DICOM WSI: {kinds}; else on the CPU), cpu, or gpu "
+        "(refuse slides it cannot take). wsi-pipeline info SLIDE says which a slide gets"
+    )
+
+
+def _formats_help() -> str:
+    return (
+        "output files of each slide, comma-separated: "
+        + "; ".join(f"{f.name}: {f.filename}, {f.about}" for f in FORMATS.values())
+        + f". Default {','.join(DEFAULT_FORMATS)}. "
+        + "; ".join(f"{f.name} needs pip install 'wsi-pipeline[{f.extra}]'" for f in FORMATS.values() if f.extra)
+        + ". docs/outputs.md says which to pick"
+    )
+
+
+# The sections of ``wsi-pipeline run --help`` the settings stand in, in order.
+INPUT, TILING, INFERENCE, OUTPUT, DAMAGE, BATCH = "input", "tiling", "inference", "output", "damage", "batch"
+
+
 @dataclass
 class RunConfig:
-    """Everything that decides a run's result (and so its resume key)."""
+    """Everything that decides a run's result (and so its resume key): each field is a config-file
+    key, and those with a :class:`CliOption` a flag of ``wsi-pipeline run`` too."""
 
-    model: str | None = None
-    backend: str = "auto"
-    tile: int | None = None  # default: the model card's input size
-    overlap: int = 64
-    mpp: float | None = None  # default: the model card's mpp
-    level: int | None = None
-    tissue: str = "auto"  # auto: otsu for models with an mpp, all for industrial ones
-    mask: str | None = None
-    min_tissue: float = 0.05
-    batch_size: int | None = None
-    workers: int | None = None  # tile reader threads; default from the CPU count
-    decode: str = "auto"  # stored tiles: auto = on the GPU where the backend and the slide allow
-    streams: int | None = None
-    score_threshold: float | None = None
-    nms_iou: float = 0.5
-    nms_metric: str = "iou"
-    merge: str = "nms"
-    drop_edge_boxes: bool = True
-    blend: str = "gaussian"
-    sigma_scale: float = 0.125
-    overlay_size: int = 2048
-    on_damaged_tile: str = "warn"  # warn: log it and list it in the summary; fail: the slide fails
-    resample: str = "area"  # RESAMPLE_CHOICES
-    dask: str | None = None
-    # Wall-clock limit of one slide in seconds; None: 1 h plus 1 h per GiB of slide file; 0: no limit.
-    slide_timeout: float | None = None
+    model: str | None = option(None, CliOption(INPUT, _model_help, metavar="CARD"))
+    backend: str = option(
+        "auto",
+        CliOption(INPUT, "default auto: TensorRT, torch on CUDA, ONNX Runtime; torch for a .pt2 model"),
+        BACKEND_CHOICES,
+    )
+    # default: the model card's input size
+    tile: int | None = option(None, CliOption(TILING, "tile size in pixels (must match the model's input)"))
+    overlap: int = option(64, CliOption(TILING, "tile overlap in pixels (default 64)"))
+    # default: the model card's mpp
+    mpp: float | None = option(
+        None, CliOption(TILING, "read at this resolution, um/px (default: the model's)", exclusive="resolution")
+    )
+    level: int | None = option(None, CliOption(TILING, "read this pyramid level as it is", exclusive="resolution"))
+    # auto: otsu for models with an mpp, all for industrial ones
+    tissue: str = option(
+        "auto",
+        CliOption(
+            TILING,
+            "which tiles to read: otsu (tissue found on a thumbnail), all, or file (--mask); "
+            "default auto: otsu for a model with an mpp (pathology), all for one without (industrial)",
+        ),
+        TISSUE_CHOICES,
+    )
+    mask: str | None = option(
+        None, CliOption(TILING, "with --tissue file: mask image or GeoJSON polygons", metavar="PATH")
+    )
+    min_tissue: float = option(0.05, CliOption(TILING, "minimum tissue fraction of a tile (default 0.05)"))
+    batch_size: int | None = option(None, CliOption(INFERENCE, "tiles per batch (default: from device memory)"))
+    # tile reader threads; default from the CPU count
+    workers: int | None = option(
+        None, CliOption(INFERENCE, "tile reader threads for CPU decoding (default: CPU cores - 2, 2 to 4)")
+    )
+    # stored tiles: auto = on the GPU where the backend and the slide allow
+    decode: str = option("auto", CliOption(INFERENCE, decode_help), DECODE_CHOICES)
+    resample: str = option(
+        "area",
+        CliOption(
+            INFERENCE,
+            "a grid between stored levels (--mpp): area (default: the finer level decoded whole, shrunk "
+            "as OpenCV's INTER_AREA, on the CPU or GPU) or reduced (JPEG tiles decoded at 1/2, 1/4 or 1/8 in "
+            "the DCT domain on the CPU: faster, within a few grey levels of area)",
+        ),
+        RESAMPLE_CHOICES,
+    )
+    streams: int | None = option(
+        None,
+        CliOption(
+            INFERENCE,
+            "concurrent inference streams / sessions (default: 4 CUDA streams on a GPU, "
+            "2 ONNX Runtime sessions on the CPU)",
+        ),
+    )
+    score_threshold: float | None = option(
+        None,
+        CliOption(
+            INFERENCE,
+            "drop detections below this score (default: keep what the model card's decoder "
+            "keeps, its score_threshold, 0.3 for the shipped models)",
+        ),
+    )
+    nms_iou: float = option(0.5, CliOption(INFERENCE, "overlap threshold of the box merge (default 0.5)"))
+    nms_metric: str = option("iou", None, ("iou", "ios"))
+    merge: str = option("nms", CliOption(INFERENCE, "box merge across tiles (default nms)"), MERGE_CHOICES)
+    drop_edge_boxes: bool = option(True)
+    blend: str = option(
+        "gaussian",
+        CliOption(INFERENCE, "weights that blend overlapping tiles' heatmaps (default gaussian)"),
+        BLEND_CHOICES,
+    )
+    sigma_scale: float = option(0.125)
     # Output files (names in io/formats.py): a list, or one string "geojson.gz,parquet".
-    formats: tuple[str, ...] = DEFAULT_FORMATS
-    # Resume's fingerprint of a slide file: "sampled" (head, tail, 16 blocks; with its size, mtime and
-    # inode), or "full" (its whole content read: for slides that an archive restores with their mtimes).
-    slide_hash: str = "sampled"
+    formats: tuple[str, ...] = option(DEFAULT_FORMATS, CliOption(OUTPUT, _formats_help, metavar="NAMES"))
+    overlay_size: int = option(2048, CliOption(OUTPUT, "overlay.png's longer side in pixels (default 2048)"))
+    # warn: log it and list it in the summary; fail: the slide fails
+    on_damaged_tile: str = option(
+        "warn",
+        CliOption(
+            DAMAGE,
+            "a stored tile that decodes with corrupt data: warn (default; logged and listed in "
+            "summary.json) or fail the slide",
+        ),
+        DAMAGED_TILE_CHOICES,
+    )
     # Modules that register decoders, formats or slide readers when imported (wsi_pipeline.plugins):
     # imported here and in every process the run starts, with the installed packages' entry points.
-    plugins: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = option(
+        (),
+        CliOption(
+            BATCH,
+            "a module that registers decoders, output formats or slide readers when imported, "
+            "imported here and in every process of the run (repeatable; added to the config file's plugins)",
+            metavar="MODULE",
+            flag="--plugin",
+            append=True,
+        ),
+    )
+    dask: str | None = option(
+        None, CliOption(BATCH, "run slides on a dask cluster: local:N or a scheduler address", metavar="ADDRESS")
+    )
+    # Wall-clock limit of one slide in seconds; None: 1 h plus 1 h per GiB of slide file; 0: no limit.
+    slide_timeout: float | None = option(
+        None,
+        CliOption(
+            BATCH,
+            "stop a slide after this long and record it as failed (default: 1 h plus 1 h per GiB "
+            "of slide file; 0: no limit, slides run in this process)",
+            metavar="SECONDS",
+        ),
+    )
+    # Resume's fingerprint of a slide file: "sampled" (head, tail, 16 blocks; with its size, mtime and
+    # inode), or "full" (its whole content read: for slides that an archive restores with their mtimes).
+    slide_hash: str = option(
+        "sampled",
+        CliOption(
+            BATCH,
+            "how a rerun recognises an unchanged slide file: sampled (default: its size, modification "
+            "time, inode and 16 sampled blocks) or full (its whole content read, slower: for slides "
+            "restored from an archive with their modification times)",
+        ),
+        SLIDE_HASH_CHOICES,
+    )
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -114,24 +260,10 @@ class RunConfig:
             shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(str(found))} characters)"
             return ConfigError(f"{source}: {key}: expected {expected}, found {shown}")
 
-        if self.backend not in BACKEND_CHOICES:
-            raise bad("backend", f"one of {', '.join(BACKEND_CHOICES)}", self.backend)
-        if self.tissue not in TISSUE_CHOICES:
-            raise bad("tissue", f"one of {', '.join(TISSUE_CHOICES)}", self.tissue)
-        if self.merge not in MERGE_CHOICES:
-            raise bad("merge", f"one of {', '.join(MERGE_CHOICES)}", self.merge)
-        if self.blend not in BLEND_CHOICES:
-            raise bad("blend", f"one of {', '.join(BLEND_CHOICES)}", self.blend)
-        if self.decode not in DECODE_CHOICES:
-            raise bad("decode", f"one of {', '.join(DECODE_CHOICES)}", self.decode)
-        if self.slide_hash not in SLIDE_HASH_CHOICES:
-            raise bad("slide_hash", f"one of {', '.join(SLIDE_HASH_CHOICES)}", self.slide_hash)
-        if self.resample not in RESAMPLE_CHOICES:
-            raise bad("resample", f"one of {', '.join(RESAMPLE_CHOICES)}", self.resample)
-        if self.on_damaged_tile not in DAMAGED_TILE_CHOICES:
-            raise bad("on_damaged_tile", f"one of {', '.join(DAMAGED_TILE_CHOICES)}", self.on_damaged_tile)
-        if self.nms_metric not in ("iou", "ios"):
-            raise bad("nms_metric", "iou or ios", self.nms_metric)
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise bad(f.name, f"one of {', '.join(choices)}", getattr(self, f.name))
         if self.tile is not None and self.tile < 16:
             raise bad("tile", "at least 16 pixels", self.tile)
         if self.overlap < 0:

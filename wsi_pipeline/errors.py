@@ -11,6 +11,11 @@ import os
 from collections.abc import Sequence
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what a scheduler sends to stop a job), handled as Ctrl-C is: the slide under way is
+    marked interrupted, its partial folder removed, the child processes ended."""
+
+
 class WSIPipelineError(Exception):
     """Base class of every error the pipeline raises on bad input or state."""
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .config import RunConfig
 from .inference.card_spec import ModelCard
+from .inference.choice import even_batches, fixed_batches
 from .inference.executor import Executor
 from .inference.service import TileService
 from .io.detections import make_detections
@@ -258,15 +259,22 @@ class SlideRunner:
 
     def _infer_array(self, slide: Slide, tiles: list[Tile], stitcher: Stitcher, report: Progress | None) -> None:
         size = self.parts.card.input.size_hw[0]
-        chunk = self.parts.batch_size
+        streams = self.parts.executor.streams
+        # A batch size given is kept; the CPU's default shares the tiles evenly among the sessions.
+        chosen = self.parts.config.batch_size is not None or self.parts.executor.is_cuda
+        batch = self.parts.batch_size
+        chunks = fixed_batches(len(tiles), batch) if chosen else even_batches(len(tiles), batch, streams)
         pending: list[tuple[list[Tile], Any]] = []
-        max_pending = self.parts.executor.streams + 1
-        for start in range(0, len(tiles), chunk):
-            part = tiles[start : start + chunk]
+        max_pending = streams + 1
+        start = 0
+        for n in chunks:
+            part = tiles[start : start + n]
+            start += n
             images = np.empty((len(part), size, size, 3), np.uint8)
             for i, t in enumerate(part):
                 read_tile(slide, t, images[i])
-            pending.append((part, self.parts.service.submit(images)))
+            # The default's batches are each run alone: merged with the next they would undo the split.
+            pending.append((part, self.parts.service.submit(images, batch=None if chosen else n)))
             while len(pending) >= max_pending:
                 self._drain_one(pending, stitcher, report)
         while pending:

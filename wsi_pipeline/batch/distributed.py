@@ -11,7 +11,7 @@ slides and the output folder are paths.
 
 Each worker process runs its slides as a local run does: in a child process
 that builds the pipeline once (the first task it runs) and keeps it for the
-tasks after, each slide under its time limit (:mod:`.slide_worker`); a task
+tasks after, each slide under its time limit (:mod:`.slide_runners`); a task
 writes the slide's folder exactly as a local run does
 (:func:`~.jobs.process_slide`), and the client records each outcome in the
 manifest as it arrives.
@@ -32,7 +32,7 @@ from ..errors import UsageError
 from ..inference.choice import default_reader_workers
 from .jobs import PipelineFactory, SlideOutcome
 from .resume import RunKey
-from .slide_worker import make_runner, slide_time_limit
+from .slide_runners import make_runner, slide_time_limit
 
 log = logging.getLogger("wsi_pipeline")
 

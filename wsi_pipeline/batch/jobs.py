@@ -4,7 +4,7 @@
 process, a Dask worker); :func:`process_slide` (or :func:`start_slide` and
 :meth:`StartedSlide.finish`) runs one slide into its folder, atomically;
 :class:`SlideOutcome` is one slide's result as the batch records it. Kept
-apart from :mod:`.runner` so that the runners (:mod:`.slide_worker`,
+apart from :mod:`.runner` so that the runners (:mod:`.slide_runners`,
 :mod:`.distributed`) need not import the batch itself.
 """
 

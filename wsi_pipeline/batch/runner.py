@@ -8,7 +8,7 @@ A slide is processed into ``DIR/slides/.<name>.partial-<pid>-<n>/`` and that
 folder is renamed to ``DIR/slides/<name>/`` only when every file is written,
 so a folder with a slide's name is always complete; a killed run leaves only a
 ``.partial`` folder, removed by the next run. Slides run in a child process,
-each under a wall-clock limit (:mod:`.slide_worker`). A slide counts as done
+each under a wall-clock limit (:mod:`.slide_runners`). A slide counts as done
 when its folder's ``summary.json`` carries the current run key (settings,
 model card, model, mask: :class:`.resume.RunKey`) and its slide file's
 identity: a rerun skips it (``force`` redoes it); otherwise it is redone and
@@ -24,11 +24,8 @@ import contextlib
 import csv
 import glob
 import itertools
-import json
 import logging
 import os
-import threading
-import time
 import unicodedata
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
@@ -36,19 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from ..errors import SpecialFileError, UsageError
+from ..errors import UsageError
 from ..file_identity import input_identity
 from ..inference.card_spec import ModelCard
-from ..io.atomic import write_json
 from ..remote.address import RemoteAddress, is_remote
 from ..slide.readers import lists_slide
-from ..special_files import link_loops, open_regular, special_kind
+from ..special_files import link_loops, special_kind
 from ..summary import read_summary
 from ..text_escapes import printable
 from .dicom_series import one_file_per_dicom_series
 from .folder import (
-    MANIFEST,
-    SLIDES_DIR,
     OutputFolderError,
     clean_leftovers,
     held_names,
@@ -58,14 +52,16 @@ from .folder import (
     slides_dir,
 )
 from .jobs import SlideOutcome, path_record
+from .manifest import Manifest, now
 from .resume import RunKey, why_redo
-from .slide_worker import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
+from .slide_runners import PLAN_AHEAD, RUN_AHEAD, make_runner, slide_time_limit
+from .stops import SetUp, record_interrupted, record_stop_in_set_up
 
 log = logging.getLogger("wsi_pipeline")
 
 LIST_EXTENSIONS = (".txt", ".csv")
 _counter = itertools.count()
-__all__ = ["BatchReport", "Manifest", "expand_inputs", "run_batch", "run_key"]
+__all__ = ["BatchReport", "expand_inputs", "run_batch", "run_key"]
 
 
 # -- inputs ---------------------------------------------------------------------
@@ -218,98 +214,6 @@ def resume_state(folder: Path, key: RunKey, path: str | os.PathLike[str]) -> tup
     return summary, why_redo(summary, key, input_identity(path, key.slide_hash), missing)
 
 
-# -- manifest -------------------------------------------------------------------
-
-
-class Manifest:
-    """``DIR/manifest.json``: one record per slide name, saved atomically on every change.
-
-    A failed save raises :class:`OutputFolderError`: the batch can no longer
-    record what it does, so it stops.
-    """
-
-    def __init__(self, out_dir: Path):
-        self.path = out_dir / MANIFEST
-        self._lock = threading.Lock()
-        self.slides: dict[str, dict[str, Any]] = {}
-        if not os.path.lexists(self.path):
-            return
-        try:
-            doc = _read_manifest(self.path)
-        except _DamagedManifest as exc:
-            aside = _set_aside(self.path)
-            kept = f"set aside as {aside.name}" if aside else "left as it is (it could not be moved aside)"
-            log.warning("%s: %s; %s, a new manifest is started (finished slide folders are kept)", self.path, exc, kept)
-            return
-        self.slides = doc["slides"]
-        if doc.get("format") == 1:
-            log.warning(
-                "%s: written by an older version, whose slide folders (DIR/<name>/) are not "
-                "reused; slides now go to DIR/%s/<name>/",
-                self.path,
-                SLIDES_DIR,
-            )
-
-    def update(self, name: str, **fields: Any) -> None:
-        self.update_records({name: fields})
-
-    def update_records(self, records: dict[str, dict[str, Any]]) -> None:
-        """Update several slides' records in one save."""
-        with self._lock:
-            for name, fields in records.items():
-                self.slides.setdefault(name, {}).update(fields)
-            try:
-                write_json(self.path, {"format": 2, "updated": _now(), "slides": self.slides})
-            except OSError as exc:
-                raise OutputFolderError(
-                    f"{self.path}: cannot record the batch's progress ({exc.strerror or exc}); the run stops. "
-                    "Finished slides are kept: free space or fix the folder, then run again"
-                ) from None
-
-
-class _DamagedManifest(Exception):
-    """Why a manifest cannot be read as one (its text says what was expected and what was found)."""
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest at ``path`` as ``{"format": ..., "slides": {name: record}}``, every record an object;
-    :class:`_DamagedManifest` saying what is wrong otherwise. A link or special file is not read."""
-    try:
-        with open_regular(path, "r", follow_links=False, encoding="utf-8") as f:
-            doc = json.load(f)
-    except SpecialFileError as exc:
-        raise _DamagedManifest(f"{exc.kind}, not a regular file") from None
-    except OSError as exc:
-        raise _DamagedManifest(f"unreadable ({exc.strerror or exc})") from None
-    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested past the parser's depth
-        raise _DamagedManifest(f"not JSON ({type(exc).__name__}: {exc})") from None
-    if not isinstance(doc, dict):
-        raise _DamagedManifest(f"expected a JSON object, found {type(doc).__name__}")
-    slides = doc.get("slides", {})
-    if not isinstance(slides, dict):
-        raise _DamagedManifest(f'expected "slides" to be an object of records by name, found {type(slides).__name__}')
-    bad = next((name for name, record in slides.items() if not isinstance(record, dict)), None)
-    if bad is not None:
-        found = type(slides[bad]).__name__
-        raise _DamagedManifest(f'expected the record of slide "{bad}" to be an object, found {found}')
-    return {**doc, "slides": slides}
-
-
-def _set_aside(path: Path) -> Path | None:
-    """Rename a damaged manifest to ``manifest.damaged-<time>.json`` beside it (kept for whoever looks
-    into it, out of the run's way); None where it cannot be renamed."""
-    aside = path.with_name(f"{path.stem}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}{path.suffix}")
-    try:
-        os.replace(path, aside)
-    except OSError:
-        return None
-    return aside
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
-
-
 # -- the batch ------------------------------------------------------------------
 
 
@@ -412,7 +316,7 @@ def run_batch(
 
     ``pipeline_factory`` builds the pipeline (once, and only when a slide
     needs running) in the process that runs the slides: a child process
-    (:mod:`.slide_worker`; the factory must then be picklable, as
+    (:mod:`.slide_runners`; the factory must then be picklable, as
     :class:`PipelineFactory` is), or this one with ``config.slide_timeout =
     0``. With ``dask`` the slides run as tasks on a cluster instead
     (:mod:`.distributed`), each worker building its own pipeline from
@@ -426,17 +330,14 @@ def run_batch(
 
         check_address(dask)
     with lock_output_folder(out):
-        _make_slides_folder(out)
-        clean_leftovers(out)
-        manifest = Manifest(out)
-        # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
-        names = output_names(slides, held_names(out, manifest.slides))
-        todo, done = plan(slides, out, key, force, names, manifest.slides)
+        setup = SetUp()
+        try:
+            names, todo, done = _set_up(slides, out, pipeline_factory, config, key, force, progress, dask, setup)
+        except KeyboardInterrupt as stop:
+            record_stop_in_set_up(out, setup, stop)
+            raise
+        manifest, runner = setup.manifest, setup.runner
         outcomes: dict[str, SlideOutcome] = {o.name: o for o in done}
-        for o in done:
-            log.info("%s: already done with these settings, skipped", o.path)
-        runner = _start_runner(pipeline_factory, config, progress) if todo and not dask else None
-        _record_planned(manifest, key, done, todo)
 
         def record(o: SlideOutcome) -> None:
             outcomes[o.name] = o
@@ -445,11 +346,11 @@ def run_batch(
                 on_outcome(o)
 
         bar = None
-        if progress and todo:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
         try:
+            if progress and todo:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(todo), desc="slides", unit="slide", position=0)
             results = _slide_outcomes(todo, out, runner, config, key, manifest, dask)
             with contextlib.closing(results):  # a stop ends the slide runner too
                 for o in results:
@@ -457,7 +358,7 @@ def run_batch(
                     if bar is not None:
                         bar.update(1)
         except KeyboardInterrupt as stop:
-            _record_interrupted(manifest, todo, outcomes, dask, stop)
+            record_interrupted(manifest, todo, outcomes, dask, stop)
             raise
         finally:
             if bar is not None:
@@ -470,6 +371,36 @@ def run_batch(
         clean_leftovers(out)
     order = names
     return BatchReport([outcomes[n] for n in order if n in outcomes], out)
+
+
+def _set_up(
+    slides: list[Path],
+    out: Path,
+    pipeline_factory: Callable[[], Any],
+    config: RunConfig,
+    key: RunKey,
+    force: bool,
+    progress: bool,
+    dask: str | None,
+    setup: SetUp,
+) -> tuple[list[str], list[tuple[Path, str]], list[SlideOutcome]]:
+    """The steps before the first slide, each named in ``setup`` as it runs: (the slides' names,
+    those to run, those done); ``setup`` holds the manifest and the slide runner started."""
+    _make_slides_folder(out)
+    clean_leftovers(out)
+    setup.manifest = manifest = Manifest(out)
+    setup.step = "planning: which slides are done"
+    # Names earlier runs gave stay theirs: a slide of the same stem gets another one.
+    names = output_names(slides, held_names(out, manifest.slides))
+    todo, done = plan(slides, out, key, force, names, manifest.slides)
+    for o in done:
+        log.info("%s: already done with these settings, skipped", o.path)
+    if todo and not dask:
+        setup.step = "starting the slide process"
+        setup.runner = _start_runner(pipeline_factory, config, progress)
+    setup.step = "recording the plan"
+    _record_planned(manifest, key, done, todo)
+    return names, todo, done
 
 
 def _make_slides_folder(out: Path) -> None:
@@ -517,7 +448,7 @@ def _record_outcome(manifest: Manifest, key: RunKey, o: SlideOutcome) -> None:
         log.error("%s: failed: %s", o.path, o.error)
     else:
         log.info("%s", o.describe())
-    manifest.update(o.name, **o.as_record(), run_key=key.value, finished=_now())
+    manifest.update(o.name, **o.as_record(), run_key=key.value, finished=now())
 
 
 def _slide_outcomes(
@@ -537,29 +468,6 @@ def _slide_outcomes(
     return _run_local(todo, out, runner, config, key, manifest)
 
 
-def _record_interrupted(
-    manifest: Manifest,
-    todo: list[tuple[Path, str]],
-    outcomes: dict[str, SlideOutcome],
-    dask: str | None,
-    stop: KeyboardInterrupt,
-) -> None:
-    """Mark the slides stopped by Ctrl-C or SIGTERM as interrupted, and log the stop: which signal,
-    when, and the slides it stopped (a log that just ends would not say why)."""
-    from ..cli import Terminated  # the command line turns SIGTERM into it
-
-    signal_name = "SIGTERM" if isinstance(stop, Terminated) else "SIGINT (Ctrl-C)"
-    # Local slides run one at a time ("running"); on a cluster every unfinished one is under way.
-    stopped = [
-        (p, n) for p, n in todo if n not in outcomes and (dask or manifest.slides.get(n, {}).get("status") == "running")
-    ]
-    now = _now()
-    shown = ", ".join(str(p) for p, _ in stopped) or "no slide under way"
-    log.warning("run stopped by %s at %s, while running %s: marked interrupted", signal_name, now, shown)
-    records = {n: {"status": "interrupted", "finished": now, "stopped_by": signal_name} for _, n in stopped}
-    manifest.update_records(records)
-
-
 def _run_local(
     todo: list[tuple[Path, str]], out: Path, runner: Any, config: RunConfig, key: RunKey, manifest: Manifest
 ) -> Generator[SlideOutcome, None, None]:
@@ -568,7 +476,7 @@ def _run_local(
     try:
         for i, (path, name) in enumerate(todo, 1):
             runner.prepare()  # the model loads before the slide counts as running, and outside its limit
-            manifest.update(name, status="running", started=_now())
+            manifest.update(name, status="running", started=now())
             log.info("%s: started (%d of %d)", path, i, len(todo))
             next_slides = todo[i : i + RUN_AHEAD + PLAN_AHEAD]
             yield runner.run(path, name, out, key, slide_time_limit(config, path), next_slides=next_slides)

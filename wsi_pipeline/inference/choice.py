@@ -47,6 +47,26 @@ def default_batch_size(card: ModelCard, on_cuda: bool) -> int:
     return max(1, min(MAX_GPU_BATCH, n))
 
 
+def fixed_batches(tiles: int, batch_size: int) -> list[int]:
+    """The sizes of ``tiles`` cut into batches of ``batch_size``, the last one what is left."""
+    full, rest = divmod(tiles, batch_size)
+    return [batch_size] * full + ([rest] if rest else [])
+
+
+def even_batches(tiles: int, batch_size: int, sessions: int) -> list[int]:
+    """The sizes of ``tiles`` cut for ``sessions`` CPU sessions: whole rounds of one batch per
+    session, as few as batches of at most ``batch_size`` allow, the tiles shared evenly.
+
+    Cut by ``batch_size`` alone, a frame of 9 tiles is a batch of 8 on one session and 1 on the
+    other, which waits: 0.169 s for a 1,024 px frame on 2 cores against 0.100 s as 5 and 4
+    (benchmarks/bench_qc_latency.py)."""
+    if tiles <= 0:
+        return []
+    batches = min(tiles, sessions * -(-tiles // (sessions * batch_size)))
+    size, extra = divmod(tiles, batches)
+    return [size + 1] * extra + [size] * (batches - extra)
+
+
 def default_reader_workers(cores: int) -> int:
     """Tile reader threads for ``cores`` CPU cores: all but two (left to the executor and the
     consumer), between 2 and 4. The readers share the GIL with the executor's and the stitcher's
@@ -85,4 +105,12 @@ def make_executor(
     raise BackendUnavailableError(f"no backend could run {card.name}: {last}")
 
 
-__all__ = ["AUTO_ORDER", "CPU_BATCH_SIZE", "default_batch_size", "default_reader_workers", "make_executor"]
+__all__ = [
+    "AUTO_ORDER",
+    "CPU_BATCH_SIZE",
+    "default_batch_size",
+    "default_reader_workers",
+    "even_batches",
+    "fixed_batches",
+    "make_executor",
+]

@@ -27,10 +27,12 @@ InferFn = Callable[[np.ndarray], list[TileDetections]]
 
 
 class _Request:
-    __slots__ = ("tiles", "future", "results", "done", "tile_ids")
+    __slots__ = ("tiles", "future", "results", "done", "tile_ids", "batch", "caller")
 
-    def __init__(self, tiles: np.ndarray, tile_ids: list[int] | None):
+    def __init__(self, tiles: np.ndarray, tile_ids: list[int] | None, batch: int | None):
         self.tiles = tiles
+        self.batch = batch
+        self.caller = threading.get_ident()
         self.future: Future = Future()
         self.results: list[TileDetections | None] = [None] * len(tiles)
         self.done = 0
@@ -57,15 +59,18 @@ class TileService:
         for t in self._threads:
             t.start()
 
-    def submit(self, tiles: np.ndarray, tile_ids: list[int] | None = None) -> Future:
+    def submit(self, tiles: np.ndarray, tile_ids: list[int] | None = None, batch: int | None = None) -> Future:
         """Queue ``tiles`` (copied: the caller may reuse its buffer at once).
 
-        The future's result is a list of one :class:`TileDetections` per tile.
+        The future's result is a list of one :class:`TileDetections` per tile. ``batch``: while no
+        other thread's tiles are queued, the batch these start holds this many (default
+        ``max_batch``): with ``batch=len(tiles)`` a caller's requests run as it cut them, none
+        waiting to be filled up by the next. Other callers' tiles queued meanwhile share batches.
         """
         tiles = np.array(tiles, dtype=np.uint8, copy=True, order="C")
         if tiles.ndim != 4 or tiles.shape[-1] != 3:
             raise ValueError(f"expected N x H x W x 3 uint8 tiles, found shape {tiles.shape}")
-        req = _Request(tiles, tile_ids)
+        req = _Request(tiles, tile_ids, batch)
         if len(tiles) == 0:
             req.future.set_result([])
             return req.future
@@ -89,10 +94,11 @@ class TileService:
                 if not self._queue:
                     return None
                 # Let a partial batch fill for a moment: other callers may be about to submit.
+                target = self._batch_target()
                 queued = sum(len(r.tiles) - s for r, s in self._queue)
-                if queued < self.max_batch and self.max_wait_s > 0:
+                if queued < target and self.max_wait_s > 0:
                     deadline = time.monotonic() + self.max_wait_s
-                    while self._queue and sum(len(r.tiles) - s for r, s in self._queue) < self.max_batch:
+                    while self._queue and sum(len(r.tiles) - s for r, s in self._queue) < self._batch_target():
                         left = deadline - time.monotonic()
                         if left <= 0 or self._closed:
                             break
@@ -100,7 +106,7 @@ class TileService:
                 if self._queue:  # another worker may have taken everything meanwhile
                     break
             parts: list[tuple[_Request, int, int]] = []
-            room = self.max_batch
+            room = self._batch_target()
             while self._queue and room:
                 req, start = self._queue.popleft()
                 stop = min(len(req.tiles), start + room)
@@ -109,6 +115,14 @@ class TileService:
                 if stop < len(req.tiles):
                     self._queue.appendleft((req, stop))
             return parts
+
+    def _batch_target(self) -> int:
+        """The size of the next batch: the first queued request's ``batch`` while one thread's
+        requests alone are queued, else ``max_batch`` (callers share batches)."""
+        head = self._queue[0][0] if self._queue else None
+        if head is None or head.batch is None or any(r.caller != head.caller for r, _ in self._queue):
+            return self.max_batch
+        return max(1, min(self.max_batch, head.batch))
 
     def _work(self) -> None:
         while True:
