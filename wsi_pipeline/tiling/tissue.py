@@ -214,7 +214,7 @@ def tissue_mask(
     start, decoded_before = time.perf_counter(), slide.decoded_tile_count()
     side = thumbnail_side(slide, thumbnail_size)
     # Decoded reduced where a level much larger than the thumbnail is read (a slide of one stored
-    # level, say): an eighth of the pixels decoded, not a whole level at full size on the CPU.
+    # level, say): each stored tile decoded at 1/2 to 1/8 a side, not the whole level at full size.
     thumb = slide.get_thumbnail((side, side), reduced=True)
     th, tw = thumb.shape[:2]
     sat = _saturation(thumb)  # once, for both the mask and the content fraction
